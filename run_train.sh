@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Launch training on this machine.
+#   NGPU=4 ./run_train.sh --parallelism.data_parallel_shard_degree 2 [more --section.field overrides]
+# Environment:
+#   NGPU       ranks to start (default: number of visible GPUs, else 1)
+#   LOG_RANK   ranks whose console output is shown, e.g. 0 or 0,1 (default 0)
+#   MODULE     model module (default llama3)
+#   CONFIG     named config of that module's config_registry (default llama3_debugmodel)
+#   COMM_MODE  empty for real collectives; fake_backend / local_tensor are debugging modes
+#   PYTHON     interpreter (default: .venv/bin/python if present, else python3)
+set -euo pipefail
+cd "$(dirname "$0")"
+
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+if [ -z "${NGPU:-}" ]; then
+  NGPU=$("$PYTHON" - <<'PY' 2>/dev/null || echo 1
+import os, subprocess
+try:
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    print(max(1, sum(line.startswith("GPU") for line in out.splitlines())))
+except Exception:
+    print(1)
+PY
+)
+fi
+LOG_RANK=${LOG_RANK:-0}
+MODULE=${MODULE:-llama3}
+CONFIG=${CONFIG:-llama3_debugmodel}
+COMM_MODE=${COMM_MODE:-}
+
+if [ -n "$COMM_MODE" ]; then
+  echo "COMM_MODE=$COMM_MODE is not implemented yet (see docs/debugging.md); unset it to train." >&2
+  exit 2
+fi
+
+# Resolve and validate the config in one light process (no torch import) before starting ranks,
+# so a typo gives one clear line instead of one error per rank.
+WORLD_SIZE=$NGPU "$PYTHON" -m torchtitan.config.manager --check --module "$MODULE" --config "$CONFIG" "$@"
+
+# Overrides are passed as separate, quoted words: values with spaces survive.
+exec "$PYTHON" -m torch.distributed.run \
+  --nproc_per_node="$NGPU" \
+  --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+  -m torchtitan.train --module "$MODULE" --config "$CONFIG" "$@"

@@ -1,0 +1,147 @@
+"""Download the real Llama 3 tokenizer from the Hugging Face hub (needs network and, for the gated
+meta-llama repos, an access token with the licence accepted on the repo's page).
+
+Usage:
+    python scripts/download_hf_assets.py --repo_id meta-llama/Llama-3.1-8B --assets tokenizer \\
+        [--local_dir assets/hf/Llama-3.1-8B] [--hf_token hf_...]
+
+The token may also come from the HF_TOKEN environment variable. At the end the script prints the
+`--model.tokenizer_path` flag that points training at the downloaded files. Tests never run this;
+they use the small tokenizer bundled in tests/assets/tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Files per asset kind: (path in the hub repo, required). `original/tokenizer.model` is the
+# tiktoken ranks file that torchtitan reads; the JSON files are kept for tools that want them.
+ASSET_FILES: dict[str, tuple[tuple[str, bool], ...]] = {
+    "tokenizer": (
+        ("original/tokenizer.model", True),
+        ("tokenizer.json", False),
+        ("tokenizer_config.json", False),
+    ),
+}
+
+
+class DownloadError(RuntimeError):
+    """A download failed for a reason the user can fix; the message says how."""
+
+
+def _download_file(repo_id: str, filename: str, local_dir: Path, token: str | None) -> Path | None:
+    """Download one file into `local_dir`; None if the repo has no such file."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    try:
+        return Path(hf_hub_download(repo_id, filename, local_dir=local_dir, token=token))
+    except GatedRepoError:
+        hint = (
+            "your token has no access: accept the licence on the repo's page and retry"
+            if token
+            else "pass --hf_token or set HF_TOKEN to a token whose account accepted its licence"
+        )
+        raise DownloadError(f"--repo_id={repo_id} is gated; {hint}") from None
+    except RepositoryNotFoundError:
+        raise DownloadError(
+            f"--repo_id={repo_id} not found (or private and the token cannot see it); check the "
+            "name, e.g. meta-llama/Llama-3.1-8B, and --hf_token / HF_TOKEN"
+        ) from None
+    except LocalEntryNotFoundError:
+        # Raised when the hub cannot be reached and the file is not in the local cache.
+        raise DownloadError(
+            f"could not reach the Hugging Face hub to fetch {repo_id}/{filename}; check the "
+            "network (HF_HUB_OFFLINE must be unset), or copy tokenizer.model by hand and pass "
+            "its path as --model.tokenizer_path"
+        ) from None
+    except EntryNotFoundError:
+        return None
+    except HfHubHTTPError as e:
+        raise DownloadError(f"downloading {repo_id}/{filename} failed: {e}") from None
+
+
+def download_assets(
+    repo_id: str, assets: list[str], local_dir: Path, token: str | None
+) -> list[Path]:
+    """Download the files of each asset kind in `assets` into `local_dir`, keeping the hub's
+    layout (so the Llama 3 ranks file lands in `<local_dir>/original/tokenizer.model`)."""
+    downloaded: list[Path] = []
+    for asset in assets:
+        for filename, required in ASSET_FILES[asset]:
+            path = _download_file(repo_id, filename, local_dir, token)
+            if path is None and required:
+                raise DownloadError(
+                    f"--repo_id={repo_id} has no {filename}; use a Llama 3 repo that ships the "
+                    "original tiktoken tokenizer, e.g. meta-llama/Llama-3.1-8B"
+                )
+            if path is None:
+                print(f"  {filename}: not in {repo_id}, skipped")
+            else:
+                print(f"  {filename} -> {path}")
+                downloaded.append(path)
+    return downloaded
+
+
+def _display_path(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description="Download Llama 3 assets (the tokenizer) from the Hugging Face hub."
+    )
+    parser.add_argument(
+        "--repo_id", default="meta-llama/Llama-3.1-8B", help="hub repository, owner/name"
+    )
+    parser.add_argument(
+        "--assets",
+        nargs="+",
+        choices=sorted(ASSET_FILES),
+        default=["tokenizer"],
+        help="what to download (only the tokenizer for now)",
+    )
+    parser.add_argument(
+        "--local_dir",
+        type=Path,
+        default=None,
+        help="where to put the files (default: assets/hf/<repo name> in the repo root)",
+    )
+    parser.add_argument(
+        "--hf_token",
+        default=None,
+        help="Hugging Face access token (default: the HF_TOKEN environment variable)",
+    )
+    args = parser.parse_args(argv)
+
+    try:
+        import huggingface_hub  # noqa: F401
+    except ImportError:
+        sys.exit("huggingface_hub is not installed; install it with `pip install huggingface_hub`")
+
+    local_dir = args.local_dir or REPO_ROOT / "assets" / "hf" / args.repo_id.split("/")[-1]
+    token = args.hf_token or os.environ.get("HF_TOKEN") or None
+    print(f"downloading {', '.join(args.assets)} of {args.repo_id} into {local_dir}")
+    try:
+        download_assets(args.repo_id, args.assets, local_dir, token)
+    except DownloadError as e:
+        sys.exit(f"error: {e}")
+    print(f"done; train with --model.tokenizer_path={_display_path(local_dir)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""Datasets and the data-parallel-aware, resumable dataloader.
+
+Documents are read through Hugging Face ``datasets`` (hub datasets streamed, local files
+memory-mapped), each data-parallel rank keeps a disjoint shard (``split_dataset_by_node``),
+every document is tokenized with BOS/EOS and the token stream is cut into windows of
+``seq_len + 1`` tokens (inputs are the first ``seq_len``, labels the last ``seq_len``).
+``state_dict()`` captures the exact read position, including tokens of a partly used document.
+"""
+
+import dataclasses
+import glob
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import datasets
+import torch
+from datasets.distributed import split_dataset_by_node
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from torchtitan.tools.logging import logger
+from torchtitan.tools.paths import resolve_path
+
+HFDataset = datasets.Dataset | datasets.IterableDataset
+
+# Progress bars from every rank garble the console; the trainer logs what it opens.
+datasets.disable_progress_bars()
+# torchdata 0.11 calls a deprecated torch API on every loader construction; nothing to act on.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+    """Where a named dataset lives and how to open it."""
+
+    path: str | None
+    """Hub id or local path; ``--training.dataset_path`` overrides it."""
+    loader: Callable[[str], HFDataset]
+    text_key: str = "text"
+
+
+def _load_c4(split: str) -> Callable[[str], HFDataset]:
+    def load(path: str) -> HFDataset:
+        # Streaming: C4 is ~300 GB; nothing is downloaded ahead of use.
+        return datasets.load_dataset(path, name="en", split=split, streaming=True)
+
+    return load
+
+
+_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+def load_files(path: str) -> datasets.Dataset:
+    """Open json/jsonl/parquet/txt files: one file, a glob, or a folder of one format."""
+    resolved = resolve_path(path)
+    if resolved.is_dir():
+        files = sorted(p for p in resolved.rglob("*") if _file_format(p) is not None)
+    else:
+        files = sorted(Path(p) for p in glob.glob(str(resolved)))
+    if not files:
+        raise FileNotFoundError(
+            f"--training.dataset_path {path}: no .json/.jsonl/.parquet/.txt files found there"
+        )
+    formats = {_file_format(f) for f in files}
+    if len(formats) != 1 or None in formats:
+        raise ValueError(
+            f"--training.dataset_path {path} mixes or has unknown file types "
+            f"({sorted(str(f) for f in formats)}); use one of {sorted(_FORMATS)}"
+        )
+    fmt = formats.pop()
+    # A .txt file becomes one document per paragraph (blank-line separated).
+    extra = {"sample_by": "paragraph"} if fmt == "text" else {}
+    return datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train", **extra)
+
+
+def _file_format(path: Path) -> str | None:
+    suffixes = path.suffixes
+    if suffixes and suffixes[-1] in (".gz", ".zst", ".bz2", ".xz"):
+        suffixes = suffixes[:-1]
+    return _FORMATS.get(suffixes[-1]) if suffixes else None
+
+
+DATASETS: dict[str, DatasetSpec] = {
+    "python_docs": DatasetSpec(path="tests/assets/corpus/train.jsonl", loader=load_files),
+    "python_docs_validation": DatasetSpec(
+        path="tests/assets/corpus/validation.jsonl", loader=load_files
+    ),
+    "c4": DatasetSpec(path="allenai/c4", loader=_load_c4("train")),
+    "c4_validation": DatasetSpec(path="allenai/c4", loader=_load_c4("validation")),
+    "files": DatasetSpec(path=None, loader=load_files),
+}
+
+
+def open_dataset(name: str, path: str | None) -> tuple[HFDataset, str]:
+    """Open a registered dataset (``path`` overrides its location); return it and its text key."""
+    if name not in DATASETS:
+        raise ValueError(
+            f"--training.dataset {name} is not registered; choose one of {', '.join(DATASETS)}"
+        )
+    spec = DATASETS[name]
+    path = path or spec.path
+    if path is None:
+        raise ValueError(f"--training.dataset {name} needs --training.dataset_path")
+    logger.info(f"Opening dataset {name} from {path}")
+    return spec.loader(path), spec.text_key
+
+
+class TextDataset(IterableDataset, Stateful):
+    """Packs tokenized documents of one data-parallel shard into ``seq_len + 1`` windows.
+
+    Yields ``({"input": LongTensor[seq_len]}, labels: LongTensor[seq_len])``. With
+    ``infinite=True`` it starts a new epoch over its shard when it runs out.
+    """
+
+    def __init__(
+        self,
+        data: HFDataset,
+        *,
+        name: str,
+        tokenizer: Tokenizer,
+        seq_len: int,
+        dp_rank: int = 0,
+        dp_world_size: int = 1,
+        infinite: bool = True,
+        text_key: str = "text",
+    ):
+        self.name = name
+        self._data = split_dataset_by_node(data, rank=dp_rank, world_size=dp_world_size)
+        self._tokenizer = tokenizer
+        self._seq_len = seq_len
+        self._infinite = infinite
+        self._text_key = text_key
+        self._epoch = 0
+        self._sample_idx = 0  # documents consumed in this epoch (map-style datasets)
+        self._token_buffer: list[int] = []
+        if isinstance(self._data, datasets.IterableDataset):
+            # Where a stream starts; a new epoch rewinds to it.
+            self._stream_start = self._data.state_dict()
+
+    def _documents(self) -> Iterator[dict[str, Any]]:
+        if isinstance(self._data, datasets.Dataset):
+            for i in range(self._sample_idx, len(self._data)):
+                yield self._data[i]
+        else:
+            yield from self._data
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        window = self._seq_len + 1
+        while True:
+            for document in self._documents():
+                text = document[self._text_key]
+                self._token_buffer.extend(self._tokenizer.encode(text, add_bos=True, add_eos=True))
+                self._sample_idx += 1
+                while len(self._token_buffer) >= window:
+                    tokens = torch.tensor(self._token_buffer[:window], dtype=torch.long)
+                    self._token_buffer = self._token_buffer[window:]
+                    yield {"input": tokens[:-1]}, tokens[1:]
+            if not self._infinite:
+                return
+            self._epoch += 1
+            self._sample_idx = 0
+            if isinstance(self._data, datasets.IterableDataset):
+                self._data.set_epoch(self._epoch)
+                self._data.load_state_dict(self._stream_start)
+            logger.warning(f"Dataset {self.name} is being re-looped: epoch {self._epoch}")
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {
+            "epoch": self._epoch,
+            "sample_idx": self._sample_idx,
+            "token_buffer": list(self._token_buffer),
+        }
+        if isinstance(self._data, datasets.IterableDataset):
+            state["stream"] = self._data.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._epoch = state["epoch"]
+        self._sample_idx = state["sample_idx"]
+        self._token_buffer = list(state["token_buffer"])
+        if isinstance(self._data, datasets.IterableDataset):
+            self._data.set_epoch(self._epoch)
+            self._data.load_state_dict(state["stream"])
+
+
+class ParallelAwareDataloader(StatefulDataLoader, Stateful):
+    """A ``StatefulDataLoader`` whose state is keyed by data-parallel rank.
+
+    A checkpoint holds one entry per DP rank; loading under a different DP degree is refused
+    (the shards would not line up), which ``--checkpoint.exclude_from_loading dataloader`` skips.
+    """
+
+    def __init__(
+        self,
+        dataset: IterableDataset,
+        *,
+        dp_rank: int,
+        dp_world_size: int,
+        batch_size: int,
+        num_workers: int = 0,
+    ):
+        super().__init__(dataset, batch_size=batch_size, num_workers=num_workers)
+        self.dp_rank = dp_rank
+        self.dp_world_size = dp_world_size
+        self._rank_key = f"dp_rank_{dp_rank}"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"dp_world_size": self.dp_world_size, self._rank_key: super().state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        saved = state_dict.get("dp_world_size")
+        if saved != self.dp_world_size:
+            raise ValueError(
+                f"dataloader state was saved with data-parallel degree {saved}, this run has "
+                f"{self.dp_world_size}; resume with the same degree or pass "
+                "--checkpoint.exclude_from_loading dataloader"
+            )
+        if self._rank_key not in state_dict:
+            raise ValueError(f"dataloader state has no entry for {self._rank_key}")
+        super().load_state_dict(state_dict[self._rank_key])
+
+
+def build_dataloader(
+    *,
+    dataset: str,
+    dataset_path: str | None,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_world_size: int,
+    infinite: bool = True,
+    num_workers: int = 0,
+) -> ParallelAwareDataloader:
+    """Open ``dataset`` and wrap this DP rank's shard in a resumable dataloader."""
+    data, text_key = open_dataset(dataset, dataset_path)
+    text = TextDataset(
+        data,
+        name=dataset,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        infinite=infinite,
+        text_key=text_key,
+    )
+    return ParallelAwareDataloader(
+        text,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        batch_size=local_batch_size,
+        num_workers=num_workers,
+    )

@@ -1,0 +1,214 @@
+"""The Llama 3 tokenizer: tiktoken byte-level BPE read from a `tokenizer.model` ranks file.
+
+A `tokenizer.model` file holds one line per mergeable token, ``<base64 of the token bytes> <rank>``,
+with ranks 0..N-1. The 256 Llama 3 special tokens are not in the file; they get the ids N..N+255.
+The same class reads the real Llama 3 file (N = 128000) and the small one this project trains
+with ``scripts/train_tokenizer.py`` (N = 1792), bundled at ``tests/assets/tokenizer``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import tiktoken
+
+__all__ = [
+    "DEFAULT_TOKENIZER_PATH",
+    "LLAMA3_NUM_RESERVED_SPECIAL_TOKENS",
+    "LLAMA3_SPLIT_PATTERN",
+    "Llama3Tokenizer",
+    "build_tokenizer",
+    "llama3_special_tokens",
+    "load_ranks",
+]
+
+# The pre-tokenizer regex of Llama 3: contractions, letter runs (with one leading non-letter),
+# digit groups of at most three, punctuation runs, newlines, and whitespace. BPE merges never
+# cross the boundaries of these pieces. Training (scripts/train_tokenizer.py) imports it from here.
+LLAMA3_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+    r"|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+"
+    r"|\s+(?!\S)"
+    r"|\s+"
+)
+
+LLAMA3_NUM_RESERVED_SPECIAL_TOKENS = 256
+
+# The named special tokens of Llama 3.1, in id order; reserved tokens fill the rest of the 256.
+_LLAMA3_NAMED_SPECIAL_TOKENS = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+)
+
+# tiktoken's regex and BPE slow down badly on huge inputs and on long runs that the split
+# pattern cannot break up, so encode() works on bounded pieces (the limits Llama 3 uses).
+_MAX_ENCODE_CHARS = 400_000
+_MAX_RUN_CHARS = 25_000
+_RUN_RE = re.compile(r"\s+|\S+")
+
+_TOKENIZER_FILENAME = "tokenizer.model"
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_TOKENIZER_PATH = _REPO_ROOT / "tests" / "assets" / "tokenizer" / _TOKENIZER_FILENAME
+
+
+def llama3_special_tokens(num_base_tokens: int) -> dict[str, int]:
+    """The 256 Llama 3 special tokens mapped to ids ``num_base_tokens .. num_base_tokens + 255``."""
+    num_reserved = LLAMA3_NUM_RESERVED_SPECIAL_TOKENS - len(_LLAMA3_NAMED_SPECIAL_TOKENS)
+    names = list(_LLAMA3_NAMED_SPECIAL_TOKENS)
+    names += [f"<|reserved_special_token_{2 + i}|>" for i in range(num_reserved)]
+    return {name: num_base_tokens + i for i, name in enumerate(names)}
+
+
+def load_ranks(model_path: str | os.PathLike) -> dict[bytes, int]:
+    """Read a `tokenizer.model` ranks file into ``{token bytes: rank}``.
+
+    This is the format `tiktoken.load.load_tiktoken_bpe` reads. We parse it here instead because
+    that function caches files by path in a temp directory and would return stale contents after
+    the file at a path changes (a retrained tokenizer, a reused tmp dir). Raises ValueError naming
+    the file and line for a malformed line, a duplicate token, or ranks that are not 0..N-1.
+    """
+    ranks: dict[bytes, int] = {}
+    with open(model_path, "rb") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            fields = line.split()
+            try:
+                if len(fields) != 2:
+                    raise ValueError("expected two fields")
+                token = base64.b64decode(fields[0], validate=True)
+                rank = int(fields[1])
+            except (ValueError, binascii.Error) as e:
+                raise ValueError(
+                    f"{model_path}, line {line_no}: malformed tokenizer line {line[:80]!r} ({e}); "
+                    "expected '<base64 token bytes> <rank>' as in a Llama 3 tokenizer.model"
+                ) from None
+            if token in ranks:
+                raise ValueError(
+                    f"{model_path}, line {line_no}: token {token!r} already has rank "
+                    f"{ranks[token]}; each token must appear once"
+                )
+            if rank != len(ranks):
+                raise ValueError(
+                    f"{model_path}, line {line_no}: rank {rank} out of order, expected "
+                    f"{len(ranks)}; ranks must be 0..N-1 in file order"
+                )
+            ranks[token] = rank
+    if not ranks:
+        raise ValueError(f"{model_path}: tokenizer file has no tokens")
+    return ranks
+
+
+def _bounded_pieces(text: str) -> Iterator[str]:
+    """Split `text` into consecutive pieces of at most 400k chars, none holding a run of more
+    than 25k whitespace or non-whitespace chars. The pieces concatenate back to `text`."""
+    for chunk_start in range(0, len(text), _MAX_ENCODE_CHARS):
+        chunk = text[chunk_start : chunk_start + _MAX_ENCODE_CHARS]
+        piece_start = 0
+        for run in _RUN_RE.finditer(chunk):
+            for cut in range(run.start() + _MAX_RUN_CHARS, run.end(), _MAX_RUN_CHARS):
+                yield chunk[piece_start:cut]
+                piece_start = cut
+        yield chunk[piece_start:]
+
+
+class Llama3Tokenizer:
+    """tiktoken BPE over a Llama 3 `tokenizer.model` file (base64 token + rank per line), with the
+    Llama 3 special tokens appended after the base ranks.
+
+    Args:
+        model_path: path of the `tokenizer.model` file itself (see `build_tokenizer` for
+            directories).
+    """
+
+    def __init__(self, model_path: str | os.PathLike):
+        self.model_path = Path(model_path)
+        mergeable_ranks = load_ranks(self.model_path)
+        self.num_base_tokens = len(mergeable_ranks)
+        self.special_tokens: dict[str, int] = llama3_special_tokens(self.num_base_tokens)
+        self.vocab_size: int = self.num_base_tokens + len(self.special_tokens)
+        self._model = tiktoken.Encoding(
+            name=self.model_path.name,
+            pat_str=LLAMA3_SPLIT_PATTERN,
+            mergeable_ranks=mergeable_ranks,
+            special_tokens=self.special_tokens,
+            explicit_n_vocab=self.vocab_size,
+        )
+        self.bos_id: int = self.special_tokens["<|begin_of_text|>"]
+        self.eos_id: int = self.special_tokens["<|end_of_text|>"]
+        self.pad_id: int = self.special_tokens["<|finetune_right_pad_id|>"]
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """Token ids of `text`, optionally framed by bos/eos.
+
+        Special-token strings inside `text` (such as ``<|eot_id|>``) are encoded as ordinary text,
+        so training data can never inject control tokens. Inputs of any length are accepted.
+        """
+        ids = [self.bos_id] if add_bos else []
+        for piece in _bounded_pieces(text):
+            ids.extend(self._model.encode(piece, allowed_special=set(), disallowed_special=()))
+        if add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of token `ids`; special ids decode to their names, invalid UTF-8 to U+FFFD."""
+        return self._model.decode(list(ids))
+
+    def __repr__(self) -> str:
+        return f"Llama3Tokenizer(model_path={str(self.model_path)!r}, vocab_size={self.vocab_size})"
+
+
+def _resolve_model_file(tokenizer_path: Path) -> Path | None:
+    if tokenizer_path.is_file():
+        return tokenizer_path
+    if tokenizer_path.is_dir():
+        for candidate in (
+            tokenizer_path / _TOKENIZER_FILENAME,
+            tokenizer_path / "original" / _TOKENIZER_FILENAME,  # the Hugging Face hub layout
+        ):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def build_tokenizer(tokenizer_path: str | os.PathLike) -> Llama3Tokenizer:
+    """Load the tokenizer named by ``--model.tokenizer_path``.
+
+    Args:
+        tokenizer_path: a `tokenizer.model` file, or a directory holding one directly or in
+            ``original/`` (the layout of a Hugging Face Llama 3 download).
+
+    Raises:
+        FileNotFoundError: no tokenizer file at or under `tokenizer_path`.
+        ValueError: the file is not a valid ranks file.
+    """
+    path = Path(tokenizer_path).expanduser()
+    model_file = _resolve_model_file(path)
+    if model_file is None:
+        tried = str(path)
+        if path.is_dir():
+            tried = f"{path / _TOKENIZER_FILENAME} and {path / 'original' / _TOKENIZER_FILENAME}"
+        raise FileNotFoundError(
+            f"--model.tokenizer_path={tokenizer_path}: no {_TOKENIZER_FILENAME} found (tried "
+            f"{tried}); download one with `python scripts/download_hf_assets.py --assets "
+            f"tokenizer` or use the bundled {DEFAULT_TOKENIZER_PATH.parent}"
+        )
+    return Llama3Tokenizer(model_file)

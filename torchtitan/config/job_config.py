@@ -1,0 +1,372 @@
+"""The trainer configuration: one dataclass per section.
+
+Field docstrings become the ``--help`` text of ``python -m torchtitan.config.manager``
+and of ``python -m torchtitan.train``. This module imports no torch, so a config can be
+resolved and validated in a fraction of a second before any rank starts.
+
+Sections marked "(not implemented yet: issue #N)" exist so configs and CLIs stay stable;
+asking for their behaviour fails loudly at start-up instead of being silently ignored.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class Job:
+    config_file: str | None = None
+    """TOML file layered on top of the named config (``--config``); CLI flags override it."""
+
+    dump_folder: str = "./outputs"
+    """Folder for everything a run writes: checkpoints, traces, TensorBoard logs, the config."""
+
+    description: str = ""
+    """Free text describing the run; printed at start-up."""
+
+    print_format: Literal["text", "json", "toml"] = "text"
+    """How ``python -m torchtitan.config.manager`` prints the resolved config."""
+
+    save_config_file: str | None = "config.toml"
+    """File under ``dump_folder`` that receives the resolved config (TOML, loadable with
+    ``--job.config_file``). ``None`` disables it."""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Model to train: a short name under ``torchtitan.models`` or any importable module path
+    that provides a ``model_spec()`` function."""
+
+    flavor: str = "debugmodel"
+    """Size preset of the model, e.g. ``debugmodel``, ``1B``, ``8B``, ``70B``, ``405B``."""
+
+    tokenizer_path: str = "tests/assets/tokenizer"
+    """Tokenizer file (Llama 3 ``tokenizer.model``) or a folder holding it. Relative paths are
+    looked up from the working directory, then from the repository root."""
+
+
+@dataclass
+class Training:
+    dataset: str = "python_docs"
+    """Dataset name from the registry (``python_docs``, ``python_docs_validation``, ``c4``,
+    ``c4_validation``) or ``files`` with ``dataset_path`` pointing at json/jsonl/parquet/txt."""
+
+    dataset_path: str | None = None
+    """Overrides where the dataset is read from: a local copy of a hub dataset, or the
+    file / glob / folder for ``--training.dataset files``."""
+
+    local_batch_size: int = 8
+    """Sequences per micro-batch on each data-parallel rank."""
+
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all ranks; -1 means local_batch_size x data-parallel
+    degree. A larger multiple turns on gradient accumulation."""
+
+    seq_len: int = 2048
+    """Tokens per training sequence."""
+
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 or less disables clipping."""
+
+    steps: int = 10000
+    """Number of optimizer steps to train for."""
+
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    """Compute dtype. Without FSDP this is applied with autocast; parameters stay float32."""
+
+    mixed_precision_reduce: Literal["float32"] = "float32"
+    """Dtype of gradient reductions across data-parallel ranks."""
+
+    gc_freq: int = 50
+    """Run Python garbage collection every N steps (automatic collection is disabled during
+    training to avoid random pauses); 0 keeps Python's automatic collection."""
+
+    num_workers: int = 0
+    """Dataloader worker processes per rank; 0 loads in the training process."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer class from ``torch.optim``."""
+
+    lr: float = 8e-4
+    """Peak learning rate."""
+
+    beta1: float = 0.9
+    """First-moment decay of Adam."""
+
+    beta2: float = 0.95
+    """Second-moment decay of Adam."""
+
+    eps: float = 1e-8
+    """Adam epsilon."""
+
+    weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW) or L2 penalty (Adam)."""
+
+    implementation: Literal["auto", "for-loop", "foreach", "fused"] = "auto"
+    """Optimizer kernel: ``auto`` picks fused where the device supports it, else foreach."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Steps of linear warm-up from near zero to ``optimizer.lr``."""
+
+    decay_ratio: float | None = None
+    """Fraction of the steps, at the end of training, over which the LR decays; the rest after
+    warm-up stays at the peak. ``None`` decays over all steps after warm-up."""
+
+    decay_type: Literal["linear", "sqrt", "cosine", "constant"] = "linear"
+    """Shape of the decay; ``constant`` keeps the peak LR after warm-up."""
+
+    min_lr_factor: float = 0.0
+    """The LR decays to ``optimizer.lr * min_lr_factor``."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """Replicas of the model (DDP, or the replicate dimension of HSDP)."""
+
+    data_parallel_shard_degree: int = -1
+    """Ranks that shard the model with FSDP; -1 takes whatever the other degrees leave."""
+
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free gathered parameters after forward (``always``), keep them (``never``), or let the
+    framework choose (``default``). (not implemented yet: issue #3)"""
+
+    tensor_parallel_degree: int = 1
+    """Ranks that split each layer's matmuls (TP). (not implemented yet: issue #3)"""
+
+    enable_sequence_parallel: bool = True
+    """Shard norms and dropout along the sequence in TP regions."""
+
+    disable_loss_parallel: bool = False
+    """Gather logits before the loss instead of a vocab-sharded cross-entropy under TP."""
+
+    enable_async_tensor_parallel: bool = False
+    """Overlap TP communication with compute (CUDA + torch.compile only)."""
+
+    pipeline_parallel_degree: int = 1
+    """Pipeline stages. (not implemented yet)"""
+
+    pipeline_parallel_schedule: str = "1F1B"
+    """Pipeline schedule name from ``torch.distributed.pipelining``."""
+
+    pipeline_parallel_microbatch_size: int = 1
+    """Sequences per pipeline micro-batch."""
+
+    context_parallel_degree: int = 1
+    """Ranks that split each sequence (CP). (not implemented yet)"""
+
+    expert_parallel_degree: int = 1
+    """Ranks that split MoE experts; borrowed from dp_shard x cp x tp. (not implemented yet)"""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save and resume with torch.distributed.checkpoint. (not implemented yet: issue #4)"""
+
+    folder: str = "checkpoint"
+    """Folder under ``job.dump_folder`` holding one ``step-N`` folder per checkpoint."""
+
+    interval: int = 500
+    """Save every N steps."""
+
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """Save in the background while training continues."""
+
+    keep_latest_k: int = 10
+    """Keep only the newest K checkpoints; 0 keeps all."""
+
+    load_step: int = -1
+    """Step to resume from; -1 picks the latest complete checkpoint."""
+
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """State to skip when loading, e.g. ``dataloader lr_scheduler``."""
+
+    enable_first_step_checkpoint: bool = False
+    """Also save right after step 1."""
+
+    initial_load_path: str | None = None
+    """Start from another run's checkpoint folder (weights only)."""
+
+    load_only: bool = False
+    """Load checkpoints but never save."""
+
+    last_save_model_only: bool = True
+    """The final save keeps only the model weights."""
+
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of weights in a model-only save."""
+
+    create_seed_checkpoint: bool = False
+    """Write initial weights as step 0 on one process and exit."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward to save memory. (not implemented yet: issue #3)"""
+
+    selective_ac_option: str = "2"
+    """``op`` (save expensive ops) or N (checkpoint every N-th block) for ``selective``."""
+
+    preserve_rng_state: bool = False
+    """Replay the RNG state during recomputation (needed with dropout)."""
+
+    determinism_check: str = "default"
+    """Check that recomputed tensors match (``default``) or not (``none``)."""
+
+    debug: bool = False
+    """Log recomputed ops for debugging."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each transformer block. (not implemented yet: issue #3)"""
+
+    components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model", "loss"])
+    """What to compile."""
+
+    backend: str = "inductor"
+    """torch.compile backend."""
+
+
+@dataclass
+class Float8:
+    enable: bool = False
+    """Train linear layers in float8 via torchao. (not implemented yet)"""
+
+    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    """torchao float8 scaling recipe."""
+
+    enable_fsdp_float8_all_gather: bool = False
+    """All-gather FSDP parameters in float8."""
+
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """Linear layers whose name contains one of these stay in high precision."""
+
+    emulate: bool = False
+    """Emulate float8 matmuls (for CPU testing; no speed-up)."""
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Record torch.profiler traces. (not implemented yet: issue #5)"""
+
+    save_traces_folder: str = "profile_traces"
+    """Folder under ``job.dump_folder`` for traces."""
+
+    profile_freq: int = 10
+    """Profile every N steps."""
+
+    profiler_warmup: int = 3
+    """Profiler warm-up steps in each cycle."""
+
+    profiler_active: int = 1
+    """Profiler recorded steps in each cycle."""
+
+    enable_memory_snapshot: bool = False
+    """Dump CUDA allocator snapshots. (not implemented yet: issue #5)"""
+
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Folder under ``job.dump_folder`` for memory snapshots."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log metrics every N steps (and always at step 1 and the last step)."""
+
+    enable_tensorboard: bool = False
+    """Write TensorBoard event files."""
+
+    save_tb_folder: str = "tb"
+    """Folder under ``job.dump_folder`` for TensorBoard logs."""
+
+    enable_wandb: bool = False
+    """Log to Weights & Biases (``WANDB_MODE=offline`` works without network)."""
+
+    enable_color_printing: bool = True
+    """Color the console step line."""
+
+    save_for_all_ranks: bool = False
+    """Write TensorBoard/W&B logs from every rank, not only the logging rank."""
+
+    peak_flops: float | None = None
+    """Peak dense bf16 FLOP/s of one device, for MFU; by default looked up for known GPUs."""
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = 300
+    """Timeout of process-group initialisation and the first step's collectives."""
+
+    train_timeout_seconds: int = 100
+    """Collective timeout after the first step."""
+
+    trace_buf_size: int = 20000
+    """Flight-recorder entries kept per rank (0 disables)."""
+
+
+@dataclass
+class Debug:
+    seed: int | None = None
+    """Seed for model init and RNG; all data/tensor-parallel ranks share it."""
+
+    deterministic: bool = False
+    """Use deterministic algorithms (bitwise-reproducible runs, slower)."""
+
+    deterministic_warn_only: bool = False
+    """Warn instead of failing when an op has no deterministic implementation."""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Evaluate the loss on a held-out dataset during training."""
+
+    dataset: str = "python_docs_validation"
+    """Validation dataset from the registry."""
+
+    dataset_path: str | None = None
+    """Overrides where the validation dataset is read from."""
+
+    local_batch_size: int = 8
+    """Sequences per validation batch on each data-parallel rank."""
+
+    seq_len: int = 2048
+    """Tokens per validation sequence."""
+
+    freq: int = 500
+    """Validate every N steps (and after the last step)."""
+
+    steps: int = -1
+    """Batches per validation; -1 runs the whole dataset once."""
+
+
+@dataclass
+class JobConfig:
+    """Everything a training run needs, one section per concern."""
+
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
+    profiling: Profiling = field(default_factory=Profiling)
+    metrics: Metrics = field(default_factory=Metrics)
+    comm: Comm = field(default_factory=Comm)
+    debug: Debug = field(default_factory=Debug)
+    validation: Validation = field(default_factory=Validation)

@@ -1,0 +1,86 @@
+"""Data parallelism on FSDP2: sharded (FSDP), hybrid (HSDP) and replicated (DDP-style).
+
+All three go through ``torch.distributed.fsdp`` so they share one behaviour: they can be
+applied on the meta device, parameters become DTensors, and gradients arrive already averaged
+over the data-parallel ranks. Apply per block, then on the root, so each block's parameters
+are gathered (and its gradients reduced) on their own while neighbours compute.
+"""
+
+import inspect
+from collections.abc import Iterable
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+try:
+    from torch.distributed._composable.replicate_with_fsdp import replicate as _replicate
+except ImportError:  # pragma: no cover - older torch
+    _replicate = None
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def mixed_precision_policy(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
+    return MixedPrecisionPolicy(
+        param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype]
+    )
+
+
+def apply_fsdp(
+    model: nn.Module,
+    blocks: Iterable[nn.Module],
+    mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: Literal["default", "always", "never"] = "default",
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """Shard ``blocks`` then ``model`` over ``mesh`` (1D: FSDP; 2D replicate x shard: HSDP)."""
+    offload: OffloadPolicy = OffloadPolicy()
+    if cpu_offload:
+        # Pinned memory needs an accelerator; plain host memory works everywhere.
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    reshard = reshard_after_forward != "never"
+    blocks = list(blocks)
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again right away by backward: keep them.
+        last = i == len(blocks) - 1
+        fully_shard(
+            block,
+            mesh=mesh,
+            mp_policy=mp_policy,
+            offload_policy=offload,
+            reshard_after_forward=reshard and not (last and reshard_after_forward == "default"),
+        )
+    fully_shard(
+        model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=False
+    )
+    return model
+
+
+def apply_replicate(
+    model: nn.Module,
+    blocks: Iterable[nn.Module],
+    mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy,
+) -> nn.Module:
+    """DDP-style data parallelism: full copies, gradients all-reduced per block."""
+    if _replicate is None:
+        raise RuntimeError(
+            "this torch has no torch.distributed._composable.replicate_with_fsdp; use "
+            "--parallelism.data_parallel_shard_degree instead of data_parallel_replicate_degree"
+        )
+    mesh_kw = "mesh" if "mesh" in inspect.signature(_replicate).parameters else "device_mesh"
+    for block in blocks:
+        _replicate(block, mp_policy=mp_policy, **{mesh_kw: mesh})
+    _replicate(model, mp_policy=mp_policy, **{mesh_kw: mesh})
+    return model

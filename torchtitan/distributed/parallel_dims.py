@@ -1,0 +1,160 @@
+"""``ParallelDims``: the parallel degrees of a run and the one place that builds device meshes.
+
+Constructing one validates the degrees without importing torch, so the config pre-flight
+can reject impossible layouts before any rank starts.
+
+The world is laid out as ``pp x dp_replicate x dp_shard x cp x tp`` (outermost first, so TP
+ranks are neighbours and share the fastest links). Flattened meshes that other components use:
+
+- ``dp``: ``dp_replicate x dp_shard`` -- ranks that read different data;
+- ``dp_shard_cp``: ``dp_shard x cp`` -- ranks FSDP shards parameters over;
+- ``dp_cp``: ``dp_replicate x dp_shard x cp`` -- ranks the loss is averaged over.
+"""
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from torchtitan.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+_FLAG = "--parallelism."
+
+
+class ParallelDimsError(ConfigError):
+    """Degrees that cannot be laid out; the message names the flag and the fix."""
+
+
+@dataclasses.dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
+        """From the ``parallelism`` config section and the number of ranks."""
+        return cls(
+            dp_replicate=parallelism.data_parallel_replicate_degree,
+            dp_shard=parallelism.data_parallel_shard_degree,
+            cp=parallelism.context_parallel_degree,
+            tp=parallelism.tensor_parallel_degree,
+            pp=parallelism.pipeline_parallel_degree,
+            ep=parallelism.expert_parallel_degree,
+            world_size=world_size,
+        )
+
+    def __post_init__(self) -> None:
+        self._resolve_and_validate()
+
+    def _resolve_and_validate(self) -> None:
+        named = {
+            "data_parallel_replicate_degree": self.dp_replicate,
+            "context_parallel_degree": self.cp,
+            "tensor_parallel_degree": self.tp,
+            "pipeline_parallel_degree": self.pp,
+            "expert_parallel_degree": self.ep,
+        }
+        for name, degree in named.items():
+            if degree < 1:
+                raise ParallelDimsError(f"{_FLAG}{name}={degree} must be >= 1")
+        if self.dp_shard < 1 and self.dp_shard != -1:
+            raise ParallelDimsError(
+                f"{_FLAG}data_parallel_shard_degree={self.dp_shard} must be -1 (auto) or >= 1"
+            )
+        others = self.dp_replicate * self.cp * self.tp * self.pp
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise ParallelDimsError(
+                    f"world size {self.world_size} is not divisible by dp_replicate x cp x tp x "
+                    f"pp = {self.dp_replicate} x {self.cp} x {self.tp} x {self.pp} = {others}; "
+                    f"change the {_FLAG}*_degree flags or the number of ranks (NGPU)"
+                )
+            self.dp_shard = self.world_size // others
+        product = others * self.dp_shard
+        if product != self.world_size:
+            raise ParallelDimsError(
+                f"dp_replicate x dp_shard x cp x tp x pp = {self.dp_replicate} x {self.dp_shard} "
+                f"x {self.cp} x {self.tp} x {self.pp} = {product} != world size "
+                f"{self.world_size}; set {_FLAG}data_parallel_shard_degree=-1 to fill the rest, "
+                "or launch with NGPU={product}"
+            )
+        if self.ep > 1:
+            borrowed = self.dp_shard * self.cp * self.tp
+            if borrowed % self.ep:
+                raise ParallelDimsError(
+                    f"{_FLAG}expert_parallel_degree={self.ep} must divide dp_shard x cp x tp = "
+                    f"{borrowed}: experts borrow their ranks from those dimensions"
+                )
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_replicate * self.dp_shard > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1 or self.cp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def dp_degree(self) -> int:
+        """Ranks that read different data: dp_replicate x dp_shard."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        return self.cp * self.tp * self.pp
+
+    def build_mesh(self, device_type: str) -> "DeviceMesh":
+        """Create the world mesh with every named and flattened dimension (once per run)."""
+        # Imported here so validating degrees (config pre-flight) does not import torch.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dims = [
+            ("pp", self.pp),
+            ("dp_replicate", self.dp_replicate),
+            ("dp_shard", self.dp_shard),
+            ("cp", self.cp),
+            ("tp", self.tp),
+        ]
+        mesh = init_device_mesh(
+            device_type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims)
+        )
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        return mesh
+
+    def __str__(self) -> str:
+        degrees = ", ".join(
+            f"{k}={getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+        )
+        return f"ParallelDims({degrees}, world_size={self.world_size})"

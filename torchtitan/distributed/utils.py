@@ -1,0 +1,103 @@
+"""Process-group start-up and shutdown, determinism, and small cross-rank reductions."""
+
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from torchtitan.tools.logging import logger
+
+
+def device_type() -> str:
+    """``cuda`` when a GPU is visible, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(
+    *, device: torch.device, init_timeout_seconds: int, trace_buf_size: int
+) -> int:
+    """Join the process group when launched by torchrun; return the world size.
+
+    A plain ``python -m torchtitan.train`` (no ``WORLD_SIZE`` in the environment) runs as one
+    process without a process group.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1 and "RANK" not in os.environ:
+        return 1
+    # The flight recorder reads its buffer size when the process group is created.
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(trace_buf_size))
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(trace_buf_size))
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend=backend,
+        timeout=datetime.timedelta(seconds=init_timeout_seconds),
+        device_id=device if device.type == "cuda" else None,
+    )
+    return dist.get_world_size()
+
+
+def local_device() -> torch.device:
+    """The device of this rank: ``cuda:LOCAL_RANK`` on GPU machines, else CPU."""
+    if device_type() == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def set_determinism(seed: int | None, *, deterministic: bool, warn_only: bool) -> None:
+    """Seed every RNG the same on all ranks and optionally force deterministic kernels."""
+    if deterministic:
+        logger.info("Deterministic algorithms are on (slower, bitwise reproducible)")
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        # cuBLAS needs a fixed workspace to be deterministic.
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    if seed is None:
+        return
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def dist_reduce(x: torch.Tensor | float, op: str, mesh: DeviceMesh | None) -> float:
+    """All-reduce a scalar over ``mesh`` (``sum``, ``avg``, ``max``); identity without a mesh."""
+    if isinstance(x, DTensor):
+        x = x.full_tensor()
+    t = torch.as_tensor(x).detach().to(torch.float64).clone()
+    if mesh is None or mesh.size() == 1:
+        return t.item()
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.SUM}
+    t = t.to(_mesh_device(mesh))
+    dist.all_reduce(t, op=ops[op], group=mesh.get_group())
+    return (t / mesh.size()).item() if op == "avg" else t.item()
+
+
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm; works for plain tensors and DTensors (FSDP/TP)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(norm, DTensor):
+        # The per-shard norms are partial: reduce them to the global norm on every rank.
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+    return norm
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def shutdown() -> None:
+    """Destroy the process group once every rank is done."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,127 @@
+"""Llama 3 hyper-parameters and the published flavors. No torch import here."""
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 frequency scaling of RoPE (long-context extension)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3Args:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); ``None`` means ``n_heads``."""
+    vocab_size: int = 128256
+    multiple_of: int = 256
+    """The SwiGLU hidden size is rounded up to a multiple of this."""
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 131072
+    """RoPE table length; the trainer sets it to ``--training.seq_len``."""
+    tie_word_embeddings: bool = False
+    depth_init: bool = True
+    """Scale each block's output-projection init by its depth instead of the layer count."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """Llama's rule: 2/3 of 4*dim, times the multiplier, rounded up to ``multiple_of``."""
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def num_params(self, *, exclude_embedding: bool = False) -> int:
+        """Exact parameter count, computed from the dims (matches the built module)."""
+        kv_dim = self.kv_heads * self.head_dim
+        attn = self.dim * self.dim * 2 + self.dim * kv_dim * 2
+        ffn = 3 * self.dim * self.ffn_hidden_dim
+        block = attn + ffn + 2 * self.dim
+        embedding = self.vocab_size * self.dim
+        output = 0 if self.tie_word_embeddings else self.vocab_size * self.dim
+        total = self.n_layers * block + self.dim + embedding + output
+        return total - embedding if exclude_embedding else total
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 x (non-embedding params) + attention (12 * L * H * D * S)."""
+        dense = 6 * self.num_params(exclude_embedding=True)
+        if self.tie_word_embeddings:
+            # The tied output projection is still a matmul per token.
+            dense += 6 * self.vocab_size * self.dim
+        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        return dense + attention
+
+
+_LLAMA31_ROPE = RopeScaling(factor=8.0)
+_LLAMA32_ROPE = RopeScaling(factor=32.0)
+
+flavors: dict[str, Llama3Args] = {
+    "debugmodel": Llama3Args(
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048, rope_theta=500000.0
+    ),
+    "1B": Llama3Args(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
+        rope_scaling=_LLAMA32_ROPE,
+        tie_word_embeddings=True,
+    ),
+    "3B": Llama3Args(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.0,
+        multiple_of=256,
+        rope_scaling=_LLAMA32_ROPE,
+        tie_word_embeddings=True,
+    ),
+    "8B": Llama3Args(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        rope_scaling=_LLAMA31_ROPE,
+    ),
+    "70B": Llama3Args(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        rope_scaling=_LLAMA31_ROPE,
+    ),
+    "405B": Llama3Args(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+        rope_scaling=_LLAMA31_ROPE,
+    ),
+}

@@ -1,0 +1,174 @@
+"""Llama 3 as plain ``nn.Module``s: no parallel code here (plans live in ``parallelize.py``).
+
+Shapes: ``bs`` batch, ``seq`` sequence, ``dim`` model width, ``h`` heads, ``hd`` head dim.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan.models.llama3.args import Llama3Args, RopeScaling
+
+
+def precompute_rope_cis(
+    head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None
+) -> torch.Tensor:
+    """Complex rotations ``[max_seq_len, head_dim // 2]`` with Llama 3.1 frequency scaling."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is not None:
+        freqs = _scale_rope_frequencies(freqs, scaling)
+    positions = torch.arange(max_seq_len, dtype=torch.float64)
+    angles = torch.outer(positions, freqs)
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+
+
+def _scale_rope_frequencies(freqs: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Divide low frequencies by ``factor``, keep high ones, interpolate smoothly between."""
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    interpolated = (1 - smooth) * freqs / s.factor + smooth * freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / s.factor, freqs)
+    in_between = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_between, interpolated, scaled)
+
+
+def apply_rope(xq: torch.Tensor, xk: torch.Tensor, rope_cis: torch.Tensor):
+    """Rotate queries ``[bs, seq, h, hd]`` and keys ``[bs, seq, kv_h, hd]`` by position."""
+    seq = xq.shape[1]
+    cis = rope_cis[:seq].view(1, seq, 1, -1)
+    xq_c = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_c = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    xq_out = torch.view_as_real(xq_c * cis).flatten(3)
+    xk_out = torch.view_as_real(xk_c * cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention: ``n_heads`` query heads share ``n_kv_heads`` K/V heads."""
+
+    def __init__(self, args: Llama3Args):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.kv_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope_cis: torch.Tensor) -> torch.Tensor:
+        bs, seq, _ = x.shape
+        # -1 instead of the head counts so a tensor-parallel plan can shard heads.
+        xq = self.wq(x).view(bs, seq, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seq, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seq, -1, self.head_dim)
+        xq, xk = apply_rope(xq, xk, rope_cis)
+        # [bs, h, seq, hd] for SDPA; enable_gqa broadcasts K/V heads without copying them.
+        xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))
+        out = F.scaled_dot_product_attention(
+            xq, xk, xv, is_causal=True, enable_gqa=xq.shape[1] != xk.shape[1]
+        )
+        return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+
+    def init_weights(self, init_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for linear in (self.w2, self.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: Llama3Args):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.init_std = 0.02 / (2 * depth) ** 0.5
+
+    def forward(self, x: torch.Tensor, rope_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.init_std)
+        self.feed_forward.init_weights(self.init_std)
+
+
+class Transformer(nn.Module):
+    """Token ids ``[bs, seq]`` -> logits ``[bs, seq, vocab]``.
+
+    Build it under ``torch.device("meta")`` and call ``init_weights`` after moving it to the
+    target device (``to_empty``), so a 405B model never materialises on one host.
+    """
+
+    def __init__(self, args: Llama3Args):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed by layer index keeps checkpoint names stable when a pipeline
+        # stage deletes the layers it does not own.
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
+        )
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope_cis", self._rope_cis(), persistent=False)
+
+    def _rope_cis(self) -> torch.Tensor:
+        a = self.args
+        return precompute_rope_cis(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Initialise every parameter and buffer in place (after ``to_empty``)."""
+        with torch.device(buffer_device or self.rope_cis.device):
+            self.rope_cis = self._rope_cis()
+        final_std = self.args.dim**-0.5
+        if self.tok_embeddings is not None:
+            if self.args.tie_word_embeddings:
+                # The shared matrix is also the output projection: keep logits O(1).
+                nn.init.trunc_normal_(self.tok_embeddings.weight, std=final_std)
+            else:
+                nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            layer.init_weights()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None and not self.args.tie_word_embeddings:
+            cutoff = 3 * final_std
+            nn.init.trunc_normal_(self.output.weight, std=final_std, a=-cutoff, b=cutoff)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cis)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h

@@ -1,0 +1,340 @@
+"""The trainer: ``python -m torchtitan.train --module llama3 --config llama3_debugmodel [flags]``.
+
+A run is: build (process group, meshes, data, model, optimizer), then a loop of
+step -> log, then a clean shutdown. Launch several ranks with ``./run_train.sh``.
+"""
+
+import contextlib
+import dataclasses
+import gc
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from torchtitan.components.dataloader import build_dataloader
+from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_sum
+from torchtitan.components.lr_scheduler import build_lr_scheduler
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.config import JobConfig
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.manager import parse_args, to_toml
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.models import import_model_module
+from torchtitan.tools.logging import init_logger, logger
+from torchtitan.tools.paths import resolve_path
+
+Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
+
+# Features whose config fields exist but whose implementation lands with a later issue.
+_NOT_YET = [
+    (
+        lambda c: c.parallelism.tensor_parallel_degree > 1,
+        "--parallelism.tensor_parallel_degree > 1 (issue #3)",
+    ),
+    (
+        lambda c: c.parallelism.pipeline_parallel_degree > 1,
+        "--parallelism.pipeline_parallel_degree > 1",
+    ),
+    (
+        lambda c: c.parallelism.context_parallel_degree > 1,
+        "--parallelism.context_parallel_degree > 1",
+    ),
+    (
+        lambda c: c.parallelism.expert_parallel_degree > 1,
+        "--parallelism.expert_parallel_degree > 1",
+    ),
+    (lambda c: c.activation_checkpoint.mode != "none", "--activation_checkpoint.mode (issue #3)"),
+    (lambda c: c.compile.enable, "--compile.enable (issue #3)"),
+    (lambda c: c.float8.enable, "--float8.enable"),
+    (
+        lambda c: c.checkpoint.enable or c.checkpoint.create_seed_checkpoint,
+        "--checkpoint.* (issue #4)",
+    ),
+    (lambda c: c.profiling.enable_profiling, "--profiling.enable_profiling (issue #5)"),
+    (lambda c: c.profiling.enable_memory_snapshot, "--profiling.enable_memory_snapshot (issue #5)"),
+    (lambda c: c.validation.enable, "--validation.enable"),
+]
+
+
+def refuse_unimplemented(config: JobConfig) -> None:
+    for asked, flag in _NOT_YET:
+        if asked(config):
+            raise ConfigError(f"{flag} is not implemented yet; remove the flag to train without it")
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss_sum: torch.Tensor
+    """Summed token losses of this rank's micro-batches."""
+    local_tokens: int
+    global_tokens: int
+    grad_norm: torch.Tensor
+    lr: float
+    """Learning rate this step used."""
+
+
+class Trainer:
+    """Builds everything a run needs from a ``JobConfig``, then ``train()`` runs the loop."""
+
+    def __init__(self, config: JobConfig):
+        self.config = config
+        refuse_unimplemented(config)
+        t, p = config.training, config.parallelism
+
+        self.device = dist_utils.local_device()
+        world_size = dist_utils.init_distributed(
+            device=self.device,
+            init_timeout_seconds=config.comm.init_timeout_seconds,
+            trace_buf_size=config.comm.trace_buf_size,
+        )
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.parallel_dims = ParallelDims.from_config(p, world_size)
+        self.grad_accum_steps = self._grad_accum_steps()
+        self.world_mesh = (
+            self.parallel_dims.build_mesh(self.device.type) if world_size > 1 else None
+        )
+        dp_mesh = self.world_mesh["dp"] if self.world_mesh is not None else None
+        self.loss_mesh = self.world_mesh["dp_cp"] if self.world_mesh is not None else None
+        dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
+        logger.info(
+            f"{self.parallel_dims} on {self.device}, gradient accumulation {self.grad_accum_steps}"
+        )
+
+        seed = self._shared_seed(config.debug.seed)
+        dist_utils.set_determinism(
+            seed,
+            deterministic=config.debug.deterministic,
+            warn_only=config.debug.deterministic_warn_only,
+        )
+
+        self.tokenizer = build_tokenizer(resolve_path(config.model.tokenizer_path))
+        self.dataloader = build_dataloader(
+            dataset=t.dataset,
+            dataset_path=t.dataset_path,
+            tokenizer=self.tokenizer,
+            seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size,
+            dp_rank=dp_rank,
+            dp_world_size=self.parallel_dims.dp_degree,
+            num_workers=t.num_workers,
+        )
+
+        spec = import_model_module(config.model.name).model_spec()
+        self.model_args = dataclasses.replace(
+            spec.flavors[config.model.flavor], max_seq_len=t.seq_len
+        )
+        if self.tokenizer.vocab_size > self.model_args.vocab_size:
+            raise ConfigError(
+                f"tokenizer {config.model.tokenizer_path} has {self.tokenizer.vocab_size} tokens but "
+                f"--model.flavor {config.model.flavor} has vocab_size {self.model_args.vocab_size}; "
+                "pick a matching --model.tokenizer_path or flavor"
+            )
+        with torch.device("meta"):
+            model = spec.build_model(self.model_args)
+        n_params = sum(p.numel() for p in model.parameters())
+        logger.info(f"Model {config.model.name} {config.model.flavor}: {n_params:,} parameters")
+        model = spec.parallelize(
+            model,
+            parallel_dims=self.parallel_dims,
+            world_mesh=self.world_mesh,
+            training=t,
+            parallelism=p,
+        )
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            model.init_weights(buffer_device=self.device)
+        model.train()
+        self.model = model
+
+        self.optimizer = build_optimizer(model, config.optimizer, self.device)
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer, config.lr_scheduler, training_steps=t.steps
+        )
+        self.autocast = self._autocast()
+        self.metrics = MetricsProcessor(
+            config.metrics,
+            dump_folder=config.job.dump_folder,
+            device=self.device,
+            flops_per_token=self.model_args.flops_per_token(t.seq_len),
+            rank=self.rank,
+            save_rank=self.rank == 0 or config.metrics.save_for_all_ranks,
+        )
+        self._save_config()
+        self.step = 0
+
+    def train(self) -> None:
+        """Run ``training.steps`` optimizer steps."""
+        t = self.config.training
+        logger.info(
+            f"Training {t.steps} steps: global batch {self.global_batch_size} x {t.seq_len} tokens "
+            f"({self.grad_accum_steps} micro-batch(es) of {t.local_batch_size} per rank)"
+        )
+        data_iter = iter(self.dataloader)
+        with _gc_every(t.gc_freq) as gc_tick:
+            while self.step < t.steps:
+                self.step += 1
+                gc_tick(self.step)
+                start = time.perf_counter()
+                microbatches = [
+                    self._to_device(next(data_iter)) for _ in range(self.grad_accum_steps)
+                ]
+                data_seconds = time.perf_counter() - start
+                result = self.train_step(microbatches)
+                self.metrics.record_step(
+                    tokens=sum(labels.numel() for _, labels in microbatches),
+                    data_seconds=data_seconds,
+                )
+                if self.metrics.should_log(self.step, t.steps):
+                    self._log(result)
+        logger.info("Training finished")
+
+    def train_step(self, microbatches: Sequence[Batch]) -> StepResult:
+        """Forward and backward over the micro-batches, clip, then one optimizer step.
+
+        The loss is the mean over every valid token of the global batch, whatever the split
+        into ranks and micro-batches: each micro-batch's summed loss is divided by the global
+        token count, times the data-parallel size because gradient reduction averages ranks.
+        """
+        self.optimizer.zero_grad()
+        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
+        global_tokens = int(dist_utils.dist_reduce(local_tokens, "sum", self.loss_mesh))
+        dp_size = self.loss_mesh.size() if self.loss_mesh is not None else 1
+        scale = dp_size / max(global_tokens, 1)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (inputs, labels) in enumerate(microbatches):
+            if isinstance(self.model, FSDPModule):
+                # Reduce gradients once, after the last micro-batch.
+                self.model.set_requires_gradient_sync(i == len(microbatches) - 1)
+            with self.autocast:
+                logits = self.model(inputs["input"])
+            loss = cross_entropy_sum(logits, labels)
+            del logits
+            (loss * scale).backward()
+            loss_sum += loss.detach()
+        grad_norm = dist_utils.clip_grad_norm_(
+            self.model.parameters(), self.config.training.max_norm
+        )
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        return StepResult(loss_sum, local_tokens, global_tokens, grad_norm)
+
+    def close(self) -> None:
+        self.metrics.close()
+
+    @property
+    def global_batch_size(self) -> int:
+        t = self.config.training
+        return t.local_batch_size * self.parallel_dims.dp_degree * self.grad_accum_steps
+
+    def _grad_accum_steps(self) -> int:
+        t = self.config.training
+        per_step = t.local_batch_size * self.parallel_dims.dp_degree
+        if t.global_batch_size == -1:
+            return 1
+        if t.global_batch_size % per_step:
+            raise ConfigError(
+                f"--training.global_batch_size={t.global_batch_size} must be a multiple of "
+                f"--training.local_batch_size x data-parallel degree = {t.local_batch_size} x "
+                f"{self.parallel_dims.dp_degree} = {per_step}"
+            )
+        return t.global_batch_size // per_step
+
+    def _shared_seed(self, seed: int | None) -> int | None:
+        """Every rank must initialise replicated state alike: without ``--debug.seed``, rank 0
+        draws a seed and shares it."""
+        if seed is not None or self.world_mesh is None:
+            return seed
+        drawn = torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
+        torch.distributed.broadcast(drawn, src=0)
+        return int(drawn)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 compute without FSDP; with FSDP its mixed-precision policy casts instead."""
+        dtype = self.config.training.mixed_precision_param
+        if dtype == "float32" or self.world_mesh is not None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def _to_device(self, batch: Batch) -> Batch:
+        inputs, labels = batch
+        moved = {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()}
+        return moved, labels.to(self.device, non_blocking=True)
+
+    def _log(self, result: StepResult) -> None:
+        local_loss = result.loss_sum.item() / max(result.local_tokens, 1)
+        loss = dist_utils.dist_reduce(result.loss_sum, "sum", self.loss_mesh) / max(
+            result.global_tokens, 1
+        )
+        loss_max = dist_utils.dist_reduce(local_loss, "max", self.loss_mesh)
+        self.metrics.log(
+            self.step,
+            loss=loss,
+            loss_max=loss_max,
+            grad_norm=result.grad_norm.item(),
+            lr=result.lr,
+            extra={"loss_local": local_loss},
+        )
+
+    def _save_config(self) -> None:
+        name = self.config.job.save_config_file
+        if name is None or self.rank != 0:
+            return
+        path = Path(self.config.job.dump_folder) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(to_toml(self.config))
+        logger.info(f"Resolved config written to {path}")
+
+
+@contextlib.contextmanager
+def _gc_every(freq: int) -> Iterator:
+    """Disable automatic GC during training and collect every ``freq`` steps instead, so
+    collection pauses happen on all ranks at the same step rather than at random."""
+    if freq <= 0:
+        yield lambda step: None
+        return
+    gc.disable()
+    gc.collect(1)
+
+    def tick(step: int) -> None:
+        if step > 1 and step % freq == 0:
+            gc.collect(1)
+
+    try:
+        yield tick
+    finally:
+        gc.enable()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, train, shut down; bad input exits 2 with one line, not a traceback per rank."""
+    init_logger()
+    trainer = None
+    try:
+        config = parse_args(argv)
+        trainer = Trainer(config)
+        trainer.train()
+        return 0
+    except (ConfigError, FileNotFoundError) as e:
+        logger.error(str(e))
+        return 2
+    finally:
+        if trainer is not None:
+            trainer.close()
+        dist_utils.shutdown()
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # torch's CPU build sometimes aborts at interpreter exit after a clean shutdown
+    # ("terminate called without an active exception"); everything is flushed, so skip it.
+    os._exit(code)
