@@ -35,6 +35,12 @@ if [ -n "$COMM_MODE" ]; then
   exit 2
 fi
 
+for arg in "$@"; do
+  if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then
+    exec "$PYTHON" -m torchtitan.config.manager --module "$MODULE" --config "$CONFIG" --help
+  fi
+done
+
 # Resolve and validate the config in one light process (no torch import) before starting ranks,
 # so a typo gives one clear line instead of one error per rank.
 WORLD_SIZE=$NGPU "$PYTHON" -m torchtitan.config.manager --check --module "$MODULE" --config "$CONFIG" "$@"

@@ -33,40 +33,26 @@ from torchtitan.tools.paths import resolve_path
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
-# Features whose config fields exist but whose implementation lands with a later issue.
-_NOT_YET = [
-    (
-        lambda c: c.parallelism.tensor_parallel_degree > 1,
-        "--parallelism.tensor_parallel_degree > 1 (issue #3)",
-    ),
-    (
-        lambda c: c.parallelism.pipeline_parallel_degree > 1,
-        "--parallelism.pipeline_parallel_degree > 1",
-    ),
-    (
-        lambda c: c.parallelism.context_parallel_degree > 1,
-        "--parallelism.context_parallel_degree > 1",
-    ),
-    (
-        lambda c: c.parallelism.expert_parallel_degree > 1,
-        "--parallelism.expert_parallel_degree > 1",
-    ),
-    (lambda c: c.activation_checkpoint.mode != "none", "--activation_checkpoint.mode (issue #3)"),
-    (lambda c: c.compile.enable, "--compile.enable (issue #3)"),
-    (lambda c: c.float8.enable, "--float8.enable"),
-    (
-        lambda c: c.checkpoint.enable or c.checkpoint.create_seed_checkpoint,
-        "--checkpoint.* (issue #4)",
-    ),
-    (lambda c: c.profiling.enable_profiling, "--profiling.enable_profiling (issue #5)"),
-    (lambda c: c.profiling.enable_memory_snapshot, "--profiling.enable_memory_snapshot (issue #5)"),
-    (lambda c: c.validation.enable, "--validation.enable"),
-]
-
 
 def refuse_unimplemented(config: JobConfig) -> None:
-    for asked, flag in _NOT_YET:
-        if asked(config):
+    """Fail on features whose config fields exist but whose implementation lands later."""
+    p = config.parallelism
+    requested = {
+        "--parallelism.tensor_parallel_degree > 1 (issue #3)": p.tensor_parallel_degree > 1,
+        "--parallelism.pipeline_parallel_degree > 1": p.pipeline_parallel_degree > 1,
+        "--parallelism.context_parallel_degree > 1": p.context_parallel_degree > 1,
+        "--parallelism.expert_parallel_degree > 1": p.expert_parallel_degree > 1,
+        "--activation_checkpoint.mode (issue #3)": config.activation_checkpoint.mode != "none",
+        "--compile.enable (issue #3)": config.compile.enable,
+        "--float8.enable": config.float8.enable,
+        "--checkpoint.* (issue #4)": config.checkpoint.enable
+        or config.checkpoint.create_seed_checkpoint,
+        "--profiling.enable_profiling (issue #5)": config.profiling.enable_profiling,
+        "--profiling.enable_memory_snapshot (issue #5)": config.profiling.enable_memory_snapshot,
+        "--validation.enable": config.validation.enable,
+    }
+    for flag, asked in requested.items():
+        if asked:
             raise ConfigError(f"{flag} is not implemented yet; remove the flag to train without it")
 
 
@@ -87,8 +73,28 @@ class Trainer:
     def __init__(self, config: JobConfig):
         self.config = config
         refuse_unimplemented(config)
-        t, p = config.training, config.parallelism
+        self._init_distributed()
+        self._build_data()
+        self._build_model()
+        self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer, config.lr_scheduler, training_steps=config.training.steps
+        )
+        self.autocast = self._autocast()
+        self.metrics = MetricsProcessor(
+            config.metrics,
+            dump_folder=config.job.dump_folder,
+            device=self.device,
+            flops_per_token=self.model_args.flops_per_token(config.training.seq_len),
+            rank=self.rank,
+            save_rank=self.rank == 0 or config.metrics.save_for_all_ranks,
+        )
+        self._save_config()
+        self.step = 0
 
+    def _init_distributed(self) -> None:
+        """Device, process group, parallel degrees and meshes, shared seed."""
+        config = self.config
         self.device = dist_utils.local_device()
         world_size = dist_utils.init_distributed(
             device=self.device,
@@ -96,18 +102,16 @@ class Trainer:
             trace_buf_size=config.comm.trace_buf_size,
         )
         self.rank = int(os.environ.get("RANK", "0"))
-        self.parallel_dims = ParallelDims.from_config(p, world_size)
+        self.parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
         self.grad_accum_steps = self._grad_accum_steps()
-        self.world_mesh = (
-            self.parallel_dims.build_mesh(self.device.type) if world_size > 1 else None
-        )
-        dp_mesh = self.world_mesh["dp"] if self.world_mesh is not None else None
+        self.world_mesh = None
+        if world_size > 1:
+            self.world_mesh = self.parallel_dims.build_mesh(self.device.type)
+        # Ranks whose tokens make up one loss (gradients are averaged over the same ranks).
         self.loss_mesh = self.world_mesh["dp_cp"] if self.world_mesh is not None else None
-        dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
         logger.info(
             f"{self.parallel_dims} on {self.device}, gradient accumulation {self.grad_accum_steps}"
         )
-
         seed = self._shared_seed(config.debug.seed)
         dist_utils.set_determinism(
             seed,
@@ -115,7 +119,11 @@ class Trainer:
             warn_only=config.debug.deterministic_warn_only,
         )
 
-        self.tokenizer = build_tokenizer(resolve_path(config.model.tokenizer_path))
+    def _build_data(self) -> None:
+        """Tokenizer and this data-parallel rank's dataloader."""
+        t = self.config.training
+        self.tokenizer = build_tokenizer(resolve_path(self.config.model.tokenizer_path))
+        dp_rank = self.world_mesh["dp"].get_local_rank() if self.world_mesh is not None else 0
         self.dataloader = build_dataloader(
             dataset=t.dataset,
             dataset_path=t.dataset_path,
@@ -127,48 +135,33 @@ class Trainer:
             num_workers=t.num_workers,
         )
 
-        spec = import_model_module(config.model.name).model_spec()
-        self.model_args = dataclasses.replace(
-            spec.flavors[config.model.flavor], max_seq_len=t.seq_len
-        )
+    def _build_model(self) -> None:
+        """Model on the meta device -> parallelize -> materialise on the device -> init."""
+        m, t = self.config.model, self.config.training
+        spec = import_model_module(m.name).model_spec()
+        self.model_args = dataclasses.replace(spec.flavors[m.flavor], max_seq_len=t.seq_len)
         if self.tokenizer.vocab_size > self.model_args.vocab_size:
             raise ConfigError(
-                f"tokenizer {config.model.tokenizer_path} has {self.tokenizer.vocab_size} tokens but "
-                f"--model.flavor {config.model.flavor} has vocab_size {self.model_args.vocab_size}; "
+                f"tokenizer {m.tokenizer_path} has {self.tokenizer.vocab_size} tokens but "
+                f"--model.flavor {m.flavor} has vocab_size {self.model_args.vocab_size}; "
                 "pick a matching --model.tokenizer_path or flavor"
             )
         with torch.device("meta"):
             model = spec.build_model(self.model_args)
         n_params = sum(p.numel() for p in model.parameters())
-        logger.info(f"Model {config.model.name} {config.model.flavor}: {n_params:,} parameters")
+        logger.info(f"Model {m.name} {m.flavor}: {n_params:,} parameters")
         model = spec.parallelize(
             model,
             parallel_dims=self.parallel_dims,
             world_mesh=self.world_mesh,
             training=t,
-            parallelism=p,
+            parallelism=self.config.parallelism,
         )
         model.to_empty(device=self.device)
         with torch.no_grad():
             model.init_weights(buffer_device=self.device)
         model.train()
         self.model = model
-
-        self.optimizer = build_optimizer(model, config.optimizer, self.device)
-        self.lr_scheduler = build_lr_scheduler(
-            self.optimizer, config.lr_scheduler, training_steps=t.steps
-        )
-        self.autocast = self._autocast()
-        self.metrics = MetricsProcessor(
-            config.metrics,
-            dump_folder=config.job.dump_folder,
-            device=self.device,
-            flops_per_token=self.model_args.flops_per_token(t.seq_len),
-            rank=self.rank,
-            save_rank=self.rank == 0 or config.metrics.save_for_all_ranks,
-        )
-        self._save_config()
-        self.step = 0
 
     def train(self) -> None:
         """Run ``training.steps`` optimizer steps."""
@@ -183,9 +176,7 @@ class Trainer:
                 self.step += 1
                 gc_tick(self.step)
                 start = time.perf_counter()
-                microbatches = [
-                    self._to_device(next(data_iter)) for _ in range(self.grad_accum_steps)
-                ]
+                microbatches = [next(data_iter) for _ in range(self.grad_accum_steps)]
                 data_seconds = time.perf_counter() - start
                 result = self.train_step(microbatches)
                 self.metrics.record_step(
@@ -197,19 +188,21 @@ class Trainer:
         logger.info("Training finished")
 
     def train_step(self, microbatches: Sequence[Batch]) -> StepResult:
-        """Forward and backward over the micro-batches, clip, then one optimizer step.
+        """Forward and backward over the (host) micro-batches, clip, then one optimizer step.
 
         The loss is the mean over every valid token of the global batch, whatever the split
         into ranks and micro-batches: each micro-batch's summed loss is divided by the global
         token count, times the data-parallel size because gradient reduction averages ranks.
         """
         self.optimizer.zero_grad()
+        # Counted on the host copies: no device sync. The sum over ranks travels on gloo.
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
         global_tokens = int(dist_utils.dist_reduce(local_tokens, "sum", self.loss_mesh))
         dp_size = self.loss_mesh.size() if self.loss_mesh is not None else 1
         scale = dp_size / max(global_tokens, 1)
         loss_sum = torch.zeros((), device=self.device)
-        for i, (inputs, labels) in enumerate(microbatches):
+        for i, batch in enumerate(microbatches):
+            inputs, labels = self._to_device(batch)
             if isinstance(self.model, FSDPModule):
                 # Reduce gradients once, after the last micro-batch.
                 self.model.set_requires_gradient_sync(i == len(microbatches) - 1)
@@ -222,9 +215,10 @@ class Trainer:
         grad_norm = dist_utils.clip_grad_norm_(
             self.model.parameters(), self.config.training.max_norm
         )
+        lr = self.lr_scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.lr_scheduler.step()
-        return StepResult(loss_sum, local_tokens, global_tokens, grad_norm)
+        return StepResult(loss_sum, local_tokens, global_tokens, grad_norm, lr)
 
     def close(self) -> None:
         self.metrics.close()

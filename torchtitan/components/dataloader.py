@@ -18,9 +18,10 @@ import datasets
 import torch
 from datasets.distributed import split_dataset_by_node
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.tools.logging import logger
 from torchtitan.tools.paths import resolve_path
 
@@ -101,13 +102,13 @@ DATASETS: dict[str, DatasetSpec] = {
 def open_dataset(name: str, path: str | None) -> tuple[HFDataset, str]:
     """Open a registered dataset (``path`` overrides its location); return it and its text key."""
     if name not in DATASETS:
-        raise ValueError(
+        raise ConfigError(
             f"--training.dataset {name} is not registered; choose one of {', '.join(DATASETS)}"
         )
     spec = DATASETS[name]
     path = path or spec.path
     if path is None:
-        raise ValueError(f"--training.dataset {name} needs --training.dataset_path")
+        raise ConfigError(f"--training.dataset {name} needs --training.dataset_path")
     logger.info(f"Opening dataset {name} from {path}")
     return spec.loader(path), spec.text_key
 
@@ -116,7 +117,8 @@ class TextDataset(IterableDataset, Stateful):
     """Packs tokenized documents of one data-parallel shard into ``seq_len + 1`` windows.
 
     Yields ``({"input": LongTensor[seq_len]}, labels: LongTensor[seq_len])``. With
-    ``infinite=True`` it starts a new epoch over its shard when it runs out.
+    ``infinite=True`` it starts a new epoch over its shard when it runs out; otherwise each
+    ``iter()`` is one fresh pass (what validation wants). Dataloader workers split the shard.
     """
 
     def __init__(
@@ -131,45 +133,86 @@ class TextDataset(IterableDataset, Stateful):
         infinite: bool = True,
         text_key: str = "text",
     ):
+        if isinstance(data, datasets.Dataset) and len(data) < dp_world_size:
+            raise ConfigError(
+                f"dataset {name} has {len(data)} documents, fewer than the {dp_world_size} "
+                "data-parallel ranks; use a larger dataset or fewer ranks"
+            )
         self.name = name
+        self._where = f"data-parallel rank {dp_rank} of {dp_world_size}"
         self._data = split_dataset_by_node(data, rank=dp_rank, world_size=dp_world_size)
+        self._streaming = isinstance(self._data, datasets.IterableDataset)
         self._tokenizer = tokenizer
         self._seq_len = seq_len
         self._infinite = infinite
         self._text_key = text_key
         self._epoch = 0
-        self._sample_idx = 0  # documents consumed in this epoch (map-style datasets)
+        self._sample_idx = 0  # next document index of this shard (map-style datasets)
         self._token_buffer: list[int] = []
-        if isinstance(self._data, datasets.IterableDataset):
-            # Where a stream starts; a new epoch rewinds to it.
+        # A stream reports its loaded position only once it is iterated again; until then
+        # state_dict() must return the loaded position itself.
+        self._loaded_stream_state: dict[str, Any] | None = None
+        if self._streaming:
             self._stream_start = self._data.state_dict()
 
     def _documents(self) -> Iterator[dict[str, Any]]:
-        if isinstance(self._data, datasets.Dataset):
-            for i in range(self._sample_idx, len(self._data)):
+        if self._streaming:
+            # Hugging Face splits a stream's shards between dataloader workers itself.
+            for document in self._data:
+                self._loaded_stream_state = None
+                yield document
+            return
+        info = get_worker_info()
+        stride, offset = (info.num_workers, info.id) if info is not None else (1, 0)
+        for i in range(self._sample_idx, len(self._data)):
+            if i % stride == offset:
+                self._sample_idx = i + 1
                 yield self._data[i]
-        else:
-            yield from self._data
+        self._sample_idx = len(self._data)
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         window = self._seq_len + 1
+        empty_passes = 0
         while True:
+            documents = 0
             for document in self._documents():
+                documents += 1
                 text = document[self._text_key]
                 self._token_buffer.extend(self._tokenizer.encode(text, add_bos=True, add_eos=True))
-                self._sample_idx += 1
                 while len(self._token_buffer) >= window:
                     tokens = torch.tensor(self._token_buffer[:window], dtype=torch.long)
                     self._token_buffer = self._token_buffer[window:]
                     yield {"input": tokens[:-1]}, tokens[1:]
+            # A resumed pass may legitimately start at the end; two empty passes in a row
+            # mean this shard has no documents at all.
+            empty_passes = empty_passes + 1 if documents == 0 else 0
+            if empty_passes >= 2:
+                raise ConfigError(
+                    f"dataset {self.name} has no documents for {self._where}"
+                    f"{self._worker_note()}: it has fewer documents or shards than readers; "
+                    "use fewer ranks or --training.num_workers 0"
+                )
             if not self._infinite:
+                self._rewind(self._epoch)
                 return
-            self._epoch += 1
-            self._sample_idx = 0
-            if isinstance(self._data, datasets.IterableDataset):
-                self._data.set_epoch(self._epoch)
-                self._data.load_state_dict(self._stream_start)
+            self._rewind(self._epoch + 1)
             logger.warning(f"Dataset {self.name} is being re-looped: epoch {self._epoch}")
+
+    def _rewind(self, epoch: int) -> None:
+        """Go back to the first document, as epoch ``epoch``."""
+        self._epoch = epoch
+        self._sample_idx = 0
+        if not self._infinite:
+            self._token_buffer = []
+        if self._streaming:
+            self._data.set_epoch(epoch)
+            self._data.load_state_dict(self._stream_start)
+            self._loaded_stream_state = None
+
+    @staticmethod
+    def _worker_note() -> str:
+        info = get_worker_info()
+        return f" (dataloader worker {info.id} of {info.num_workers})" if info is not None else ""
 
     def state_dict(self) -> dict[str, Any]:
         state = {
@@ -177,17 +220,18 @@ class TextDataset(IterableDataset, Stateful):
             "sample_idx": self._sample_idx,
             "token_buffer": list(self._token_buffer),
         }
-        if isinstance(self._data, datasets.IterableDataset):
-            state["stream"] = self._data.state_dict()
+        if self._streaming:
+            state["stream"] = self._loaded_stream_state or self._data.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._epoch = state["epoch"]
         self._sample_idx = state["sample_idx"]
         self._token_buffer = list(state["token_buffer"])
-        if isinstance(self._data, datasets.IterableDataset):
+        if self._streaming:
             self._data.set_epoch(self._epoch)
             self._data.load_state_dict(state["stream"])
+            self._loaded_stream_state = state["stream"]
 
 
 class ParallelAwareDataloader(StatefulDataLoader, Stateful):

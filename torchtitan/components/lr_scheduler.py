@@ -20,13 +20,14 @@ def lr_factor(
 ) -> float:
     """Multiplier of the peak LR for the ``step``-th optimizer step (0-based).
 
-    Warm-up rises as ``(step + 1) / (warmup_steps + 1)`` so the first step already trains.
+    Warm-up rises as ``(step + 1) / (warmup_steps + 1)`` so the first step already trains;
+    the decay counts the same way, so the last of ``decay_steps`` steps uses the floor.
     """
     if step < warmup_steps:
         return (step + 1) / (warmup_steps + 1)
     if step < decay_start or decay_steps == 0:
         return 1.0
-    progress = min((step - decay_start) / decay_steps, 1.0)
+    progress = min((step - decay_start + 1) / decay_steps, 1.0)
     if decay_type == "linear":
         shape = 1.0 - progress
     elif decay_type == "sqrt":

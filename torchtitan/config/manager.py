@@ -210,6 +210,8 @@ def validate(config: JobConfig) -> None:
 
     world_size = os.environ.get("WORLD_SIZE")
     if world_size is not None:
+        if not world_size.isdigit() or int(world_size) < 1:
+            raise ConfigError(f"WORLD_SIZE={world_size!r} must be a positive integer (set NGPU)")
         # Raises ParallelDimsError (a ConfigError) naming the degree flags.
         ParallelDims.from_config(config.parallelism, int(world_size))
 
@@ -232,10 +234,8 @@ def to_toml(config: JobConfig) -> str:
     for section, values in to_dict(config).items():
         lines.append(f"[{section}]")
         for key, value in values.items():
-            if value is None:
-                lines.append(f"# {key} is unset (None)")
-            else:
-                lines.append(f"{key} = {_toml_value(value)}")
+            # TOML has no null: Optional fields use the CLI's spelling, the string "None".
+            lines.append(f"{key} = {_toml_value('None' if value is None else value)}")
         lines.append("")
     return "\n".join(lines)
 
@@ -330,6 +330,8 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             return value
         raise ConfigError(f"{where} = {value!r} must be one of {', '.join(map(repr, args))}")
     if origin in (types.UnionType, typing.Union):
+        if type(None) in args and value == "None":
+            return None
         options = [a for a in args if a is not type(None)]
         errors = []
         for option in options:
@@ -365,10 +367,24 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, int | float):
         return repr(value)
     if isinstance(value, str):
-        return json.dumps(value)
+        return _toml_string(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} to TOML")
+
+
+def _toml_string(value: str) -> str:
+    """A TOML basic string: escape quotes, backslashes and control characters; keep the rest
+    (including characters outside the BMP) as UTF-8, which TOML requires to be literal."""
+    escaped = []
+    for ch in value:
+        if ch in ('"', "\\"):
+            escaped.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            escaped.append(f"\\u{ord(ch):04x}")
+        else:
+            escaped.append(ch)
+    return '"' + "".join(escaped) + '"'
 
 
 def main(argv: Sequence[str] | None = None) -> int:

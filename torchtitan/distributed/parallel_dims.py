@@ -82,7 +82,7 @@ class ParallelDims:
                 f"dp_replicate x dp_shard x cp x tp x pp = {self.dp_replicate} x {self.dp_shard} "
                 f"x {self.cp} x {self.tp} x {self.pp} = {product} != world size "
                 f"{self.world_size}; set {_FLAG}data_parallel_shard_degree=-1 to fill the rest, "
-                "or launch with NGPU={product}"
+                f"or launch with NGPU={product}"
             )
         if self.ep > 1:
             borrowed = self.dp_shard * self.cp * self.tp

@@ -67,14 +67,17 @@ def set_determinism(seed: int | None, *, deterministic: bool, warn_only: bool) -
 
 
 def dist_reduce(x: torch.Tensor | float, op: str, mesh: DeviceMesh | None) -> float:
-    """All-reduce a scalar over ``mesh`` (``sum``, ``avg``, ``max``); identity without a mesh."""
+    """All-reduce a scalar over ``mesh`` (``sum``, ``avg``, ``max``); identity without a mesh.
+
+    A device tensor is reduced where it lives; a Python number stays on the host, where the
+    ``cpu:gloo,cuda:nccl`` process group sends it through gloo without touching the GPU.
+    """
     if isinstance(x, DTensor):
         x = x.full_tensor()
     t = torch.as_tensor(x).detach().to(torch.float64).clone()
     if mesh is None or mesh.size() == 1:
         return t.item()
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.SUM}
-    t = t.to(_mesh_device(mesh))
     dist.all_reduce(t, op=ops[op], group=mesh.get_group())
     return (t / mesh.size()).item() if op == "avg" else t.item()
 
@@ -89,12 +92,6 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
     return norm
-
-
-def _mesh_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def shutdown() -> None:

@@ -39,7 +39,8 @@ def import_model_module(name: str) -> types.ModuleType:
             return importlib.import_module(candidate)
         except ModuleNotFoundError as e:
             # Only swallow "this candidate does not exist", never an import error inside it.
-            if e.name is None or not candidate.startswith(e.name):
+            missing = e.name or ""
+            if not (candidate == missing or candidate.startswith(missing + ".")):
                 raise
     raise ConfigError(
         f"model module {name!r} not found: tried {', '.join(candidates)}; pass --module / "

@@ -2,8 +2,17 @@
 
 import logging
 import os
+import sys
 
 logger = logging.getLogger("torchtitan")
+
+
+class _CurrentStderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at emit time (it may be redirected after setup)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
 
 
 def init_logger() -> None:
@@ -13,7 +22,7 @@ def init_logger() -> None:
     if logger.handlers:
         return
     rank = os.environ.get("RANK", "0")
-    handler = logging.StreamHandler()
+    handler = _CurrentStderrHandler()
     handler.setFormatter(
         logging.Formatter(f"[titan rank{rank}] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     )

@@ -151,11 +151,15 @@ class Transformer(nn.Module):
         """Initialise every parameter and buffer in place (after ``to_empty``)."""
         with torch.device(buffer_device or self.rope_cis.device):
             self.rope_cis = self._rope_cis()
+        if self.args.tie_word_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            # to_empty() gives each module its own new Parameter: tie them again.
+            self.output.weight = self.tok_embeddings.weight
         final_std = self.args.dim**-0.5
         if self.tok_embeddings is not None:
             if self.args.tie_word_embeddings:
-                # The shared matrix is also the output projection: keep logits O(1).
-                nn.init.trunc_normal_(self.tok_embeddings.weight, std=final_std)
+                # The shared matrix is also the output projection; with a larger std a token's
+                # own embedding dominates its logits (Llama 3.2 uses 0.02 for both).
+                nn.init.trunc_normal_(self.tok_embeddings.weight, std=0.02)
             else:
                 nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():

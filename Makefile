@@ -1,0 +1,36 @@
+# Two commands on a fresh machine:
+#   make train   # create .venv, install, train the debug model on the bundled corpus (CPU or GPU)
+#   make test    # create .venv, install, run the whole test suite
+# Pass trainer flags with ARGS, e.g. make train ARGS="--training.steps 20".
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch first, pinned, so pip does not resolve the newest (CUDA) build through a dependency.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: setup train test lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	PYTHON=$(PY) ./run_train.sh $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check torchtitan tests scripts benchmarks
+	$(VENV)/bin/ruff format --check torchtitan tests scripts benchmarks
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

@@ -1,0 +1,197 @@
+"""Tests for the warm-up / stable / decay learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from torchtitan.components.lr_scheduler import build_lr_scheduler, lr_factor
+from torchtitan.config.job_config import LRScheduler as LRSchedulerConfig
+
+PEAK_LR = 0.5
+
+
+def _optimizer() -> torch.optim.Optimizer:
+    return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=PEAK_LR)
+
+
+def _scheduled_lrs(config: LRSchedulerConfig, training_steps: int) -> list[float]:
+    """The LR each optimizer step runs with, in a loop shaped like the trainer's."""
+    optimizer = _optimizer()
+    scheduler = build_lr_scheduler(optimizer, config, training_steps=training_steps)
+    lrs = []
+    for _ in range(training_steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def _factors(lrs: list[float]) -> list[float]:
+    return [lr / PEAK_LR for lr in lrs]
+
+
+# --- lr_factor ----------------------------------------------------------------------------------
+
+
+def test_warmup_rises_linearly_from_the_first_step() -> None:
+    factors = [
+        lr_factor(
+            step,
+            warmup_steps=4,
+            decay_start=4,
+            decay_steps=6,
+            decay_type="linear",
+            min_lr_factor=0.0,
+        )
+        for step in range(5)
+    ]
+    # The first decay step already decays one notch (1/6), so the last one reaches the floor.
+    assert factors == pytest.approx([0.2, 0.4, 0.6, 0.8, 1 - 1 / 6])
+
+
+# Decay over steps 10..17 (decay_steps 8; step s has progress (s - 9) / 8) to a floor of 0.1:
+# factor = 0.1 + 0.9 * shape(progress).
+@pytest.mark.parametrize(
+    ("decay_type", "quarter", "middle"),
+    [
+        ("linear", 0.1 + 0.9 * 0.75, 0.1 + 0.9 * 0.5),
+        ("cosine", 0.1 + 0.9 * 0.5 * (1 + math.sqrt(0.5)), 0.1 + 0.9 * 0.5),
+        ("sqrt", 0.1 + 0.9 * 0.5, 0.1 + 0.9 * (1 - math.sqrt(0.5))),
+        ("constant", 1.0, 1.0),
+    ],
+)
+def test_decay_shapes(decay_type: str, quarter: float, middle: float) -> None:
+    def factor(step: int) -> float:
+        return lr_factor(
+            step,
+            warmup_steps=2,
+            decay_start=10,
+            decay_steps=8,
+            decay_type=decay_type,
+            min_lr_factor=0.1,
+        )
+
+    end = 1.0 if decay_type == "constant" else 0.1
+    assert factor(9) == 1.0  # stable phase
+    assert factor(10) <= 1.0 and (factor(10) < 1.0) == (decay_type != "constant")
+    assert factor(11) == pytest.approx(quarter)
+    assert factor(13) == pytest.approx(middle)
+    assert factor(17) == pytest.approx(end)  # the last decay step uses the floor
+    assert factor(30) == pytest.approx(end)  # past the end it stays at the floor
+
+
+def test_no_decay_steps_means_peak_after_warmup() -> None:
+    assert [
+        lr_factor(
+            s,
+            warmup_steps=1,
+            decay_start=5,
+            decay_steps=0,
+            decay_type="linear",
+            min_lr_factor=0.0,
+        )
+        for s in range(5)
+    ] == [0.5, 1.0, 1.0, 1.0, 1.0]
+
+
+# --- build_lr_scheduler -------------------------------------------------------------------------
+
+
+def test_schedule_warmup_then_stable_then_decay() -> None:
+    # 20 steps: warm-up 0..3, decay_ratio 0.5 of the 16 later steps -> stable 4..11, decay 12..19.
+    config = LRSchedulerConfig(warmup_steps=4, decay_ratio=0.5, decay_type="linear")
+    factors = _factors(_scheduled_lrs(config, training_steps=20))
+    assert factors[:4] == pytest.approx([0.2, 0.4, 0.6, 0.8])
+    assert factors[4:12] == pytest.approx([1.0] * 8)
+    decay = factors[12:]
+    assert all(a > b for a, b in zip(decay, decay[1:], strict=False))
+    assert decay[0] <= 1.0 and decay[-1] < 0.25
+
+
+@pytest.mark.parametrize("decay_type", ["linear", "cosine", "sqrt"])
+def test_schedule_never_goes_below_the_floor(decay_type: str) -> None:
+    config = LRSchedulerConfig(warmup_steps=2, decay_type=decay_type, min_lr_factor=0.1)
+    factors = _factors(_scheduled_lrs(config, training_steps=10))
+    assert min(factors[2:]) >= 0.1 - 1e-12
+    assert all(a >= b for a, b in zip(factors[2:], factors[3:], strict=False))
+
+
+@pytest.mark.parametrize("decay_type", ["linear", "cosine", "sqrt"])
+def test_schedule_reaches_the_floor_at_the_last_step(decay_type: str) -> None:
+    config = LRSchedulerConfig(warmup_steps=2, decay_type=decay_type, min_lr_factor=0.1)
+    assert _factors(_scheduled_lrs(config, training_steps=10))[-1] == pytest.approx(0.1)
+
+
+def test_warmup_longer_than_training_is_cut_to_the_run() -> None:
+    config = LRSchedulerConfig(warmup_steps=10, min_lr_factor=0.0)
+    factors = _factors(_scheduled_lrs(config, training_steps=5))
+    assert factors == pytest.approx([1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6])
+
+
+def test_no_warmup_starts_at_the_peak() -> None:
+    config = LRSchedulerConfig(warmup_steps=0, decay_ratio=0.5, decay_type="linear")
+    factors = _factors(_scheduled_lrs(config, training_steps=4))
+    assert factors[:2] == pytest.approx([1.0, 1.0])
+    assert factors[2] <= 1.0 and factors[3] < factors[2]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        LRSchedulerConfig(warmup_steps=2, decay_type="constant", min_lr_factor=0.1),
+        LRSchedulerConfig(warmup_steps=2, decay_ratio=0.0, decay_type="linear"),
+    ],
+    ids=["constant", "decay_ratio_0"],
+)
+def test_schedules_that_hold_the_peak(config: LRSchedulerConfig) -> None:
+    factors = _factors(_scheduled_lrs(config, training_steps=8))
+    assert factors == pytest.approx([1 / 3, 2 / 3] + [1.0] * 6)
+
+
+def test_state_dict_round_trip_continues_identically(tmp_path: Path) -> None:
+    config = LRSchedulerConfig(warmup_steps=3, decay_type="cosine", min_lr_factor=0.1)
+    training_steps, resume_at = 20, 7
+
+    optimizer = _optimizer()
+    scheduler = build_lr_scheduler(optimizer, config, training_steps=training_steps)
+    for _ in range(resume_at):
+        optimizer.step()
+        scheduler.step()
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"optimizer": optimizer.state_dict(), "lr_scheduler": scheduler.state_dict()}, path)
+    reference = []
+    for _ in range(training_steps - resume_at):
+        reference.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+
+    saved = torch.load(path, weights_only=True)
+    fresh_optimizer = _optimizer()
+    fresh = build_lr_scheduler(fresh_optimizer, config, training_steps=training_steps)
+    assert isinstance(fresh, LambdaLR)
+    fresh_optimizer.load_state_dict(saved["optimizer"])
+    fresh.load_state_dict(saved["lr_scheduler"])
+    assert fresh.last_epoch == resume_at
+    assert fresh.get_last_lr() == pytest.approx([reference[0]])
+    resumed = []
+    for _ in range(training_steps - resume_at):
+        resumed.append(fresh_optimizer.param_groups[0]["lr"])
+        fresh_optimizer.step()
+        fresh.step()
+    assert resumed == reference
+    assert reference[0] == pytest.approx(
+        PEAK_LR
+        * lr_factor(
+            resume_at,
+            warmup_steps=3,
+            decay_start=3,
+            decay_steps=17,
+            decay_type="cosine",
+            min_lr_factor=0.1,
+        )
+    )
