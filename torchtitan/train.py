@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from torchtitan.components.dataloader import build_dataloader
 from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_sum
@@ -25,7 +26,7 @@ from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args, to_toml
-from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import ParallelDims, tensor_parallel
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.models import import_model_module
 from torchtitan.tools.logging import init_logger, logger
@@ -38,12 +39,9 @@ def refuse_unimplemented(config: JobConfig) -> None:
     """Fail on features whose config fields exist but whose implementation lands later."""
     p = config.parallelism
     requested = {
-        "--parallelism.tensor_parallel_degree > 1 (issue #3)": p.tensor_parallel_degree > 1,
         "--parallelism.pipeline_parallel_degree > 1": p.pipeline_parallel_degree > 1,
         "--parallelism.context_parallel_degree > 1": p.context_parallel_degree > 1,
         "--parallelism.expert_parallel_degree > 1": p.expert_parallel_degree > 1,
-        "--activation_checkpoint.mode (issue #3)": config.activation_checkpoint.mode != "none",
-        "--compile.enable (issue #3)": config.compile.enable,
         "--float8.enable": config.float8.enable,
         "--checkpoint.* (issue #4)": config.checkpoint.enable
         or config.checkpoint.create_seed_checkpoint,
@@ -112,9 +110,9 @@ class Trainer:
         logger.info(
             f"{self.parallel_dims} on {self.device}, gradient accumulation {self.grad_accum_steps}"
         )
-        seed = self._shared_seed(config.debug.seed)
+        self.seed = self._shared_seed(config.debug.seed)
         dist_utils.set_determinism(
-            seed,
+            self.seed,
             deterministic=config.debug.deterministic,
             warn_only=config.debug.deterministic_warn_only,
         )
@@ -156,12 +154,30 @@ class Trainer:
             world_mesh=self.world_mesh,
             training=t,
             parallelism=self.config.parallelism,
+            activation_checkpoint=self.config.activation_checkpoint,
+            compile=self.config.compile,
         )
         model.to_empty(device=self.device)
+        # Initial weights depend only on the seed and the flavor, never on the parallelism.
+        torch.manual_seed(self.seed)
         with torch.no_grad():
             model.init_weights(buffer_device=self.device)
+        if self.world_mesh is not None and self.device.type == "cpu":
+            # DTensor random ops on CPU draw the same numbers on every shard (no offset-based
+            # RNG as on CUDA), which would duplicate heads and hidden units. Use the values a
+            # one-process init gives instead: rank 0 builds them, every rank takes its part.
+            dist_utils.load_full_init_from_rank0(
+                model, lambda: spec.build_model(self.model_args), self.seed
+            )
         model.train()
         self.model = model
+        c = self.config.compile
+        self.loss_fn = cross_entropy_sum
+        if c.enable and "loss" in c.components:
+            self.loss_fn = torch.compile(cross_entropy_sum, backend=c.backend)
+        self.loss_parallel = (
+            self.parallel_dims.tp_enabled and not self.config.parallelism.disable_loss_parallel
+        )
 
     def train(self) -> None:
         """Run ``training.steps`` optimizer steps."""
@@ -179,8 +195,10 @@ class Trainer:
                 microbatches = [next(data_iter) for _ in range(self.grad_accum_steps)]
                 data_seconds = time.perf_counter() - start
                 result = self.train_step(microbatches)
+                # Ranks of one data-parallel group share their tokens (TP, CP, PP).
+                tokens = sum(labels.numel() for _, labels in microbatches)
                 self.metrics.record_step(
-                    tokens=sum(labels.numel() for _, labels in microbatches),
+                    tokens=tokens // self.parallel_dims.non_data_parallel_size,
                     data_seconds=data_seconds,
                 )
                 if self.metrics.should_log(self.step, t.steps):
@@ -202,16 +220,11 @@ class Trainer:
         scale = dp_size / max(global_tokens, 1)
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(microbatches):
-            inputs, labels = self._to_device(batch)
             if isinstance(self.model, FSDPModule):
                 # Reduce gradients once, after the last micro-batch.
                 self.model.set_requires_gradient_sync(i == len(microbatches) - 1)
-            with self.autocast:
-                logits = self.model(inputs["input"])
-            loss = cross_entropy_sum(logits, labels)
-            del logits
-            (loss * scale).backward()
-            loss_sum += loss.detach()
+            inputs, labels = self._to_device(batch)
+            loss_sum += self.forward_backward(inputs, labels, scale)
         grad_norm = dist_utils.clip_grad_norm_(
             self.model.parameters(), self.config.training.max_norm
         )
@@ -219,6 +232,23 @@ class Trainer:
         self.optimizer.step()
         self.lr_scheduler.step()
         return StepResult(loss_sum, local_tokens, global_tokens, grad_norm, lr)
+
+    def forward_backward(
+        self, inputs: dict[str, torch.Tensor], labels: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """One micro-batch: forward, summed loss, backward of ``loss * scale``.
+
+        Returns the summed loss, detached. This is the piece a pipeline schedule replaces
+        (it runs forward and backward over micro-batches itself).
+        """
+        with tensor_parallel.loss_parallel_context(self.loss_parallel), self.autocast:
+            logits = self.model(inputs["input"])
+            loss = self.loss_fn(logits, labels)
+            del logits
+            (loss * scale).backward()
+        loss = loss.detach()
+        # Under loss parallelism the loss is a DTensor, already summed over the TP ranks.
+        return loss.to_local() if isinstance(loss, DTensor) else loss
 
     def close(self) -> None:
         self.metrics.close()
@@ -241,19 +271,22 @@ class Trainer:
             )
         return t.global_batch_size // per_step
 
-    def _shared_seed(self, seed: int | None) -> int | None:
+    def _shared_seed(self, seed: int | None) -> int:
         """Every rank must initialise replicated state alike: without ``--debug.seed``, rank 0
         draws a seed and shares it."""
-        if seed is not None or self.world_mesh is None:
+        if seed is not None:
             return seed
         drawn = torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
-        torch.distributed.broadcast(drawn, src=0)
+        if self.world_mesh is not None:
+            torch.distributed.broadcast(drawn, src=0)
         return int(drawn)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        """bf16 compute without FSDP; with FSDP its mixed-precision policy casts instead."""
-        dtype = self.config.training.mixed_precision_param
-        if dtype == "float32" or self.world_mesh is not None:
+        """bf16 compute through autocast, unless data parallelism's mixed-precision policy
+        (FSDP, HSDP, replicate) already casts the parameters."""
+        dims = self.parallel_dims
+        policy_casts = dims.fsdp_enabled or dims.dp_replicate_enabled
+        if self.config.training.mixed_precision_param == "float32" or policy_casts:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
@@ -268,14 +301,36 @@ class Trainer:
             result.global_tokens, 1
         )
         loss_max = dist_utils.dist_reduce(local_loss, "max", self.loss_mesh)
+        extra = {"loss_local": local_loss}
+        if self.step == 1:
+            extra |= self._state_mib()
         self.metrics.log(
             self.step,
             loss=loss,
             loss_max=loss_max,
             grad_norm=result.grad_norm.item(),
             lr=result.lr,
-            extra={"loss_local": local_loss},
+            extra=extra,
         )
+
+    def _state_mib(self) -> dict[str, float]:
+        """This rank's share of parameters and optimizer state (what sharding shrinks)."""
+
+        def local_bytes(tensors) -> int:
+            return sum(
+                (t.to_local() if isinstance(t, DTensor) else t).nbytes
+                for t in tensors
+                if isinstance(t, torch.Tensor)
+            )
+
+        params = local_bytes(self.model.parameters())
+        optim = local_bytes(v for state in self.optimizer.state.values() for v in state.values())
+        mib = {"param_mib": params / 2**20, "optimizer_state_mib": optim / 2**20}
+        logger.info(
+            f"This rank holds {mib['param_mib']:.1f} MiB of parameters and "
+            f"{mib['optimizer_state_mib']:.1f} MiB of optimizer state"
+        )
+        return mib
 
     def _save_config(self) -> None:
         name = self.config.job.save_config_file

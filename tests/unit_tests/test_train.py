@@ -141,8 +141,8 @@ def test_missing_dataset_path_is_one_clear_line(tmp_path, capfd):
 
 
 def test_features_of_later_issues_are_refused_not_ignored(tmp_path, capfd):
-    err = _main_error(capfd, "--compile.enable", "--job.dump_folder", str(tmp_path))
-    assert "--compile.enable" in err and "not implemented yet" in err
+    err = _main_error(capfd, "--checkpoint.enable", "--job.dump_folder", str(tmp_path))
+    assert "--checkpoint.*" in err and "not implemented yet" in err
 
 
 def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
@@ -156,3 +156,26 @@ def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
     assert [e.step for e in losses] == [1, 2]
     assert [e.value for e in losses] == pytest.approx([r["loss"] for r in records])
     assert {"grad_norm", "tps", "lr"} <= set(events.Tags()["scalars"])
+
+
+def test_bf16_is_applied_once_whatever_the_parallelism(tmp_path):
+    """autocast exactly when no data-parallel mixed-precision policy casts parameters."""
+    import contextlib
+
+    from torchtitan.distributed import ParallelDims
+
+    trainer = _trainer(
+        tmp_path, "--training.steps", "1", "--training.mixed_precision_param", "bfloat16"
+    )
+    cases = {
+        (1, 1, 1): True,  # one process
+        (1, 1, 2): True,  # TP only: nothing else casts
+        (1, 2, 1): False,  # FSDP's MixedPrecisionPolicy casts
+        (2, 1, 1): False,  # replicate uses the same policy
+        (1, 2, 2): False,
+    }
+    for (rep, shard, tp), autocast in cases.items():
+        trainer.parallel_dims = ParallelDims(rep, shard, 1, tp, 1, 1, world_size=rep * shard * tp)
+        context = trainer._autocast()
+        assert isinstance(context, torch.autocast) == autocast, (rep, shard, tp)
+        assert isinstance(context, contextlib.nullcontext) != autocast

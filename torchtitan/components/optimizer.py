@@ -2,6 +2,7 @@
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 
@@ -19,8 +20,19 @@ def build_optimizer(
     implementation = config.implementation
     if implementation == "auto":
         implementation = "fused" if device.type in ("cuda", "cpu") else "foreach"
+    # Fused and foreach kernels cannot mix DTensors with plain tensors (e.g. norms left
+    # replicated by a TP plan without sequence parallelism): one param group per kind.
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": kind}
+        for kind in (
+            [p for p in params if isinstance(p, DTensor)],
+            [p for p in params if not isinstance(p, DTensor)],
+        )
+        if kind
+    ]
     return _CLASSES[config.name](
-        [p for p in model.parameters() if p.requires_grad],
+        groups,
         lr=config.lr,
         betas=(config.beta1, config.beta2),
         eps=config.eps,

@@ -84,6 +84,9 @@ class Training:
     num_workers: int = 0
     """Dataloader worker processes per rank; 0 loads in the training process."""
 
+    enable_cpu_offload: bool = False
+    """Keep FSDP-sharded parameters, gradients and optimizer state in host memory."""
+
 
 @dataclass
 class Optimizer:
@@ -135,10 +138,12 @@ class Parallelism:
 
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered parameters after forward (``always``), keep them (``never``), or let the
-    framework choose (``default``). (not implemented yet: issue #3)"""
+    framework choose (``default``: free them, except the last block's, which backward needs
+    first)."""
 
     tensor_parallel_degree: int = 1
-    """Ranks that split each layer's matmuls (TP). (not implemented yet: issue #3)"""
+    """Ranks that split each layer's matmuls (TP); must divide heads, KV heads, FFN width and
+    vocabulary."""
 
     enable_sequence_parallel: bool = True
     """Shard norms and dropout along the sequence in TP regions."""
@@ -210,7 +215,8 @@ class Checkpoint:
 @dataclass
 class ActivationCheckpoint:
     mode: Literal["none", "full", "selective"] = "none"
-    """Recompute activations in backward to save memory. (not implemented yet: issue #3)"""
+    """Recompute activations in backward to save memory: every block (``full``) or some
+    (``selective``)."""
 
     selective_ac_option: str = "2"
     """``op`` (save expensive ops) or N (checkpoint every N-th block) for ``selective``."""
@@ -228,7 +234,7 @@ class ActivationCheckpoint:
 @dataclass
 class Compile:
     enable: bool = False
-    """torch.compile each transformer block. (not implemented yet: issue #3)"""
+    """torch.compile each transformer block (and the loss)."""
 
     components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model", "loss"])
     """What to compile."""

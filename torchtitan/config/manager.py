@@ -208,13 +208,6 @@ def validate(config: JobConfig) -> None:
         if not ok:
             raise ConfigError(message)
 
-    world_size = os.environ.get("WORLD_SIZE")
-    if world_size is not None:
-        if not world_size.isdigit() or int(world_size) < 1:
-            raise ConfigError(f"WORLD_SIZE={world_size!r} must be a positive integer (set NGPU)")
-        # Raises ParallelDimsError (a ConfigError) naming the degree flags.
-        ParallelDims.from_config(config.parallelism, int(world_size))
-
     module = import_model_module(config.model.name)
     flavors = getattr(module, "flavors", None)
     if flavors is not None and config.model.flavor not in flavors:
@@ -222,6 +215,23 @@ def validate(config: JobConfig) -> None:
             f"--model.flavor {config.model.flavor} is not a {config.model.name} flavor"
             f"{_did_you_mean(config.model.flavor, flavors)}; available: {', '.join(flavors)}"
         )
+
+    world_size = os.environ.get("WORLD_SIZE")
+    if world_size is not None:
+        if not world_size.isdigit() or int(world_size) < 1:
+            raise ConfigError(f"WORLD_SIZE={world_size!r} must be a positive integer (set NGPU)")
+        validate_parallelism(config, module, int(world_size))
+
+
+def validate_parallelism(
+    config: JobConfig, module: types.ModuleType, world_size: int
+) -> ParallelDims:
+    """Degrees against the world size (``ParallelDimsError``), then against the model's dims."""
+    parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
+    model_check = getattr(module, "validate", None)
+    if model_check is not None:
+        model_check(config, parallel_dims)
+    return parallel_dims
 
 
 def to_dict(config: JobConfig) -> dict[str, dict[str, Any]]:

@@ -3,10 +3,14 @@
 import datetime
 import os
 import random
+from collections import defaultdict
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -26,6 +30,8 @@ def init_distributed(
     A plain ``python -m torchtitan.train`` (no ``WORLD_SIZE`` in the environment) runs as one
     process without a process group.
     """
+    if dist.is_initialized():  # several trainers in one process (tests, notebooks)
+        return dist.get_world_size()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1 and "RANK" not in os.environ:
         return 1
@@ -82,16 +88,54 @@ def dist_reduce(x: torch.Tensor | float, op: str, mesh: DeviceMesh | None) -> fl
     return (t / mesh.size()).item() if op == "avg" else t.item()
 
 
-def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """Clip the global gradient norm; works for plain tensors and DTensors (FSDP/TP)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(norm, DTensor):
-        # The per-shard norms are partial: reduce them to the global norm on every rank.
-        norm = norm.full_tensor()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm; return it (before clipping) as a plain tensor.
+
+    Gradients may be plain tensors (replicated) and DTensors on several meshes (FSDP, TP,
+    pipeline stages): each group's norm is computed on its own mesh, reduced to a full value,
+    and the groups are combined, so every rank gets the norm of the whole model.
+    """
+    groups: dict[DeviceMesh | None, list[torch.Tensor]] = defaultdict(list)
+    for p in parameters:
+        if p.grad is not None:
+            mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups[mesh].append(p.grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        # A DTensor norm is partial over its shards: reduce to the full value on every rank.
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
-    return norm
+        for grads in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total, foreach=True)
+    return total
+
+
+def load_full_init_from_rank0(
+    model: nn.Module, build_full: Callable[[], nn.Module], seed: int
+) -> None:
+    """Overwrite a parallelized model's parameters with a one-process initialisation.
+
+    Rank 0 builds the full model on the host with ``seed`` and calls its ``init_weights``; every
+    rank receives its shards (any DTensor placement) via ``set_model_state_dict``. Meant for
+    small models (CPU runs): the full model must fit in rank 0's host memory.
+    """
+    full_state: dict[str, torch.Tensor] = {}
+    if dist.get_rank() == 0:
+        # Built like the trainer builds: on meta (module constructors draw no random numbers).
+        with torch.device("meta"):
+            full = build_full()
+        full.to_empty(device="cpu")
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
+            full.init_weights(buffer_device=torch.device("cpu"))
+        full_state = full.state_dict()
+    set_model_state_dict(
+        model,
+        full_state,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
 
 
 def shutdown() -> None:

@@ -2,9 +2,20 @@
 manager can list and validate configs quickly; ``model_spec()`` brings in the model."""
 
 from torchtitan.models.llama3 import config_registry
-from torchtitan.models.llama3.args import Llama3Args, flavors
+from torchtitan.models.llama3.args import Llama3Args, check_parallel_degrees, flavors
 
-__all__ = ["Llama3Args", "config_registry", "flavors", "model_spec"]
+__all__ = ["Llama3Args", "config_registry", "flavors", "model_spec", "validate"]
+
+
+def validate(config, parallel_dims) -> None:
+    """Model-specific checks of a config against its parallel degrees (no torch import)."""
+    check_parallel_degrees(
+        flavors[config.model.flavor],
+        flavor=config.model.flavor,
+        tp=parallel_dims.tp,
+        sequence_parallel=config.parallelism.enable_sequence_parallel,
+        seq_len=config.training.seq_len,
+    )
 
 
 def model_spec():

@@ -2,6 +2,8 @@
 
 import dataclasses
 
+from torchtitan.config.errors import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -68,6 +70,27 @@ class Llama3Args:
             dense += 6 * self.vocab_size * self.dim
         attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
         return dense + attention
+
+
+def check_parallel_degrees(
+    args: Llama3Args, *, flavor: str, tp: int, sequence_parallel: bool, seq_len: int
+) -> None:
+    """Reject tensor-parallel degrees that cannot split this flavor evenly."""
+    flag = f"--parallelism.tensor_parallel_degree={tp}"
+    dims = {
+        "n_heads": args.n_heads,
+        "n_kv_heads": args.kv_heads,
+        "the FFN hidden size": args.ffn_hidden_dim,
+        "vocab_size": args.vocab_size,
+    }
+    for name, value in dims.items():
+        if value % tp:
+            raise ConfigError(f"{flag} does not divide {name}={value} of flavor {flavor}")
+    if tp > 1 and sequence_parallel and seq_len % tp:
+        raise ConfigError(
+            f"{flag} does not divide --training.seq_len={seq_len} (sequence parallelism "
+            "splits the sequence); change either, or pass --parallelism.no_enable_sequence_parallel"
+        )
 
 
 _LLAMA31_ROPE = RopeScaling(factor=8.0)

@@ -1,11 +1,28 @@
-"""How Llama 3 is parallelized: which modules each technique wraps. Plans only, no machinery."""
+"""How Llama 3 is parallelized: which modules each technique wraps. Plans only, no machinery.
+
+Order: tensor parallel -> activation checkpointing -> torch.compile -> data parallel (FSDP).
+TP first because it rewrites parameters into DTensors that the later wrappers must see; AC
+wraps the TP'd block so recomputation replays its collectives; compile traces the block with
+its checkpointing; FSDP last so it shards (and gathers) the final parameters of each unit.
+"""
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
-from torchtitan.config.job_config import Parallelism, Training
+from torchtitan.config.job_config import ActivationCheckpoint, Compile, Parallelism, Training
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import apply_fsdp, apply_replicate, mixed_precision_policy
+from torchtitan.distributed.tensor_parallel import enable_async_tp
 
 
 def parallelize_llama3(
@@ -15,8 +32,21 @@ def parallelize_llama3(
     world_mesh: DeviceMesh | None,
     training: Training,
     parallelism: Parallelism,
+    activation_checkpoint: ActivationCheckpoint,
+    compile: Compile,
 ) -> nn.Module:
-    """Apply data parallelism per transformer block (FSDP / HSDP / DDP-style replicate)."""
+    if parallel_dims.tp_enabled:
+        apply_tp(
+            model,
+            world_mesh["tp"],
+            loss_parallel=not parallelism.disable_loss_parallel,
+            sequence_parallel=parallelism.enable_sequence_parallel,
+        )
+        if parallelism.enable_async_tensor_parallel:
+            enable_async_tp(world_mesh["tp"], compile_enabled=compile.enable)
+    apply_ac(model.layers, activation_checkpoint)
+    if compile.enable and "model" in compile.components:
+        apply_compile(model.layers, compile)
     if world_mesh is None:
         return model
     mp_policy = mixed_precision_policy(
@@ -24,18 +54,64 @@ def parallelize_llama3(
     )
     blocks = model.layers.values()
     if parallel_dims.fsdp_enabled:
-        names = (
-            ("dp_replicate", "dp_shard_cp")
-            if parallel_dims.dp_replicate_enabled
-            else ("dp_shard_cp",)
-        )
+        dims = ("dp_shard_cp",)
+        if parallel_dims.dp_replicate_enabled:
+            dims = ("dp_replicate", "dp_shard_cp")
         return apply_fsdp(
             model,
             blocks,
-            world_mesh[names],
+            world_mesh[dims],
             mp_policy=mp_policy,
             reshard_after_forward=parallelism.fsdp_reshard_after_forward,
+            cpu_offload=training.enable_cpu_offload,
         )
     if parallel_dims.dp_replicate_enabled:
         return apply_replicate(model, blocks, world_mesh["dp_replicate"], mp_policy=mp_policy)
     return model
+
+
+def apply_tp(
+    model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, sequence_parallel: bool
+) -> None:
+    """Megatron-style TP: attention heads and FFN hidden units split over ``tp_mesh``.
+
+    q/k/v and w1/w3 are column-parallel (each rank computes its heads / hidden units), wo and
+    w2 row-parallel (partial sums reduced at the end). With sequence parallelism the activations
+    between those regions are sharded along the sequence (dim 1), so norms and residual adds
+    run on 1/tp of the tokens and the all-reduces become reduce-scatter + all-gather. With loss
+    parallelism the logits stay sharded over the vocabulary into the cross-entropy.
+    """
+    between = Shard(1) if sequence_parallel else Replicate()
+    top_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "output": ColwiseParallel(
+            input_layouts=between,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    if sequence_parallel:
+        top_plan["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, top_plan)
+
+    for block in model.layers.values():
+        plan = {
+            # The block's second input (the RoPE table) is a plain, replicated tensor.
+            "attention": PrepareModuleInput(
+                input_layouts=(between, None), desired_input_layouts=(Replicate(), None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=between),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(between,), desired_input_layouts=(Replicate(),)
+            ),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=between),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        if sequence_parallel:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        parallelize_module(block, tp_mesh, plan)

@@ -1,0 +1,89 @@
+"""Train several parallel configs on identical data and weights; save what to compare.
+
+    torchrun --nproc_per_node=N numerics_harness.py OUT_DIR CASE [CASE ...]
+    python numerics_harness.py OUT_DIR CASE            # the one-process reference
+
+Each CASE is ``name:flag flag ...`` (trainer flags, space separated). Every case starts from
+the same weights (one-process init for the seed) and, at every step, consumes the same global
+batch: the first windows of the bundled corpus, split by data-parallel rank. Rank 0 writes
+``OUT_DIR/<name>.pt`` with the per-step losses and grad norms and the full final weights.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from torchtitan.components.dataloader import build_dataloader
+from torchtitan.config.manager import parse_args
+from torchtitan.distributed.utils import shutdown
+from torchtitan.tools.logging import init_logger
+from torchtitan.train import Trainer
+
+
+class GlobalBatchSlices:
+    """This rank's rows of fixed global batches, so every layout sees the same tokens."""
+
+    def __init__(self, trainer: Trainer, steps: int):
+        t = trainer.config.training
+        dp = trainer.parallel_dims.dp_degree
+        dp_rank = trainer.world_mesh["dp"].get_local_rank() if trainer.world_mesh is not None else 0
+        source = build_dataloader(
+            dataset=t.dataset,
+            dataset_path=t.dataset_path,
+            tokenizer=trainer.tokenizer,
+            seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size * dp,
+            dp_rank=0,
+            dp_world_size=1,
+        )
+        rows = slice(dp_rank * t.local_batch_size, (dp_rank + 1) * t.local_batch_size)
+        it = iter(source)
+        self.batches = []
+        for _ in range(steps * trainer.grad_accum_steps):
+            inputs, labels = next(it)
+            self.batches.append(({"input": inputs["input"][rows]}, labels[rows]))
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def _clean(name: str) -> str:
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def run_case(out_dir: Path, name: str, flags: list[str]) -> None:
+    dump = out_dir / name
+    trainer = Trainer(parse_args([*flags, "--job.dump_folder", str(dump)], console_outputs=False))
+    trainer.dataloader = GlobalBatchSlices(trainer, trainer.config.training.steps)
+    trainer.train()
+    weights = {}
+    for param_name, param in trainer.model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        weights[_clean(param_name)] = full.detach().clone()
+    trainer.close()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        lines = (dump / "metrics.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines]
+        torch.save({"records": records, "weights": weights}, out_dir / f"{name}.pt")
+
+
+def main() -> None:
+    init_logger()
+    out_dir = Path(sys.argv[1])
+    for case in sys.argv[2:]:
+        name, _, flags = case.partition(":")
+        run_case(out_dir, name, flags.split())
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)

@@ -1,0 +1,116 @@
+"""Every parallel layout trains exactly like one process: same weights, same global batches,
+deterministic mode, float32; per-step losses and final weights compared with the reference.
+
+All cases of one world size share a single torchrun launch (``numerics_harness.py``).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+HARNESS = REPO / "tests/integration_tests/numerics_harness.py"
+BASE = (
+    "--training.seq_len 64 --training.steps 10 --lr_scheduler.warmup_steps 2 "
+    "--debug.seed 0 --debug.deterministic --metrics.log_freq 1"
+)
+LOSS_RTOL = 1e-5
+# Summation order differs between layouts (~1e-7 relative in gradients); Adam's
+# m / sqrt(v) amplifies it where gradients are near zero. 10 steps x lr 8e-4 can move a
+# weight by 8e-3: 5e-5 is under 1% of that.
+WEIGHT_ATOL = 5e-5
+
+REFERENCE = ("ref", 1, "--training.local_batch_size 8")
+CASES = {
+    # name: (ranks, flags); local_batch_size x data-parallel degree = 8 sequences per step
+    "fsdp2": (2, "--training.local_batch_size 4"),
+    "ddp2": (
+        2,
+        "--training.local_batch_size 4 --parallelism.data_parallel_replicate_degree 2 "
+        "--parallelism.data_parallel_shard_degree 1",
+    ),
+    "tp2": (2, "--training.local_batch_size 8 --parallelism.tensor_parallel_degree 2"),
+    "tp2_no_sequence_parallel": (
+        2,
+        "--training.local_batch_size 8 --parallelism.tensor_parallel_degree 2 "
+        "--parallelism.no_enable_sequence_parallel",
+    ),
+    "tp2_no_loss_parallel": (
+        2,
+        "--training.local_batch_size 8 --parallelism.tensor_parallel_degree 2 "
+        "--parallelism.disable_loss_parallel",
+    ),
+    "fsdp2_ac_full": (2, "--training.local_batch_size 4 --activation_checkpoint.mode full"),
+    "fsdp2_ac_every_2nd_block": (
+        2,
+        "--training.local_batch_size 4 --activation_checkpoint.mode selective "
+        "--activation_checkpoint.selective_ac_option 2",
+    ),
+    "fsdp2_ac_ops": (
+        2,
+        "--training.local_batch_size 4 --activation_checkpoint.mode selective "
+        "--activation_checkpoint.selective_ac_option op",
+    ),
+    "fsdp2_tp2": (4, "--training.local_batch_size 4 --parallelism.tensor_parallel_degree 2"),
+    "hsdp2x2": (4, "--training.local_batch_size 2 --parallelism.data_parallel_replicate_degree 2"),
+    "compile": (1, "--training.local_batch_size 8 --compile.enable"),
+}
+
+pytestmark = pytest.mark.integration
+
+
+def _launch(out: Path, ranks: int, cases: list[tuple[str, str]]) -> None:
+    args = [f"{name}:{BASE} {flags}" for name, flags in cases]
+    if ranks == 1:
+        cmd = [sys.executable, str(HARNESS), str(out), *args]
+    else:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+            "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0",
+            str(HARNESS), str(out), *args,
+        ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    result = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env=env | {"OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("numerics")
+    name, ranks, flags = REFERENCE
+    _launch(out, ranks, [(name, flags)])
+    for world in sorted({ranks for ranks, _ in CASES.values()}):
+        _launch(out, world, [(n, f) for n, (r, f) in CASES.items() if r == world])
+    return out
+
+
+def _load(out: Path, name: str) -> dict:
+    return torch.load(out / f"{name}.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_layout_matches_one_process(results, case):
+    ref, run = _load(results, "ref"), _load(results, case)
+    assert [r["step"] for r in run["records"]] == list(range(1, 11))
+    for got, want in zip(run["records"], ref["records"], strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=LOSS_RTOL), got["step"]
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), got["step"]
+    assert run["weights"].keys() == ref["weights"].keys()
+    for name, want in ref["weights"].items():
+        torch.testing.assert_close(run["weights"][name], want, rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+def test_reference_actually_trains(results):
+    records = _load(results, "ref")["records"]
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5

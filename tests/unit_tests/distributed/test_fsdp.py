@@ -1,0 +1,51 @@
+"""FSDP wiring: reshard-after-forward choices and deferred gradient reduction, observed as the
+collectives backward issues (fake backend: one process plays rank 0 of 2)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from torchtitan.distributed.fsdp import apply_fsdp, mixed_precision_policy
+from torchtitan.models.llama3.args import Llama3Args
+from torchtitan.models.llama3.model import Transformer
+
+ARGS = Llama3Args(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=16)
+c10d = torch.ops.c10d
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield init_device_mesh("cpu", (2,))
+    dist.destroy_process_group()
+
+
+def _backward_collectives(mesh, reshard: str, *, sync: bool = True) -> dict:
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    policy = mixed_precision_policy("float32", "float32")
+    apply_fsdp(model, model.layers.values(), mesh, mp_policy=policy, reshard_after_forward=reshard)
+    model.set_requires_gradient_sync(sync)
+    out = model(torch.randint(0, ARGS.vocab_size, (2, 16)))
+    with CommDebugMode() as comm:
+        out.sum().backward()
+    return {op: n for op, n in comm.get_comm_counts().items() if n}
+
+
+@pytest.mark.parametrize(
+    ("reshard", "regathers"),
+    [("default", ARGS.n_layers - 1), ("always", ARGS.n_layers), ("never", 0)],
+)
+def test_reshard_after_forward_decides_what_backward_gathers_again(mesh, reshard, regathers):
+    counts = _backward_collectives(mesh, reshard)
+    assert counts.get(c10d._allgather_base_, 0) == regathers
+    # One gradient reduce-scatter per block and one for the root's parameters.
+    assert counts[c10d._reduce_scatter_base_] == ARGS.n_layers + 1
+
+
+def test_no_gradient_reduction_while_accumulating(mesh):
+    counts = _backward_collectives(mesh, "default", sync=False)
+    assert c10d._reduce_scatter_base_ not in counts
