@@ -179,3 +179,16 @@ def test_bf16_is_applied_once_whatever_the_parallelism(tmp_path):
         context = trainer._autocast()
         assert isinstance(context, torch.autocast) == autocast, (rep, shard, tp)
         assert isinstance(context, contextlib.nullcontext) != autocast
+
+
+def test_wandb_offline_run_records_the_logged_values(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    records, _ = _run(tmp_path, "--training.steps", "2", "--metrics.enable_wandb")
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    data = run_file.read_bytes()
+    # History values are stored as JSON text inside the run's protobuf records.
+    for record in records:
+        assert json.dumps(record["loss"]).encode() in data
+    assert b"grad_norm" in data and b"tps" in data
