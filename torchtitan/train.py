@@ -14,9 +14,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from torchtitan.components.checkpoint import CheckpointManager, build_checkpoint_states
 from torchtitan.components.dataloader import build_dataloader
 from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan.components.lr_scheduler import build_lr_scheduler
@@ -43,8 +45,6 @@ def refuse_unimplemented(config: JobConfig) -> None:
         "--parallelism.context_parallel_degree > 1": p.context_parallel_degree > 1,
         "--parallelism.expert_parallel_degree > 1": p.expert_parallel_degree > 1,
         "--float8.enable": config.float8.enable,
-        "--checkpoint.* (issue #4)": config.checkpoint.enable
-        or config.checkpoint.create_seed_checkpoint,
         "--profiling.enable_profiling (issue #5)": config.profiling.enable_profiling,
         "--profiling.enable_memory_snapshot (issue #5)": config.profiling.enable_memory_snapshot,
         "--validation.enable": config.validation.enable,
@@ -52,6 +52,26 @@ def refuse_unimplemented(config: JobConfig) -> None:
     for flag, asked in requested.items():
         if asked:
             raise ConfigError(f"{flag} is not implemented yet; remove the flag to train without it")
+
+
+@dataclasses.dataclass
+class TrainState(Stateful):
+    """Where training stands; restored from a checkpoint with everything else."""
+
+    step: int = 0
+    tokens_seen: int = 0
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {
+            "step": torch.tensor(self.step),
+            "tokens_seen": torch.tensor(self.tokens_seen),
+            "rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.step = int(state_dict["step"])
+        self.tokens_seen = int(state_dict["tokens_seen"])
+        torch.set_rng_state(state_dict["rng"])
 
 
 @dataclasses.dataclass
@@ -88,7 +108,43 @@ class Trainer:
             save_rank=self.rank == 0 or config.metrics.save_for_all_ranks,
         )
         self._save_config()
-        self.step = 0
+        self.train_state = TrainState()
+        self.checkpointer = None
+        c = config.checkpoint
+        if c.enable or c.create_seed_checkpoint:
+            dp_mesh = self.world_mesh["dp"] if self.world_mesh is not None else None
+            states = build_checkpoint_states(
+                model=self.model,
+                optimizer=self.optimizer,
+                lr_scheduler=self.lr_scheduler,
+                dataloader=self.dataloader,
+                train_state=self.train_state,
+                dp_rank=dp_mesh.get_local_rank() if dp_mesh is not None else 0,
+                dp_world_size=self.parallel_dims.dp_degree,
+            )
+            self.checkpointer = CheckpointManager(
+                c,
+                dump_folder=config.job.dump_folder,
+                states=states,
+                model=self.model,
+                device_type=self.device.type,
+            )
+            if c.enable:
+                self.checkpointer.load()
+
+    @property
+    def step(self) -> int:
+        return self.train_state.step
+
+    def create_seed_checkpoint(self) -> None:
+        """Save the initial weights as ``step-0`` (model only): every later run, at any
+        parallelism, that finds it starts from exactly these weights."""
+        if self.world_mesh is not None:
+            raise ConfigError(
+                "--checkpoint.create_seed_checkpoint runs on one process with every degree 1; "
+                "launch it with NGPU=1"
+            )
+        self.checkpointer.save(0, model_only=True)
 
     def _init_distributed(self) -> None:
         """Device, process group, parallel degrees and meshes, shared seed."""
@@ -189,7 +245,7 @@ class Trainer:
         data_iter = iter(self.dataloader)
         with _gc_every(t.gc_freq) as gc_tick:
             while self.step < t.steps:
-                self.step += 1
+                self.train_state.step += 1
                 gc_tick(self.step)
                 start = time.perf_counter()
                 microbatches = [next(data_iter) for _ in range(self.grad_accum_steps)]
@@ -201,8 +257,14 @@ class Trainer:
                     tokens=tokens // self.parallel_dims.non_data_parallel_size,
                     data_seconds=data_seconds,
                 )
+                self.train_state.tokens_seen += result.global_tokens
                 if self.metrics.should_log(self.step, t.steps):
                     self._log(result)
+                if self.checkpointer is not None:
+                    self.checkpointer.poll()
+                    last = self.step == t.steps
+                    if self.checkpointer.should_save(self.step, last=last):
+                        self.checkpointer.save(self.step, last=last)
         logger.info("Training finished")
 
     def train_step(self, microbatches: Sequence[Batch]) -> StepResult:
@@ -251,6 +313,8 @@ class Trainer:
         return loss.to_local() if isinstance(loss, DTensor) else loss
 
     def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         self.metrics.close()
 
     @property
@@ -369,7 +433,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = parse_args(argv)
         trainer = Trainer(config)
-        trainer.train()
+        if config.checkpoint.create_seed_checkpoint:
+            trainer.create_seed_checkpoint()
+        else:
+            trainer.train()
         return 0
     except (ConfigError, FileNotFoundError) as e:
         logger.error(str(e))

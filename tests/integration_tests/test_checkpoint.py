@@ -1,0 +1,267 @@
+"""Checkpoints lose nothing: exact resume (1 process, FSDP, sync and async), torn checkpoints,
+a killed rank, resharding, seed checkpoints, and the flags that shape what is saved/loaded."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from torchtitan.components.checkpoint import complete_checkpoints
+from torchtitan.train import main
+
+REPO = Path(__file__).resolve().parents[2]
+# A constant LR after warm-up keeps the schedule of a 10-step run equal to the first 10 steps of
+# a 20-step one, so "train 10, stop, resume to 20" must reproduce "train 20".
+BASE = [
+    "--training.seq_len", "64", "--debug.seed", "0", "--debug.deterministic",
+    "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
+    "--lr_scheduler.decay_type", "constant", "--checkpoint.enable",
+    "--checkpoint.interval", "5", "--checkpoint.no_last_save_model_only",
+]  # fmt: skip
+
+pytestmark = pytest.mark.integration
+
+
+def _losses(dump: Path, name: str = "metrics.jsonl") -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (dump / name).read_text().splitlines())}
+
+
+def _train(dump: Path, *flags: str) -> int:
+    return main([*BASE, "--job.dump_folder", str(dump), *flags])
+
+
+def _run_train(dump: Path, *flags: str, ngpu: int = 2, **popen) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run(
+        ["./run_train.sh", *BASE, "--job.dump_folder", str(dump), *flags],
+        cwd=REPO,
+        env=env | {"NGPU": str(ngpu), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _steps(dump: Path) -> list[str]:
+    return [p.name for p in complete_checkpoints(dump / "checkpoint")]
+
+
+# ---- one process ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    dump = tmp_path_factory.mktemp("uninterrupted")
+    assert _train(dump, "--training.steps", "20") == 0
+    return dump
+
+
+def test_resume_is_bitwise_exact_in_one_process(tmp_path, uninterrupted):
+    assert _train(tmp_path, "--training.steps", "10") == 0
+    assert _train(tmp_path, "--training.steps", "20") == 0
+    want, got = _losses(uninterrupted), _losses(tmp_path)
+    assert [got[s] for s in range(11, 21)] == [want[s] for s in range(11, 21)]
+
+
+def test_torn_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, uninterrupted, capfd):
+    assert _train(tmp_path, "--training.steps", "10") == 0
+    shard = next((tmp_path / "checkpoint/step-10").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated
+    assert _train(tmp_path, "--training.steps", "20") == 0
+    err = capfd.readouterr().err
+    assert "Skipping checkpoint" in err and "truncated" in err
+    assert "Loading checkpoint" in err and "step-5 " in err
+    # Resumed from step 5: steps 6..20 retrained, and identical to the uninterrupted run.
+    want, got = _losses(uninterrupted), _losses(tmp_path)
+    assert [got[s] for s in range(11, 21)] == [want[s] for s in range(11, 21)]
+
+
+def test_explicit_load_step_that_is_missing_or_torn_is_an_error(tmp_path, capfd):
+    assert _train(tmp_path, "--training.steps", "5") == 0
+    assert _train(tmp_path, "--training.steps", "10", "--checkpoint.load_step", "7") == 2
+    assert "--checkpoint.load_step=7" in capfd.readouterr().err
+    (tmp_path / "checkpoint/step-5/manifest.json").unlink()
+    assert _train(tmp_path, "--training.steps", "10", "--checkpoint.load_step", "5") == 2
+    assert "incomplete checkpoint" in capfd.readouterr().err
+
+
+def test_an_interrupted_save_is_never_loaded(tmp_path, capfd):
+    assert _train(tmp_path, "--training.steps", "5") == 0
+    (tmp_path / "checkpoint/step-5").rename(tmp_path / "checkpoint/step-5.tmp")
+    assert _train(tmp_path, "--training.steps", "1", "--checkpoint.interval", "100") == 0
+    err = capfd.readouterr().err
+    assert "Removing incomplete checkpoint" in err and "No checkpoint" in err
+
+
+def test_keep_latest_k_load_only_and_export_dtype(tmp_path):
+    assert _train(tmp_path, "--training.steps", "20", "--checkpoint.keep_latest_k", "2") == 0
+    assert _steps(tmp_path) == ["step-15", "step-20"]
+    # load_only: resumes but never writes.
+    assert _train(tmp_path, "--training.steps", "25", "--checkpoint.load_only") == 0
+    assert _steps(tmp_path) == ["step-15", "step-20"]
+    assert min(_losses(tmp_path)) == 1  # the metrics file of the first run
+    # The last save can keep only the weights, in another dtype.
+    export = tmp_path / "export"
+    assert _train(
+        export, "--training.steps", "2", "--checkpoint.last_save_model_only",
+        "--checkpoint.export_dtype", "bfloat16",
+    ) == 0  # fmt: skip
+    metadata = FileSystemReader(str(export / "checkpoint/step-2")).read_metadata()
+    keys = metadata.state_dict_metadata
+    assert all(k.startswith("model.") for k in keys)
+    assert keys["model.tok_embeddings.weight"].properties.dtype == torch.bfloat16
+
+
+def test_exclude_dataloader_restarts_the_data(tmp_path, uninterrupted):
+    assert _train(tmp_path, "--training.steps", "10") == 0
+    assert (
+        _train(
+            tmp_path, "--training.steps", "11", "--checkpoint.exclude_from_loading", "dataloader"
+        )
+        == 0
+    )
+    # Same weights as the uninterrupted run at step 10, but step 11 reads the first batch again.
+    assert _losses(tmp_path)[11] != _losses(uninterrupted)[11]
+
+
+def test_seed_checkpoint_sets_the_initial_weights(tmp_path):
+    seed_dir = tmp_path / "seeded"
+    assert (
+        main(
+            [
+                "--checkpoint.create_seed_checkpoint",
+                "--debug.seed",
+                "1",
+                "--job.dump_folder",
+                str(seed_dir),
+            ]
+        )
+        == 0
+    )
+    assert _steps(seed_dir) == ["step-0"]
+    # A run with another seed that finds the seed checkpoint starts from seed 1's weights.
+    assert _train(seed_dir, "--training.steps", "1", "--debug.seed", "2") == 0
+    reference = tmp_path / "reference"
+    assert _train(reference, "--training.steps", "1", "--debug.seed", "1") == 0
+    assert _losses(seed_dir)[1] == _losses(reference)[1]
+
+
+# ---- several ranks -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fsdp_uninterrupted(tmp_path_factory) -> Path:
+    dump = tmp_path_factory.mktemp("fsdp_uninterrupted")
+    full = _run_train(dump, "--training.steps", "20")
+    assert full.returncode == 0, full.stderr[-3000:]
+    return dump
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_fsdp_resume_is_bitwise_exact(tmp_path, fsdp_uninterrupted, async_mode):
+    mode = ["--checkpoint.async_mode", async_mode]
+    first = _run_train(tmp_path, "--training.steps", "10", *mode)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert _steps(tmp_path) == ["step-5", "step-10"]
+    second = _run_train(tmp_path, "--training.steps", "20", *mode)
+    assert second.returncode == 0, second.stderr[-3000:]
+    want, got = _losses(fsdp_uninterrupted), _losses(tmp_path)
+    assert [got[s] for s in range(11, 21)] == [want[s] for s in range(11, 21)]
+
+
+def test_killed_rank_resumes_from_the_last_complete_checkpoint(tmp_path):
+    # Bigger steps so the kill lands mid-run.
+    flags = [
+        "--training.steps",
+        "20",
+        "--checkpoint.interval",
+        "2",
+        "--training.local_batch_size",
+        "32",
+    ]
+    full = _run_train(tmp_path / "full", *flags)
+    assert full.returncode == 0, full.stderr[-3000:]
+    dump = tmp_path / "killed"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    launcher = subprocess.Popen(
+        ["./run_train.sh", *BASE, "--job.dump_folder", str(dump), *flags],
+        cwd=REPO,
+        env=env | {"NGPU": "2", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 300
+    while "step-4" not in _steps(dump) and time.time() < deadline and launcher.poll() is None:
+        time.sleep(0.05)
+    # run_train.sh execs torchrun, whose children are the ranks.
+    workers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True)
+    pids = [int(pid) for pid in workers.stdout.split()]
+    assert len(pids) == 2 and "step-20" not in _steps(dump), "the run ended before the kill"
+    os.kill(pids[-1], signal.SIGKILL)  # one rank dies mid-run
+    assert launcher.wait(timeout=300) != 0
+    survived = _steps(dump)
+    assert survived and "step-20" not in survived
+    resumed = _run_train(dump, *flags)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (
+        f"Loading checkpoint {dump / 'checkpoint' / survived[-1]} "
+        in resumed.stdout + resumed.stderr
+    )
+    want, got = _losses(tmp_path / "full"), _losses(dump)
+    assert [got[s] for s in range(15, 21)] == [want[s] for s in range(15, 21)]
+
+
+def test_fsdp_checkpoint_reshards_onto_other_layouts(tmp_path):
+    """An FSDP 2 checkpoint (model + optimizer) loads under FSDP 4, FSDP 2 x TP 2, TP 2 and one
+    process; each then trains one step on the same global batch and must agree exactly."""
+    saved = _run_train(tmp_path / "source", "--training.steps", "5")
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    load = (
+        f"{' '.join(BASE)} --training.steps 6 --checkpoint.load_only "
+        f"--checkpoint.folder {tmp_path / 'source' / 'checkpoint'} "
+        "--checkpoint.exclude_from_loading dataloader"
+    )
+    layouts = {
+        1: {"one_process": "--training.local_batch_size 8"},
+        2: {"tp2": "--training.local_batch_size 8 --parallelism.tensor_parallel_degree 2"},
+        4: {
+            "fsdp4": "--training.local_batch_size 2",
+            "fsdp2_tp2": "--training.local_batch_size 4 --parallelism.tensor_parallel_degree 2",
+        },
+    }
+    out = tmp_path / "out"
+    out.mkdir()
+    harness = str(REPO / "tests/integration_tests/numerics_harness.py")
+    for ranks, cases in layouts.items():
+        args = [harness, str(out), *(f"{name}:{load} {flags}" for name, flags in cases.items())]
+        if ranks > 1:
+            args = ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}", *args]
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        run = subprocess.run(
+            [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+    ref = torch.load(out / "one_process.pt", weights_only=True)
+    assert [r["step"] for r in ref["records"]] == [6]  # resumed at step 5, trained one step
+    for name in ("tp2", "fsdp4", "fsdp2_tp2"):
+        run = torch.load(out / f"{name}.pt", weights_only=True)
+        assert run["records"][0]["loss"] == pytest.approx(ref["records"][0]["loss"], rel=1e-5), name
+        for key, want in ref["weights"].items():
+            torch.testing.assert_close(
+                run["weights"][key], want, rtol=0, atol=1e-5, msg=f"{name} {key}"
+            )
+
+
+def test_changing_the_data_parallel_degree_requires_excluding_the_dataloader(tmp_path):
+    saved = _run_train(tmp_path, "--training.steps", "5")
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    run = _run_train(tmp_path, "--training.steps", "6", ngpu=1)
+    assert run.returncode != 0
+    assert "--checkpoint.exclude_from_loading dataloader" in run.stdout + run.stderr

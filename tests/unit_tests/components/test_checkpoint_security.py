@@ -1,0 +1,31 @@
+"""Loading a checkpoint never runs code hidden in it."""
+
+import pytest
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from torchtitan.components.checkpoint import _SafeLoadPlanner
+
+
+class _Payload:
+    """Unpickling this would call print(...): any callable could be there instead."""
+
+    def __reduce__(self):
+        return (print, ("code ran while loading a checkpoint",))
+
+
+def test_non_tensor_values_are_loaded_with_weights_only(tmp_path, capsys):
+    dcp.save({"train_state": {"note": _Payload()}}, checkpoint_id=str(tmp_path), no_dist=True)
+    target = {"train_state": {"note": None}}
+    # DCP wraps the loader's UnpicklingError; its message names the refused global.
+    with pytest.raises(CheckpointException, match="Unsupported global: GLOBAL print"):
+        dcp.load(target, checkpoint_id=str(tmp_path), planner=_SafeLoadPlanner(), no_dist=True)
+    assert "code ran" not in capsys.readouterr().out
+
+
+def test_plain_values_still_load(tmp_path):
+    saved = {"train_state": {"note": "resume me", "raw": b"\x00\xff"}}
+    dcp.save(saved, checkpoint_id=str(tmp_path), no_dist=True)
+    target = {"train_state": {"note": None, "raw": None}}
+    dcp.load(target, checkpoint_id=str(tmp_path), planner=_SafeLoadPlanner(), no_dist=True)
+    assert target == saved

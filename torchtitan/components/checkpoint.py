@@ -1,0 +1,349 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): save, resume exactly, reshard.
+
+Layout under ``<job.dump_folder>/<checkpoint.folder>/``::
+
+    step-100/            a complete checkpoint: DCP shards (*.distcp), .metadata, manifest.json
+    step-200/
+    step-300.tmp/        being written (or left by a crash): never loaded, removed on start
+
+Every rank writes its shards into ``step-N.tmp``; once DCP reports all ranks done, rank 0
+writes ``manifest.json`` (every file and its size) and renames the folder to ``step-N``.
+Loading checks the manifest first, so a torn checkpoint (missing or truncated file) is skipped
+with a warning when resuming from the latest, and is an error when asked for by step.
+
+What is saved: ``model`` and ``optimizer`` (DCP state-dict APIs, so any sharding loads into any
+other), ``lr_scheduler``, ``dataloader`` (one entry per data-parallel rank) and ``train_state``
+(step, tokens seen, RNG state). Non-tensor values are read back with ``weights_only=True``.
+"""
+
+import dataclasses
+import io
+import json
+import os
+import re
+import shutil
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import Checkpoint as CheckpointConfig
+from torchtitan.tools.logging import logger
+
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelState(Stateful):
+    """The model's parameters as DCP sees them (sharded DTensors stay sharded)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state_dict)
+
+
+class OptimizerState(Stateful):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+
+class PerRankState(Stateful):
+    """State that differs per data-parallel rank (the dataloader), stored as one serialized
+    item per rank (its size varies, so not a tensor) and read back with ``weights_only=True``."""
+
+    def __init__(self, inner: Stateful, *, rank: int, world_size: int):
+        self.inner, self.rank, self.world_size = inner, rank, world_size
+
+    def state_dict(self) -> dict[str, Any]:
+        buffer = io.BytesIO()
+        torch.save(self.inner.state_dict(), buffer)
+        return {f"rank_{self.rank}": buffer.getvalue()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        data = state_dict[f"rank_{self.rank}"]
+        self.inner.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner unpickles non-tensor values with ``weights_only=False``."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element
+
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+@dataclasses.dataclass
+class _Pending:
+    step: int
+    future: Future
+
+
+class CheckpointManager:
+    """Decides when to save and what to load, and keeps the folder consistent."""
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        *,
+        dump_folder: str,
+        states: dict[str, Stateful],
+        model: nn.Module,
+        device_type: str,
+    ):
+        self.config = config
+        self.folder = Path(dump_folder) / config.folder
+        self.states = states
+        self.model = model
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self._pending: _Pending | None = None
+        self._async_group = None
+        if config.async_mode != "disabled" and dist.is_initialized():
+            # Saving in the background on the training process group would interleave its
+            # collectives with the training step's: give it its own gloo group.
+            self._async_group = dist.new_group(backend="gloo")
+        if config.async_mode == "async_with_pinned_mem" and device_type != "cuda":
+            logger.warning(
+                "--checkpoint.async_mode async_with_pinned_mem needs a GPU (pinned host memory); "
+                "using plain async"
+            )
+        self._remove_incomplete()
+
+    # ---- loading ---------------------------------------------------------------------------
+
+    def load(self) -> int:
+        """Restore the newest complete checkpoint (or ``load_step``); return its step, or 0."""
+        c = self.config
+        if c.load_step >= 0:
+            path = self.folder / f"step-{c.load_step}"
+            problem = verify(path)
+            if problem:
+                raise ConfigError(f"--checkpoint.load_step={c.load_step}: {problem}")
+            return self._load(path)
+        for path in reversed(complete_checkpoints(self.folder)):
+            problem = verify(path)
+            if problem is None:
+                return self._load(path)
+            logger.warning(f"Skipping checkpoint {path}: {problem}")
+        if c.initial_load_path:
+            self._load_model_only(Path(c.initial_load_path))
+        else:
+            logger.info(f"No checkpoint in {self.folder}: training from step 0")
+        return 0
+
+    def _load(self, path: Path) -> int:
+        keys = saved_state_keys(path)
+        if keys == {"model"}:
+            # A seed checkpoint or a weights-only export: start training from these weights.
+            self._load_model_only(path)
+            return 0
+        wanted = {k: v for k, v in self.states.items() if k not in self.config.exclude_from_loading}
+        missing = set(wanted) - keys
+        if missing:
+            raise ConfigError(
+                f"checkpoint {path} has no {', '.join(sorted(missing))} state; pass "
+                f"--checkpoint.exclude_from_loading {' '.join(sorted(missing))} to skip it"
+            )
+        self._check_dataloader_layout(path, wanted)
+        logger.info(f"Loading checkpoint {path} ({', '.join(wanted)})")
+        dcp.load(wanted, checkpoint_id=str(path), planner=_SafeLoadPlanner(), no_dist=_no_dist())
+        return int(_STEP_DIR.match(path.name).group(1))
+
+    def _load_model_only(self, path: Path) -> None:
+        problem = verify(path)
+        if problem:
+            raise ConfigError(f"--checkpoint.initial_load_path {path}: {problem}")
+        logger.info(f"Loading model weights from {path}")
+        dcp.load(
+            {"model": self.states["model"]},
+            checkpoint_id=str(path),
+            planner=_SafeLoadPlanner(),
+            no_dist=_no_dist(),
+        )
+
+    def _check_dataloader_layout(self, path: Path, wanted: dict[str, Stateful]) -> None:
+        state = wanted.get("dataloader")
+        if not isinstance(state, PerRankState):
+            return
+        saved = saved_ranks(path, "dataloader")
+        if saved != state.world_size:
+            raise ConfigError(
+                f"checkpoint {path} holds dataloader state for {saved} data-parallel ranks, "
+                f"this run has {state.world_size}: their shards do not line up; pass "
+                "--checkpoint.exclude_from_loading dataloader to restart the data from its beginning"
+            )
+
+    # ---- saving ----------------------------------------------------------------------------
+
+    def should_save(self, step: int, *, last: bool) -> bool:
+        c = self.config
+        if not c.enable or c.load_only:
+            return False
+        return last or step % c.interval == 0 or (step == 1 and c.enable_first_step_checkpoint)
+
+    def save(self, step: int, *, last: bool = False, model_only: bool = False) -> None:
+        """Write ``step-N`` (in the background with async modes). The final save of a run
+        keeps only the weights with ``last_save_model_only`` (in ``export_dtype``)."""
+        self.finish_pending()
+        if model_only or (last and self.config.last_save_model_only):
+            state: dict[str, Any] = {"model": self._export_model_state()}
+        else:
+            state = dict(self.states)
+        tmp = self.folder / f"step-{step}.tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        if self._async_group is not None and not last:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group)
+            self._pending = _Pending(step, getattr(future, "upload_completion", future))
+            return
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=_no_dist())
+        self._finalize(step)
+
+    def poll(self) -> None:
+        """Finalize a background save that has finished (cheap; call every step)."""
+        if self._pending is not None and self._pending.future.done():
+            self.finish_pending()
+
+    def finish_pending(self) -> None:
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        pending.future.result()
+        self._finalize(pending.step)
+
+    def _finalize(self, step: int) -> None:
+        """On rank 0, once every rank's files are written: manifest, rename, purge old."""
+        if self.rank == 0:
+            tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
+            files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+            _write_durably(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            logger.info(f"Saved checkpoint {final}")
+            self._purge()
+
+    def _purge(self) -> None:
+        k = self.config.keep_latest_k
+        if k <= 0:
+            return
+        for old in complete_checkpoints(self.folder)[:-k]:
+            shutil.rmtree(old, ignore_errors=True)
+            logger.info(f"Removed old checkpoint {old} (--checkpoint.keep_latest_k {k})")
+
+    def _export_model_state(self) -> dict[str, Any]:
+        dtype = _DTYPES[self.config.export_dtype]
+        state = get_model_state_dict(self.model)
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+    def _remove_incomplete(self) -> None:
+        if self.rank == 0 and self.folder.is_dir():
+            for tmp in self.folder.glob("step-*.tmp"):
+                logger.warning(f"Removing incomplete checkpoint {tmp}")
+                shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+
+    def close(self) -> None:
+        self.finish_pending()
+
+
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """Finished checkpoint folders, oldest first."""
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def verify(path: Path) -> str | None:
+    """``None`` if ``path`` is a complete checkpoint, else what is wrong with it."""
+    if not path.is_dir():
+        return f"{path} does not exist"
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return f"{path / MANIFEST} is missing or unreadable (incomplete checkpoint)"
+    for name, size in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size != size:
+            return f"{file} has {file.stat().st_size} bytes, expected {size} (truncated)"
+    return None
+
+
+def saved_state_keys(path: Path) -> set[str]:
+    """Top-level state names in a checkpoint (``model``, ``optimizer``, ...)."""
+    metadata = FileSystemReader(str(path)).read_metadata()
+    return {fqn.split(".", 1)[0] for fqn in metadata.state_dict_metadata}
+
+
+def saved_ranks(path: Path, key: str) -> int:
+    metadata = FileSystemReader(str(path)).read_metadata()
+    return sum(1 for fqn in metadata.state_dict_metadata if fqn.startswith(f"{key}.rank_"))
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with path.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _no_dist() -> bool:
+    return not dist.is_initialized()
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def build_checkpoint_states(
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    dataloader: Stateful,
+    train_state: Stateful,
+    dp_rank: int,
+    dp_world_size: int,
+) -> dict[str, Stateful]:
+    return {
+        "model": ModelState(model),
+        "optimizer": OptimizerState(model, optimizer),
+        "lr_scheduler": lr_scheduler,
+        "dataloader": PerRankState(dataloader, rank=dp_rank, world_size=dp_world_size),
+        "train_state": train_state,
+    }
