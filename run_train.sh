@@ -31,7 +31,7 @@ CONFIG=${CONFIG:-llama3_debugmodel}
 COMM_MODE=${COMM_MODE:-}
 
 if [ -n "$COMM_MODE" ]; then
-  echo "COMM_MODE=$COMM_MODE is not implemented yet (see docs/debugging.md); unset it to train." >&2
+  echo "COMM_MODE=$COMM_MODE is not implemented yet (fake_backend and local_tensor are planned); unset it to train." >&2
   exit 2
 fi
 
