@@ -63,9 +63,12 @@ def uninterrupted(tmp_path_factory) -> Path:
     return dump
 
 
-def test_resume_is_bitwise_exact_in_one_process(tmp_path, uninterrupted):
-    assert _train(tmp_path, "--training.steps", "10") == 0
-    assert _train(tmp_path, "--training.steps", "20") == 0
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_resume_is_bitwise_exact_in_one_process(tmp_path, uninterrupted, async_mode):
+    mode = ["--checkpoint.async_mode", async_mode]
+    assert _train(tmp_path, "--training.steps", "10", *mode) == 0
+    assert _steps(tmp_path) == ["step-5", "step-10"]
+    assert _train(tmp_path, "--training.steps", "20", *mode) == 0
     want, got = _losses(uninterrupted), _losses(tmp_path)
     assert [got[s] for s in range(11, 21)] == [want[s] for s in range(11, 21)]
 

@@ -224,8 +224,13 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        if self._async_group is not None and not last:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group)
+        if self.config.async_mode != "disabled" and not last:
+            future = dcp.async_save(
+                state,
+                checkpoint_id=str(tmp),
+                process_group=self._async_group,
+                no_dist=_no_dist(),
+            )
             self._pending = _Pending(step, getattr(future, "upload_completion", future))
             return
         dcp.save(state, checkpoint_id=str(tmp), no_dist=_no_dist())

@@ -100,6 +100,10 @@ flavors: dict[str, Llama3Args] = {
     "debugmodel": Llama3Args(
         dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048, rope_theta=500000.0
     ),
+    # Not a published size: a ~100M model on the bundled tokenizer, for CPU benchmarks.
+    "debug_100m": Llama3Args(
+        dim=768, n_layers=16, n_heads=12, n_kv_heads=4, vocab_size=2048, rope_theta=500000.0
+    ),
     "1B": Llama3Args(
         dim=2048,
         n_layers=16,
