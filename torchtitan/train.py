@@ -109,28 +109,9 @@ class Trainer:
         )
         self._save_config()
         self.train_state = TrainState()
-        self.checkpointer = None
-        c = config.checkpoint
-        if c.enable or c.create_seed_checkpoint:
-            dp_mesh = self.world_mesh["dp"] if self.world_mesh is not None else None
-            states = build_checkpoint_states(
-                model=self.model,
-                optimizer=self.optimizer,
-                lr_scheduler=self.lr_scheduler,
-                dataloader=self.dataloader,
-                train_state=self.train_state,
-                dp_rank=dp_mesh.get_local_rank() if dp_mesh is not None else 0,
-                dp_world_size=self.parallel_dims.dp_degree,
-            )
-            self.checkpointer = CheckpointManager(
-                c,
-                dump_folder=config.job.dump_folder,
-                states=states,
-                model=self.model,
-                device_type=self.device.type,
-            )
-            if c.enable:
-                self.checkpointer.load()
+        self.checkpointer = self._build_checkpointer()
+        if config.checkpoint.enable:
+            self.checkpointer.load()
 
     @property
     def step(self) -> int:
@@ -145,6 +126,27 @@ class Trainer:
                 "launch it with NGPU=1"
             )
         self.checkpointer.save(0, model_only=True)
+
+    def _build_checkpointer(self) -> CheckpointManager | None:
+        c = self.config.checkpoint
+        if not (c.enable or c.create_seed_checkpoint):
+            return None
+        states = build_checkpoint_states(
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            dataloader=self.dataloader,
+            train_state=self.train_state,
+            dp_rank=self.dp_rank,
+            dp_world_size=self.parallel_dims.dp_degree,
+        )
+        return CheckpointManager(
+            c,
+            dump_folder=self.config.job.dump_folder,
+            states=states,
+            model=self.model,
+            device_type=self.device.type,
+        )
 
     def _init_distributed(self) -> None:
         """Device, process group, parallel degrees and meshes, shared seed."""
@@ -163,6 +165,8 @@ class Trainer:
             self.world_mesh = self.parallel_dims.build_mesh(self.device.type)
         # Ranks whose tokens make up one loss (gradients are averaged over the same ranks).
         self.loss_mesh = self.world_mesh["dp_cp"] if self.world_mesh is not None else None
+        # This rank's place among the ranks that read different data.
+        self.dp_rank = self.world_mesh["dp"].get_local_rank() if self.world_mesh is not None else 0
         logger.info(
             f"{self.parallel_dims} on {self.device}, gradient accumulation {self.grad_accum_steps}"
         )
@@ -177,14 +181,13 @@ class Trainer:
         """Tokenizer and this data-parallel rank's dataloader."""
         t = self.config.training
         self.tokenizer = build_tokenizer(resolve_path(self.config.model.tokenizer_path))
-        dp_rank = self.world_mesh["dp"].get_local_rank() if self.world_mesh is not None else 0
         self.dataloader = build_dataloader(
             dataset=t.dataset,
             dataset_path=t.dataset_path,
             tokenizer=self.tokenizer,
             seq_len=t.seq_len,
             local_batch_size=t.local_batch_size,
-            dp_rank=dp_rank,
+            dp_rank=self.dp_rank,
             dp_world_size=self.parallel_dims.dp_degree,
             num_workers=t.num_workers,
         )

@@ -31,7 +31,7 @@ class GlobalBatchSlices:
     def __init__(self, trainer: Trainer, steps: int):
         t = trainer.config.training
         dp = trainer.parallel_dims.dp_degree
-        dp_rank = trainer.world_mesh["dp"].get_local_rank() if trainer.world_mesh is not None else 0
+        dp_rank = trainer.dp_rank
         source = build_dataloader(
             dataset=t.dataset,
             dataset_path=t.dataset_path,
