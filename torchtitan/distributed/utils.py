@@ -73,7 +73,7 @@ def set_determinism(seed: int | None, *, deterministic: bool, warn_only: bool) -
 
 
 def dist_reduce(x: torch.Tensor | float, op: str, mesh: DeviceMesh | None) -> float:
-    """All-reduce a scalar over ``mesh`` (``sum``, ``avg``, ``max``); identity without a mesh.
+    """All-reduce a scalar over ``mesh`` (``sum`` or ``max``); identity without a mesh.
 
     A device tensor is reduced where it lives; a Python number stays on the host, where the
     ``cpu:gloo,cuda:nccl`` process group sends it through gloo without touching the GPU.
@@ -83,9 +83,9 @@ def dist_reduce(x: torch.Tensor | float, op: str, mesh: DeviceMesh | None) -> fl
     t = torch.as_tensor(x).detach().to(torch.float64).clone()
     if mesh is None or mesh.size() == 1:
         return t.item()
-    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.SUM}
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
     dist.all_reduce(t, op=ops[op], group=mesh.get_group())
-    return (t / mesh.size()).item() if op == "avg" else t.item()
+    return t.item()
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
