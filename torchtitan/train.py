@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from torchtitan import dry_run
 from torchtitan.components.checkpoint import CheckpointManager, build_checkpoint_states
 from torchtitan.components.dataloader import build_dataloader
 from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_sum
@@ -48,6 +49,7 @@ def refuse_unimplemented(config: JobConfig) -> None:
         "--profiling.enable_profiling (issue #5)": config.profiling.enable_profiling,
         "--profiling.enable_memory_snapshot (issue #5)": config.profiling.enable_memory_snapshot,
         "--validation.enable": config.validation.enable,
+        "--comm.mode local_tensor (COMM_MODE=local_tensor)": config.comm.mode == "local_tensor",
     }
     for flag, asked in requested.items():
         if asked:
@@ -92,6 +94,7 @@ class Trainer:
         self.config = config
         refuse_unimplemented(config)
         self._init_distributed()
+        self._resolve_model()
         self._build_data()
         self._build_model()
         self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
@@ -110,7 +113,7 @@ class Trainer:
         self._save_config()
         self.train_state = TrainState()
         self.checkpointer = self._build_checkpointer()
-        if config.checkpoint.enable:
+        if self.checkpointer is not None and config.checkpoint.enable:
             self.checkpointer.load()
 
     @property
@@ -130,6 +133,9 @@ class Trainer:
     def _build_checkpointer(self) -> CheckpointManager | None:
         c = self.config.checkpoint
         if not (c.enable or c.create_seed_checkpoint):
+            return None
+        if self.config.comm.mode == "fake_backend":
+            logger.warning("Checkpointing is off under COMM_MODE=fake_backend (no real values)")
             return None
         states = build_checkpoint_states(
             model=self.model,
@@ -156,6 +162,7 @@ class Trainer:
             device=self.device,
             init_timeout_seconds=config.comm.init_timeout_seconds,
             trace_buf_size=config.comm.trace_buf_size,
+            comm_mode=config.comm.mode,
         )
         self.rank = int(os.environ.get("RANK", "0"))
         self.parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
@@ -177,9 +184,23 @@ class Trainer:
             warn_only=config.debug.deterministic_warn_only,
         )
 
+    def _resolve_model(self) -> None:
+        """The model family and its args for this run; whether a dry run steps on fake tensors."""
+        m, t = self.config.model, self.config.training
+        self.model_spec = import_model_module(m.name).model_spec()
+        self.model_args = dataclasses.replace(
+            self.model_spec.flavors[m.flavor], max_seq_len=t.seq_len
+        )
+        self.fake_compute = dry_run.wants_fake_compute(
+            self.config, self.model_args, self.parallel_dims, self.grad_accum_steps
+        )
+
     def _build_data(self) -> None:
-        """Tokenizer and this data-parallel rank's dataloader."""
+        """Tokenizer and this data-parallel rank's dataloader (none for a fake-tensor dry run)."""
         t = self.config.training
+        self.tokenizer, self.dataloader = None, None
+        if self.fake_compute:
+            return
         self.tokenizer = build_tokenizer(resolve_path(self.config.model.tokenizer_path))
         self.dataloader = build_dataloader(
             dataset=t.dataset,
@@ -190,14 +211,16 @@ class Trainer:
             dp_rank=self.dp_rank,
             dp_world_size=self.parallel_dims.dp_degree,
             num_workers=t.num_workers,
+            sharding=t.data_sharding,
         )
 
     def _build_model(self) -> None:
-        """Model on the meta device -> parallelize -> materialise on the device -> init."""
-        m, t = self.config.model, self.config.training
-        spec = import_model_module(m.name).model_spec()
-        self.model_args = dataclasses.replace(spec.flavors[m.flavor], max_seq_len=t.seq_len)
-        if self.tokenizer.vocab_size > self.model_args.vocab_size:
+        """Model on the meta device -> parallelize -> materialise on the device -> init.
+
+        A fake-tensor dry run stops after parallelizing: the parameters stay on meta.
+        """
+        m, t, spec = self.config.model, self.config.training, self.model_spec
+        if self.tokenizer is not None and self.tokenizer.vocab_size > self.model_args.vocab_size:
             raise ConfigError(
                 f"tokenizer {m.tokenizer_path} has {self.tokenizer.vocab_size} tokens but "
                 f"--model.flavor {m.flavor} has vocab_size {self.model_args.vocab_size}; "
@@ -216,12 +239,20 @@ class Trainer:
             activation_checkpoint=self.config.activation_checkpoint,
             compile=self.config.compile,
         )
+        self.model = model
+        self.loss_fn = cross_entropy_sum
+        self.loss_parallel = (
+            self.parallel_dims.tp_enabled and not self.config.parallelism.disable_loss_parallel
+        )
+        if self.fake_compute:
+            return
         model.to_empty(device=self.device)
         # Initial weights depend only on the seed and the flavor, never on the parallelism.
         torch.manual_seed(self.seed)
         with torch.no_grad():
             model.init_weights(buffer_device=self.device)
-        if self.world_mesh is not None and self.device.type == "cpu":
+        real_collectives = self.config.comm.mode == "default"
+        if self.world_mesh is not None and self.device.type == "cpu" and real_collectives:
             # DTensor random ops on CPU draw the same numbers on every shard (no offset-based
             # RNG as on CUDA), which would duplicate heads and hidden units. Use the values a
             # one-process init gives instead: rank 0 builds them, every rank takes its part.
@@ -229,14 +260,9 @@ class Trainer:
                 model, lambda: spec.build_model(self.model_args), self.seed
             )
         model.train()
-        self.model = model
         c = self.config.compile
-        self.loss_fn = cross_entropy_sum
         if c.enable and "loss" in c.components:
             self.loss_fn = torch.compile(cross_entropy_sum, backend=c.backend)
-        self.loss_parallel = (
-            self.parallel_dims.tp_enabled and not self.config.parallelism.disable_loss_parallel
-        )
 
     def train(self) -> None:
         """Run ``training.steps`` optimizer steps."""
@@ -283,7 +309,9 @@ class Trainer:
         global_tokens = int(dist_utils.dist_reduce(local_tokens, "sum", self.loss_mesh))
         dp_size = self.loss_mesh.size() if self.loss_mesh is not None else 1
         scale = dp_size / max(global_tokens, 1)
-        loss_sum = torch.zeros((), device=self.device)
+        # float64: adding float32 micro-batch sums is then exact, so the logged loss does not
+        # depend on how the global batch is split into ranks and micro-batches.
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         for i, batch in enumerate(microbatches):
             if isinstance(self.model, FSDPModule):
                 # Reduce gradients once, after the last micro-batch.
@@ -436,7 +464,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = parse_args(argv)
         trainer = Trainer(config)
-        if config.checkpoint.create_seed_checkpoint:
+        if config.comm.mode == "fake_backend":
+            dry_run.run(trainer)
+        elif config.checkpoint.create_seed_checkpoint:
             trainer.create_seed_checkpoint()
         else:
             trainer.train()

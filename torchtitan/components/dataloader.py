@@ -18,7 +18,7 @@ import datasets
 import torch
 from datasets.distributed import split_dataset_by_node
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.config.errors import ConfigError
@@ -234,6 +234,16 @@ class TextDataset(IterableDataset, Stateful):
             self._loaded_stream_state = state["stream"]
 
 
+class _RowsOf:
+    """Collate only rows ``[start, stop)`` of a batch: this rank's part of a global batch."""
+
+    def __init__(self, start: int, stop: int):
+        self.start, self.stop = start, stop
+
+    def __call__(self, samples: list) -> Any:
+        return default_collate(samples[self.start : self.stop])
+
+
 class ParallelAwareDataloader(StatefulDataLoader, Stateful):
     """A ``StatefulDataLoader`` whose state is keyed by data-parallel rank.
 
@@ -249,8 +259,11 @@ class ParallelAwareDataloader(StatefulDataLoader, Stateful):
         dp_world_size: int,
         batch_size: int,
         num_workers: int = 0,
+        collate_fn: Callable | None = None,
     ):
-        super().__init__(dataset, batch_size=batch_size, num_workers=num_workers)
+        super().__init__(
+            dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn
+        )
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
         self._rank_key = f"dp_rank_{dp_rank}"
@@ -284,23 +297,34 @@ def build_dataloader(
     dp_world_size: int,
     infinite: bool = True,
     num_workers: int = 0,
+    sharding: str = "by_document",
 ) -> ParallelAwareDataloader:
-    """Open ``dataset`` and wrap this DP rank's shard in a resumable dataloader."""
+    """Open ``dataset`` and wrap this DP rank's share of it in a resumable dataloader.
+
+    ``sharding="by_document"`` gives each DP rank its own documents; ``"by_row"`` has every
+    rank read the whole stream in global batches of ``local_batch_size x dp_world_size`` rows
+    and keep rows ``[dp_rank x local_batch_size, ...)``, so the global batch of a step does not
+    depend on the DP degree.
+    """
     data, text_key = open_dataset(dataset, dataset_path)
+    by_row = sharding == "by_row"
     text = TextDataset(
         data,
         name=dataset,
         tokenizer=tokenizer,
         seq_len=seq_len,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
+        dp_rank=0 if by_row else dp_rank,
+        dp_world_size=1 if by_row else dp_world_size,
         infinite=infinite,
         text_key=text_key,
     )
+    rows = local_batch_size * dp_world_size if by_row else local_batch_size
+    start = dp_rank * local_batch_size if by_row else 0
     return ParallelAwareDataloader(
         text,
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
-        batch_size=local_batch_size,
+        batch_size=rows,
         num_workers=num_workers,
+        collate_fn=_RowsOf(start, start + local_batch_size),
     )

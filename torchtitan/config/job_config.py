@@ -84,6 +84,12 @@ class Training:
     num_workers: int = 0
     """Dataloader worker processes per rank; 0 loads in the training process."""
 
+    data_sharding: Literal["by_document", "by_row"] = "by_document"
+    """How data-parallel ranks split the data. ``by_document``: each rank reads its own share
+    of the documents (what scales). ``by_row``: every rank reads the whole stream and keeps
+    its rows of each global batch, so a step sees the same data whatever the data-parallel
+    degree; for exact comparisons between layouts (each rank reads dp times more)."""
+
     enable_cpu_offload: bool = False
     """Keep FSDP-sharded parameters, gradients and optimizer state in host memory."""
 
@@ -320,6 +326,19 @@ class Comm:
     trace_buf_size: int = 20000
     """Flight-recorder entries kept per rank (0 disables)."""
 
+    mode: Literal["default", "fake_backend", "local_tensor"] = "default"
+    """``default``: real collectives (torchrun). ``fake_backend``: one process plays one rank
+    (``RANK``) of a ``WORLD_SIZE`` job with no-op collectives, to validate a config and
+    estimate its memory; numbers are meaningless. ``local_tensor``: one process simulates
+    every rank with real numerics. ``run_train.sh`` sets this from ``COMM_MODE``."""
+
+    dry_run_steps: int = 1
+    """Training steps a ``fake_backend`` run takes after building (0: build and estimate only)."""
+
+    fake_compute: Literal["auto", "real", "fake"] = "auto"
+    """How a ``fake_backend`` run steps: ``real`` tensors, ``fake`` tensors (shapes only, no
+    memory, no compute), or ``auto``: fake when one rank's step is too big for this host."""
+
 
 @dataclass
 class Debug:
@@ -331,6 +350,10 @@ class Debug:
 
     deterministic_warn_only: bool = False
     """Warn instead of failing when an op has no deterministic implementation."""
+
+    device_memory_gib: float = 80.0
+    """Memory of one accelerator, against which ``COMM_MODE=fake_backend`` checks its
+    per-rank memory estimate."""
 
 
 @dataclass

@@ -186,6 +186,14 @@ def validate(config: JobConfig) -> None:
             config.comm.train_timeout_seconds > 0,
             f"--comm.train_timeout_seconds={config.comm.train_timeout_seconds} must be > 0",
         ),
+        (
+            config.comm.dry_run_steps >= 0,
+            f"--comm.dry_run_steps={config.comm.dry_run_steps} must be >= 0",
+        ),
+        (
+            config.debug.device_memory_gib > 0,
+            f"--debug.device_memory_gib={config.debug.device_memory_gib} must be > 0",
+        ),
     ]
     p = config.parallelism
     for name in (

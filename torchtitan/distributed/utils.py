@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.tools.logging import logger
 
 
@@ -23,16 +24,30 @@ def device_type() -> str:
 
 
 def init_distributed(
-    *, device: torch.device, init_timeout_seconds: int, trace_buf_size: int
+    *,
+    device: torch.device,
+    init_timeout_seconds: int,
+    trace_buf_size: int,
+    comm_mode: str = "default",
 ) -> int:
     """Join the process group when launched by torchrun; return the world size.
 
     A plain ``python -m torchtitan.train`` (no ``WORLD_SIZE`` in the environment) runs as one
-    process without a process group.
+    process without a process group. ``comm_mode="fake_backend"`` makes this one process
+    rank ``RANK`` of ``WORLD_SIZE`` on a fake process group whose collectives do nothing.
     """
     if dist.is_initialized():  # several trainers in one process (tests, notebooks)
         return dist.get_world_size()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if comm_mode == "fake_backend":
+        # Importing the module registers the "fake" backend with c10d.
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        rank = int(os.environ.get("RANK", "0"))
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"RANK={rank} must be in [0, NGPU={world_size}) for fake_backend")
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        return world_size
     if world_size == 1 and "RANK" not in os.environ:
         return 1
     # The flight recorder reads its buffer size when the process group is created.

@@ -5,6 +5,7 @@ Private helpers (leading underscore) are not listed as configs.
 """
 
 from torchtitan.config.job_config import (
+    ActivationCheckpoint,
     Checkpoint,
     JobConfig,
     LRScheduler,
@@ -35,7 +36,7 @@ def llama3_debugmodel() -> JobConfig:
 
 
 def _pretraining(
-    flavor: str, *, lr: float, local_batch_size: int, seq_len: int = 8192
+    flavor: str, *, lr: float, local_batch_size: int, seq_len: int = 8192, ac: str = "selective"
 ) -> JobConfig:
     """Shared settings of the full-size runs, on C4 with the real Llama 3 tokenizer."""
     return JobConfig(
@@ -52,6 +53,7 @@ def _pretraining(
         lr_scheduler=LRScheduler(warmup_steps=200, decay_type="linear", min_lr_factor=0.0),
         metrics=Metrics(log_freq=10, enable_tensorboard=True),
         checkpoint=Checkpoint(interval=500),
+        activation_checkpoint=ActivationCheckpoint(mode=ac),
     )
 
 
@@ -68,8 +70,8 @@ def llama3_8b() -> JobConfig:
 
 
 def llama3_70b() -> JobConfig:
-    return _pretraining("70B", lr=1.5e-4, local_batch_size=8)
+    return _pretraining("70B", lr=1.5e-4, local_batch_size=8, ac="full")
 
 
 def llama3_405b() -> JobConfig:
-    return _pretraining("405B", lr=8e-5, local_batch_size=2)
+    return _pretraining("405B", lr=8e-5, local_batch_size=2, ac="full")

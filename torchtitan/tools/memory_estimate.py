@@ -1,0 +1,116 @@
+"""Per-rank memory estimate of a training step, from fake tensors (no memory, no compute).
+
+Running a full-depth 70B or 405B step on fake tensors still costs minutes of dispatch on a
+CPU. Transformer blocks are identical, so the step runs on copies of the model with 1 and 2
+blocks (same dims, same parallelization), and every memory category at the peak is
+extrapolated linearly to the real depth. Parameter, gradient and optimizer-state bytes are
+also counted exactly on the full-depth (meta) model, which checks the extrapolation.
+"""
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor import DTensor
+
+GiB = 2**30
+
+
+def _size(n: int) -> str:
+    """Bytes as GiB, or MiB below 1 GiB (debug models)."""
+    return f"{n / GiB:9.2f} GiB" if n >= GiB else f"{n / 2**20:9.1f} MiB"
+
+
+def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes this rank holds of ``tensors`` (a DTensor counts its local shard); works on meta."""
+    total = 0
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def peak_by_category(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    forward_backward: Callable[[], None],
+    optimizer_step: Callable[[], None],
+) -> dict[str, int]:
+    """Bytes per category (parameters, gradients, optimizer state, activations, ...) at the
+    peak of forward + backward, in steady state.
+
+    A first, untracked step creates the optimizer state; torch's ``MemTracker`` then follows
+    the second forward and backward with parameters and optimizer state registered. The
+    optimizer step itself is not tracked: under fake tensors, torch 2.13's tracker files the
+    DTensor optimizer state it creates at its global size (terabytes for 405B); its own
+    temporaries are small next to the activations.
+    """
+    forward_backward()
+    optimizer_step()
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        forward_backward()
+    optimizer_step()
+    (snapshot,) = tracker.get_tracker_snapshot("peak").values()
+    return {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items()}
+
+
+def fake_tensor_mode() -> contextlib.AbstractContextManager:
+    """Tensors created inside have shapes and dtypes but no storage; ops only infer shapes."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    """One rank's memory: exact state bytes and the extrapolated peak of a step."""
+
+    n_layers: int
+    parameters: int
+    """Bytes of this rank's parameter shards (exact)."""
+    gradients: int
+    """Bytes of this rank's gradient shards (exact: one per parameter, same dtype)."""
+    optimizer: int
+    """Bytes of optimizer state: parameters times the state-per-parameter ratio measured on
+    the shallow copies after their steps."""
+    peak: dict[str, int]
+    """Bytes per category at the step's peak, extrapolated to ``n_layers`` blocks."""
+
+    @property
+    def peak_total(self) -> int:
+        return self.peak["Total"]
+
+    def report(self, device_memory_gib: float, *, advice: str) -> str:
+        """Lines for the console: state, peak by category, and whether it fits (else
+        ``advice``)."""
+        lines = [
+            f"  parameters        {_size(self.parameters)}  (exact)",
+            f"  gradients         {_size(self.gradients)}  (exact)",
+            f"  optimizer state   {_size(self.optimizer)}",
+            f"  peak of a step    {_size(self.peak_total)}, of which:",
+        ]
+        for name, value in sorted(self.peak.items(), key=lambda kv: -kv[1]):
+            if name != "Total" and value >= 2**20:
+                lines.append(f"    {name:<16}{_size(value)}")
+        budget = device_memory_gib * GiB
+        if self.peak_total <= budget:
+            lines.append(
+                f"  fits a {device_memory_gib:g} GiB device with "
+                f"{(budget - self.peak_total) / GiB:.2f} GiB to spare"
+            )
+        else:
+            lines.append(
+                f"  does NOT fit a {device_memory_gib:g} GiB device (over by "
+                f"{(self.peak_total - budget) / GiB:.2f} GiB): {advice}"
+            )
+        return "\n".join(lines)
+
+
+def extrapolate(one: dict[str, int], two: dict[str, int], n_layers: int) -> dict[str, int]:
+    """Linear in the number of blocks: ``one + (n_layers - 1) * (two - one)`` per category."""
+    return {k: max(0, one[k] + (n_layers - 1) * (two.get(k, 0) - one[k])) for k in one}
