@@ -115,7 +115,7 @@ def _probe_step(trainer: "Trainer", depth: int | None) -> tuple[dict[str, int], 
             model, optimizer, forward_backward=forward_backward, optimizer_step=optimizer_step
         )
         state = (v for s in optimizer.state.values() for v in s.values())
-        ratio = memory_estimate.local_bytes(v for v in state if isinstance(v, torch.Tensor)) / max(
+        ratio = memory_estimate.local_bytes(state) / max(
             memory_estimate.local_bytes(model.parameters()), 1
         )
     return peak, ratio

@@ -6,15 +6,13 @@ step -> log, then a clean shutdown. Launch several ranks with ``./run_train.sh``
 
 import contextlib
 import dataclasses
-import gc
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -26,16 +24,25 @@ from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import build_optimizer
 from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.components.train_state import StepResult, TrainState
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args, to_toml
 from torchtitan.distributed import ParallelDims, tensor_parallel
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.models import import_model_module
+from torchtitan.tools import comm_trace, profiling
+from torchtitan.tools.gc import gc_every
 from torchtitan.tools.logging import init_logger, logger
+from torchtitan.tools.memory_estimate import local_bytes
 from torchtitan.tools.paths import resolve_path
+from torchtitan.tools.watchdog import StepWatchdog
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
+
+
+class NonFiniteError(RuntimeError):
+    """A step produced a NaN or infinite gradient norm."""
 
 
 def refuse_unimplemented(config: JobConfig) -> None:
@@ -46,45 +53,12 @@ def refuse_unimplemented(config: JobConfig) -> None:
         "--parallelism.context_parallel_degree > 1": p.context_parallel_degree > 1,
         "--parallelism.expert_parallel_degree > 1": p.expert_parallel_degree > 1,
         "--float8.enable": config.float8.enable,
-        "--profiling.enable_profiling (issue #5)": config.profiling.enable_profiling,
-        "--profiling.enable_memory_snapshot (issue #5)": config.profiling.enable_memory_snapshot,
         "--validation.enable": config.validation.enable,
         "--comm.mode local_tensor (COMM_MODE=local_tensor)": config.comm.mode == "local_tensor",
     }
     for flag, asked in requested.items():
         if asked:
             raise ConfigError(f"{flag} is not implemented yet; remove the flag to train without it")
-
-
-@dataclasses.dataclass
-class TrainState(Stateful):
-    """Where training stands; restored from a checkpoint with everything else."""
-
-    step: int = 0
-    tokens_seen: int = 0
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {
-            "step": torch.tensor(self.step),
-            "tokens_seen": torch.tensor(self.tokens_seen),
-            "rng": torch.get_rng_state(),
-        }
-
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        self.step = int(state_dict["step"])
-        self.tokens_seen = int(state_dict["tokens_seen"])
-        torch.set_rng_state(state_dict["rng"])
-
-
-@dataclasses.dataclass
-class StepResult:
-    loss_sum: torch.Tensor
-    """Summed token losses of this rank's micro-batches."""
-    local_tokens: int
-    global_tokens: int
-    grad_norm: torch.Tensor
-    lr: float
-    """Learning rate this step used."""
 
 
 class Trainer:
@@ -112,6 +86,10 @@ class Trainer:
         )
         self._save_config()
         self.train_state = TrainState()
+        self.skipped_steps = 0
+        self.watchdog = None
+        if config.comm.mode == "default":
+            self.watchdog = StepWatchdog(config.job.dump_folder, self.rank)
         self.checkpointer = self._build_checkpointer()
         if self.checkpointer is not None and config.checkpoint.enable:
             self.checkpointer.load()
@@ -272,14 +250,28 @@ class Trainer:
             f"({self.grad_accum_steps} micro-batch(es) of {t.local_batch_size} per rank)"
         )
         data_iter = iter(self.dataloader)
-        with _gc_every(t.gc_freq) as gc_tick:
+        first_step = self.step
+        where = dict(dump_folder=self.config.job.dump_folder, rank=self.rank, first_step=first_step)
+        with (
+            gc_every(t.gc_freq) as gc_tick,
+            profiling.maybe_enable_profiling(self.config.profiling, **where) as profiler,
+            profiling.maybe_enable_memory_snapshot(self.config.profiling, **where) as snapshots,
+        ):
             while self.step < t.steps:
                 self.train_state.step += 1
                 gc_tick(self.step)
+                self._watch_step(first_step)
                 start = time.perf_counter()
                 microbatches = [next(data_iter) for _ in range(self.grad_accum_steps)]
                 data_seconds = time.perf_counter() - start
-                result = self.train_step(microbatches)
+                with comm_trace.maybe_trace_collectives(
+                    self.step,
+                    trace_step=self.config.debug.comm_trace_step,
+                    noise_level=self.config.debug.comm_trace_noise_level,
+                    dump_folder=self.config.job.dump_folder,
+                    rank=self.rank,
+                ):
+                    result = self.train_step(microbatches)
                 # Ranks of one data-parallel group share their tokens (TP, CP, PP).
                 tokens = sum(labels.numel() for _, labels in microbatches)
                 self.metrics.record_step(
@@ -289,6 +281,12 @@ class Trainer:
                 self.train_state.tokens_seen += result.global_tokens
                 if self.metrics.should_log(self.step, t.steps):
                     self._log(result)
+                if self.watchdog is not None:
+                    self.watchdog.stop()
+                if profiler is not None:
+                    profiler.step()
+                if snapshots is not None:
+                    snapshots.step()
                 if self.checkpointer is not None:
                     self.checkpointer.poll()
                     last = self.step == t.steps
@@ -322,9 +320,48 @@ class Trainer:
             self.model.parameters(), self.config.training.max_norm
         )
         lr = self.lr_scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        # The norm is global, so every rank takes the same branch.
+        finite = self.config.comm.mode != "default" or bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+        else:
+            self._skip_nonfinite_step(loss_sum, local_tokens, grad_norm)
         self.lr_scheduler.step()
         return StepResult(loss_sum, local_tokens, global_tokens, grad_norm, lr)
+
+    def _skip_nonfinite_step(
+        self, loss_sum: torch.Tensor, local_tokens: int, grad_norm: torch.Tensor
+    ) -> None:
+        """Stop the run on a non-finite gradient norm, or skip the update when asked to."""
+        local_loss = loss_sum.item() / max(local_tokens, 1)
+        if self.config.debug.skip_nonfinite_steps:
+            self.optimizer.zero_grad()
+            self.skipped_steps += 1
+            logger.warning(
+                f"Step {self.step}: gradient norm {grad_norm.item()}, this rank's loss "
+                f"{local_loss}; update skipped ({self.skipped_steps} so far)"
+            )
+            return
+        last = self.checkpointer.last_complete() if self.checkpointer is not None else None
+        raise NonFiniteError(
+            f"step {self.step}: the gradient norm is {grad_norm.item()} (rank {self.rank}: "
+            f"its own loss is {local_loss}); last good checkpoint: "
+            f"{last if last is not None else 'none'}. Lower --optimizer.lr, check the data, "
+            "or pass --debug.skip_nonfinite_steps to skip such updates"
+        )
+
+    def _watch_step(self, first_step: int) -> None:
+        """Arm the hang watchdog; after the first step collectives get the train timeout."""
+        if self.watchdog is None:
+            return
+        comm = self.config.comm
+        first = self.step == first_step + 1
+        if self.step == first_step + 2 and self.device.type == "cuda":
+            # NCCL dumps its flight recorder when a collective times out. On gloo the
+            # watchdog enforces the timeout (a gloo timeout error would leave no dump).
+            dist_utils.set_pg_timeouts(comm.train_timeout_seconds)
+        timeout = comm.init_timeout_seconds if first else comm.train_timeout_seconds
+        self.watchdog.start(self.step, timeout)
 
     def forward_backward(
         self, inputs: dict[str, torch.Tensor], labels: torch.Tensor, scale: float
@@ -344,6 +381,8 @@ class Trainer:
         return loss.to_local() if isinstance(loss, DTensor) else loss
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
         if self.checkpointer is not None:
             self.checkpointer.close()
         self.metrics.close()
@@ -396,7 +435,7 @@ class Trainer:
             result.global_tokens, 1
         )
         loss_max = dist_utils.dist_reduce(local_loss, "max", self.loss_mesh)
-        extra = {"loss_local": local_loss}
+        extra = {"loss_local": local_loss, "skipped_steps": self.skipped_steps}
         if self.step == 1:
             extra |= self._state_mib()
         self.metrics.log(
@@ -410,14 +449,6 @@ class Trainer:
 
     def _state_mib(self) -> dict[str, float]:
         """This rank's share of parameters and optimizer state (what sharding shrinks)."""
-
-        def local_bytes(tensors) -> int:
-            return sum(
-                (t.to_local() if isinstance(t, DTensor) else t).nbytes
-                for t in tensors
-                if isinstance(t, torch.Tensor)
-            )
-
         params = local_bytes(self.model.parameters())
         optim = local_bytes(v for state in self.optimizer.state.values() for v in state.values())
         mib = {"param_mib": params / 2**20, "optimizer_state_mib": optim / 2**20}
@@ -437,26 +468,6 @@ class Trainer:
         logger.info(f"Resolved config written to {path}")
 
 
-@contextlib.contextmanager
-def _gc_every(freq: int) -> Iterator:
-    """Disable automatic GC during training and collect every ``freq`` steps instead, so
-    collection pauses happen on all ranks at the same step rather than at random."""
-    if freq <= 0:
-        yield lambda step: None
-        return
-    gc.disable()
-    gc.collect(1)
-
-    def tick(step: int) -> None:
-        if step > 1 and step % freq == 0:
-            gc.collect(1)
-
-    try:
-        yield tick
-    finally:
-        gc.enable()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, train, shut down; bad input exits 2 with one line, not a traceback per rank."""
     init_logger()
@@ -474,6 +485,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         logger.error(str(e))
         return 2
+    except NonFiniteError as e:
+        logger.error(str(e))
+        return 3
     finally:
         if trainer is not None:
             trainer.close()

@@ -205,6 +205,11 @@ class CheckpointManager:
 
     # ---- saving ----------------------------------------------------------------------------
 
+    def last_complete(self) -> Path | None:
+        """The newest complete checkpoint on disk, if any."""
+        found = complete_checkpoints(self.folder)
+        return found[-1] if found else None
+
     def should_save(self, step: int, *, last: bool) -> bool:
         c = self.config
         if not c.enable or c.load_only:

@@ -285,7 +285,8 @@ class Profiling:
     """Profiler recorded steps in each cycle."""
 
     enable_memory_snapshot: bool = False
-    """Dump CUDA allocator snapshots. (not implemented yet: issue #5)"""
+    """Dump CUDA allocator snapshots every ``profile_freq`` steps and on out-of-memory (on CPU:
+    the profiler's memory timeline)."""
 
     save_memory_snapshot_folder: str = "memory_snapshot"
     """Folder under ``job.dump_folder`` for memory snapshots."""
@@ -350,6 +351,18 @@ class Debug:
 
     deterministic_warn_only: bool = False
     """Warn instead of failing when an op has no deterministic implementation."""
+
+    comm_trace_step: int = 0
+    """Trace the collectives of this step per module with ``CommDebugMode`` (0: off); tables
+    and JSON go to ``<dump_folder>/comm_trace/``."""
+
+    comm_trace_noise_level: int = 1
+    """Detail of the written trace: 0 module-level counts, 1 adds DTensor ops, 2 adds their
+    shardings, 3 adds every op."""
+
+    skip_nonfinite_steps: bool = False
+    """Skip the update of a step whose gradient norm is NaN or infinite (counted as
+    ``skipped_steps`` in the metrics) instead of stopping the run."""
 
     device_memory_gib: float = 80.0
     """Memory of one accelerator, against which ``COMM_MODE=fake_backend`` checks its

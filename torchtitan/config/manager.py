@@ -187,6 +187,14 @@ def validate(config: JobConfig) -> None:
             f"--comm.train_timeout_seconds={config.comm.train_timeout_seconds} must be > 0",
         ),
         (
+            config.profiling.profile_freq
+            >= config.profiling.profiler_warmup + config.profiling.profiler_active
+            and config.profiling.profiler_active >= 1,
+            f"--profiling.profile_freq={config.profiling.profile_freq} must be >= "
+            f"profiler_warmup + profiler_active = {config.profiling.profiler_warmup} + "
+            f"{config.profiling.profiler_active}, with profiler_active >= 1",
+        ),
+        (
             config.comm.dry_run_steps >= 0,
             f"--comm.dry_run_steps={config.comm.dry_run_steps} must be >= 0",
         ),

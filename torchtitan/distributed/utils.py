@@ -153,6 +153,16 @@ def load_full_init_from_rank0(
     )
 
 
+def set_pg_timeouts(seconds: float) -> None:
+    """Give every process group this collective timeout (from the second step on)."""
+    if not dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=seconds)
+    groups = [dist.group.WORLD, *dist.distributed_c10d._world.pg_map]
+    for group in dict.fromkeys(groups):
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
 def shutdown() -> None:
     """Destroy the process group once every rank is done."""
     if dist.is_available() and dist.is_initialized():

@@ -29,8 +29,9 @@ def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes this rank holds of ``tensors`` (a DTensor counts its local shard); works on meta."""
     total = 0
     for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        total += local.numel() * local.element_size()
+        if isinstance(t, torch.Tensor):  # optimizer states also hold plain numbers
+            local = t.to_local() if isinstance(t, DTensor) else t
+            total += local.numel() * local.element_size()
     return total
 
 

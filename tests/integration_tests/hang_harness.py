@@ -1,0 +1,28 @@
+"""A trainer whose rank ``HANG_RANK`` sleeps inside step ``HANG_STEP``: tests the watchdog.
+
+Launched with torchrun like ``torchtitan.train``; the remaining arguments are trainer flags.
+"""
+
+import os
+import sys
+import time
+
+from torchtitan import train
+
+HANG_RANK = int(os.environ["HANG_RANK"])
+HANG_STEP = int(os.environ["HANG_STEP"])
+_train_step = train.Trainer.train_step
+
+
+def train_step(self, microbatches):
+    if self.rank == HANG_RANK and self.step == HANG_STEP:
+        time.sleep(600)
+    return _train_step(self, microbatches)
+
+
+if __name__ == "__main__":
+    train.Trainer.train_step = train_step
+    code = train.main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

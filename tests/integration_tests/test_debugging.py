@@ -1,0 +1,189 @@
+"""Debugging tools on real CPU runs: hang dumps, collective tracing, profiling, memory
+snapshots, non-finite steps, reproducibility."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["--training.seq_len", "64", "--debug.seed", "0", "--metrics.log_freq", "1"]
+
+pytestmark = pytest.mark.integration
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return env | {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1"} | extra
+
+
+def _run_train(dump: Path, *flags: str, ngpu: int = 1, log_rank: str = "0"):
+    return subprocess.run(
+        ["./run_train.sh", *SMALL, "--job.dump_folder", str(dump), *flags],
+        cwd=REPO,
+        env=_env(NGPU=str(ngpu), LOG_RANK=log_rank),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _records(dump: Path) -> list[dict]:
+    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_hung_rank_ends_the_job_with_flight_recorder_and_stacks(tmp_path):
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+        + ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
+        + ["tests/integration_tests/hang_harness.py", *SMALL, "--training.steps", "6"]
+        + ["--comm.train_timeout_seconds", "5", "--job.dump_folder", str(tmp_path)],
+        cwd=REPO,
+        env=_env(HANG_RANK="1", HANG_STEP="3"),
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert elapsed < 120, "the job should end soon after the 5 s timeout, not after the sleep"
+    out = result.stdout + result.stderr
+    assert "Step 3 on rank 0 did not finish within 5 s" in out
+    traces = tmp_path / "comm_traces"
+    # The waiting rank's flight recorder names the collective it is stuck in.
+    entries = json.loads((traces / "rank0_flight_recorder.json").read_text())["entries"]
+    pending = [e for e in entries if e["state"] != "completed"]
+    assert pending and pending[-1]["profiling_name"].startswith("gloo:")
+    # The sleeping rank's stack dump shows where it is.
+    assert "hang_harness.py" in (traces / "rank1_stacks.txt").read_text()
+    assert (traces / "rank0_stacks.txt").exists()
+
+
+def test_comm_trace_and_profiler_traces_fsdp_x_tp(tmp_path):
+    result = _run_train(
+        tmp_path,
+        "--training.steps",
+        "4",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--debug.comm_trace_step",
+        "2",
+        "--profiling.enable_profiling",
+        "--profiling.profile_freq",
+        "2",
+        "--profiling.profiler_warmup",
+        "0",
+        ngpu=4,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout + result.stderr
+    assert "Collectives of step 2" in out
+    for rank in range(4):
+        table = (tmp_path / "comm_trace" / f"rank{rank}_step2.txt").read_text()
+        assert (tmp_path / "comm_trace" / f"rank{rank}_step2.json").exists()
+        for step in (2, 4):
+            trace = tmp_path / "profile_traces" / f"iteration_{step}" / f"rank{rank}_trace.json"
+            assert json.loads(trace.read_text())["traceEvents"]
+    # Per module: with sequence parallelism, attention and FFN each all-gather their
+    # sequence-sharded input in forward (and again in backward); FSDP all-gathers each
+    # block's parameters and reduce-scatters its gradients.
+    lines = table.splitlines()
+
+    def section(module: str) -> str:
+        start = next(i for i, line in enumerate(lines) if line.strip() == module)
+        indent = len(lines[start]) - len(lines[start].lstrip())
+        end = next(
+            (
+                j
+                for j in range(start + 1, len(lines))
+                if lines[j].strip()
+                and len(lines[j]) - len(lines[j].lstrip()) <= indent
+                and "PASS" not in lines[j]
+                and "*" not in lines[j]
+            ),
+            len(lines),
+        )
+        return "\n".join(lines[start:end])
+
+    attention = section("FSDPTransformer.layers.0.attention")
+    ffn = section("FSDPTransformer.layers.0.feed_forward")
+    block = section("FSDPTransformer.layers.0")
+    for module in (attention, ffn):
+        assert "c10d_functional.all_gather_into_tensor" in module
+        assert "FORWARD PASS" in module and "BACKWARD PASS" in module
+    assert "c10d._allgather_base_" in block and "c10d._reduce_scatter_base_" in block
+
+
+def test_memory_timeline_on_cpu(tmp_path):
+    result = _run_train(
+        tmp_path,
+        "--training.steps",
+        "2",
+        "--profiling.enable_memory_snapshot",
+        "--profiling.profile_freq",
+        "2",
+        "--profiling.profiler_warmup",
+        "0",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "need the CUDA caching allocator" in result.stdout + result.stderr
+    times, sizes = json.loads(
+        (tmp_path / "memory_snapshot" / "iteration_2" / "rank0_memory_timeline.json").read_text()
+    )
+    assert len(times) == len(sizes) > 10
+    assert max(sum(s) for s in sizes) > 10 * 2**20  # the model alone is 22 MiB
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="allocator snapshots need CUDA")
+def test_cuda_memory_snapshot_and_oom_dump(tmp_path):
+    result = _run_train(
+        tmp_path,
+        "--training.steps",
+        "2",
+        "--profiling.enable_memory_snapshot",
+        "--profiling.profile_freq",
+        "2",
+        "--profiling.profiler_warmup",
+        "0",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "memory_snapshot/iteration_2/rank0_memory_snapshot.pickle").stat().st_size
+    oom = _run_train(
+        tmp_path / "oom",
+        "--training.local_batch_size",
+        "100000",
+        "--profiling.enable_memory_snapshot",
+    )
+    assert oom.returncode != 0
+    assert (tmp_path / "oom/memory_snapshot/iteration_1_exit/rank0_memory_snapshot.pickle").exists()
+
+
+def test_non_finite_step_stops_or_is_skipped(tmp_path):
+    flags = ["--training.steps", "4", "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0"]
+    flags += ["--checkpoint.enable", "--checkpoint.interval", "1"]
+    stopped = _run_train(tmp_path / "stop", *flags)
+    assert stopped.returncode != 0, stopped.stderr[-3000:]  # the rank exits 3; torchrun says 1
+    err = stopped.stdout + stopped.stderr
+    assert "the gradient norm is nan" in err or "the gradient norm is inf" in err
+    assert "rank 0" in err and "last good checkpoint:" in err and "step-1" in err
+    skipped = _run_train(tmp_path / "skip", *flags, "--debug.skip_nonfinite_steps")
+    assert skipped.returncode == 0, skipped.stderr[-3000:]
+    records = _records(tmp_path / "skip")
+    assert records[-1]["skipped_steps"] >= 1 and records[0]["skipped_steps"] == 0
+
+
+def test_same_seed_is_bitwise_reproducible_and_another_seed_is_not(tmp_path):
+    flags = ["--training.steps", "3", "--debug.deterministic"]
+    runs = {}
+    for name, seed in (("a", "7"), ("b", "7"), ("c", "8")):
+        result = _run_train(tmp_path / name, *flags, "--debug.seed", seed, ngpu=2)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = [(r["loss"], r["grad_norm"]) for r in _records(tmp_path / name)]
+    assert runs["a"] == runs["b"]
+    assert runs["a"][0] != runs["c"][0]

@@ -1,0 +1,37 @@
+"""What the training loop carries from step to step, and what one step returns."""
+
+import dataclasses
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+
+
+@dataclasses.dataclass
+class TrainState(Stateful):
+    """Where training stands; restored from a checkpoint with everything else."""
+
+    step: int = 0
+    tokens_seen: int = 0
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {
+            "step": torch.tensor(self.step),
+            "tokens_seen": torch.tensor(self.tokens_seen),
+            "rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.step = int(state_dict["step"])
+        self.tokens_seen = int(state_dict["tokens_seen"])
+        torch.set_rng_state(state_dict["rng"])
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss_sum: torch.Tensor
+    """Summed token losses of this rank's micro-batches."""
+    local_tokens: int
+    global_tokens: int
+    grad_norm: torch.Tensor
+    lr: float
+    """Learning rate this step used."""

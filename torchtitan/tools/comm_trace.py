@@ -1,0 +1,41 @@
+"""``--debug.comm_trace_step N``: which collectives each module issues, traced for one step.
+
+The step runs under ``torch.distributed.tensor.debug.CommDebugMode``; afterwards every rank
+writes to ``<dump>/comm_trace/``:
+
+- ``rank<r>_step<N>.txt``: the per-module table at ``--debug.comm_trace_noise_level``,
+- ``rank<r>_step<N>.json``: the same trace as JSON,
+
+and the logging rank prints the module-level table (noise level 0) to the console.
+"""
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from torch.distributed.tensor.debug import CommDebugMode
+
+from torchtitan.tools.logging import logger
+
+
+@contextlib.contextmanager
+def maybe_trace_collectives(
+    step: int, *, trace_step: int, noise_level: int, dump_folder: str, rank: int
+) -> Iterator[None]:
+    """Trace the collectives inside when ``step == trace_step``; otherwise do nothing."""
+    if step != trace_step:
+        yield
+        return
+    mode = CommDebugMode()
+    with mode:
+        yield
+    folder = Path(dump_folder) / "comm_trace"
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / f"rank{rank}_step{step}"
+    Path(f"{stem}.txt").write_text(mode.generate_comm_debug_tracing_table(noise_level))
+    mode.generate_json_dump(file_name=f"{stem}.json", noise_level=noise_level)
+    counts = {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
+    logger.info(
+        f"Collectives of step {step} ({mode.get_total_counts()} in all: {counts}), per module; "
+        f"details in {stem}.txt / .json\n{mode.generate_comm_debug_tracing_table(0)}"
+    )

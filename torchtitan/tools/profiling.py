@@ -1,0 +1,164 @@
+"""Step profiling (Chrome traces) and memory snapshots, both driven by ``profiling.*``.
+
+Every ``profile_freq`` steps the profiler records ``profiler_active`` steps after
+``profiler_warmup`` warm-up steps and writes one trace per rank:
+``<dump>/<save_traces_folder>/iteration_<step>/rank<r>_trace.json`` (open it in Perfetto or
+chrome://tracing).
+
+Memory snapshots on CUDA record the caching allocator's history and write
+``<dump>/<save_memory_snapshot_folder>/iteration_<step>/rank<r>_memory_snapshot.pickle``
+every ``profile_freq`` steps (drag it into https://pytorch.org/memory_viz); on an out-of-memory
+error one more goes to ``iteration_<step>_exit/`` before the error propagates. The CPU build
+has no allocator history, so there the profiler's memory timeline is written instead
+(``rank<r>_memory_timeline.json``: time stamps and bytes per category).
+"""
+
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from torchtitan.config.job_config import Profiling
+from torchtitan.tools.logging import logger
+
+MEMORY_HISTORY_ENTRIES = 100_000
+"""Allocator events kept for a snapshot: enough for a few steps of a large model."""
+
+
+def _activities() -> list[torch.profiler.ProfilerActivity]:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return activities
+
+
+def _schedule(config: Profiling, **extra) -> torch.profiler.profiler.ProfilerAction:
+    wait = config.profile_freq - config.profiler_warmup - config.profiler_active
+    return torch.profiler.schedule(
+        wait=wait, warmup=config.profiler_warmup, active=config.profiler_active, **extra
+    )
+
+
+@contextlib.contextmanager
+def maybe_enable_profiling(
+    config: Profiling, *, dump_folder: str, rank: int, first_step: int
+) -> Iterator[torch.profiler.profile | None]:
+    """A profiler to ``.step()`` once per training step, or ``None`` when disabled.
+
+    ``first_step`` is the step the loop starts at (after a resume), so trace folders are
+    named by the real step.
+    """
+    if not config.enable_profiling:
+        yield None
+        return
+    folder = Path(dump_folder) / config.save_traces_folder
+
+    def write_trace(prof: torch.profiler.profile) -> None:
+        step = first_step + prof.step_num
+        out = folder / f"iteration_{step}"
+        out.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        prof.export_chrome_trace(str(out / f"rank{rank}_trace.json"))
+        logger.info(
+            f"Profiler trace of step {step} written to {out} in {time.perf_counter() - start:.2f} s"
+        )
+
+    logger.info(
+        f"Profiling {config.profiler_active} step(s) every {config.profile_freq} into {folder} "
+        f"({', '.join(a.name for a in _activities())})"
+    )
+    with torch.profiler.profile(
+        activities=_activities(),
+        schedule=_schedule(config, skip_first=0),
+        on_trace_ready=write_trace,
+        record_shapes=True,
+    ) as prof:
+        prof.step_num = 0
+        yield prof
+
+
+class MemorySnapshots:
+    """Writes a memory snapshot every ``profile_freq`` steps and one on an OOM."""
+
+    def __init__(self, config: Profiling, *, dump_folder: str, rank: int, first_step: int):
+        self.folder = Path(dump_folder) / config.save_memory_snapshot_folder
+        self.freq = config.profile_freq
+        self.rank = rank
+        self.step_num = first_step
+        self.cuda = torch.cuda.is_available()
+        self._profiler: torch.profiler.profile | None = None
+        if self.cuda:
+            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+            logger.info(f"Recording CUDA allocator history for snapshots into {self.folder}")
+        elif config.enable_profiling:
+            # Only one profiler session can run at a time.
+            logger.warning(
+                "Memory snapshots need the CUDA caching allocator; the CPU memory timeline "
+                "that replaces them needs the profiler, which --profiling.enable_profiling "
+                "already uses: no memory timeline this run"
+            )
+            self.freq = 0
+        else:
+            logger.warning(
+                "Memory snapshots need the CUDA caching allocator, which this process does "
+                "not use: writing the profiler's CPU memory timeline instead "
+                f"(rank{rank}_memory_timeline.json under {self.folder})"
+            )
+            self._start_profiler()
+
+    def _start_profiler(self) -> None:
+        self._profiler = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU],
+            profile_memory=True,
+            record_shapes=True,
+            with_stack=True,
+        )
+        self._profiler.__enter__()
+
+    def step(self, *, exit: bool = False) -> None:
+        """Call after each step (``exit=True`` from an OOM handler); dumps when it is time."""
+        self.step_num += 1
+        if self.freq == 0 or (not exit and self.step_num % self.freq != 0):
+            return
+        name = f"iteration_{self.step_num}" + ("_exit" if exit else "")
+        out = self.folder / name
+        out.mkdir(parents=True, exist_ok=True)
+        if self.cuda:
+            path = out / f"rank{self.rank}_memory_snapshot.pickle"
+            torch.cuda.memory._dump_snapshot(str(path))
+        else:
+            path = out / f"rank{self.rank}_memory_timeline.json"
+            self._profiler.__exit__(None, None, None)
+            self._profiler.export_memory_timeline(str(path), device="cpu")
+            if not exit:
+                self._start_profiler()
+            else:
+                self._profiler = None
+        logger.info(f"Memory snapshot of step {self.step_num} written to {path}")
+
+    def close(self) -> None:
+        if self.cuda:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        elif self._profiler is not None:
+            self._profiler.__exit__(None, None, None)
+            self._profiler = None
+
+
+@contextlib.contextmanager
+def maybe_enable_memory_snapshot(
+    config: Profiling, *, dump_folder: str, rank: int, first_step: int
+) -> Iterator[MemorySnapshots | None]:
+    """Memory snapshots for the loop, or ``None``; an OOM inside dumps once and re-raises."""
+    if not config.enable_memory_snapshot:
+        yield None
+        return
+    snapshots = MemorySnapshots(config, dump_folder=dump_folder, rank=rank, first_step=first_step)
+    try:
+        yield snapshots
+    except torch.OutOfMemoryError:
+        snapshots.step(exit=True)
+        raise
+    finally:
+        snapshots.close()

@@ -1,0 +1,92 @@
+"""Hang watchdog: a step that outlives its timeout leaves evidence and ends the process.
+
+NCCL dumps its flight recorder by itself when a collective times out (``init_distributed``
+points it at ``<dump>/comm_traces/``). Gloo has no such dump and a rank stuck in a collective
+can wait for a long time, so this thread watches the training loop: when one step takes
+longer than its timeout it writes, into ``<dump>/comm_traces/``,
+
+- ``rank<r>_flight_recorder.json``: the flight recorder's collectives of this rank (the
+  pending one is the last entry whose state is not ``completed``),
+- ``rank<r>_stacks.txt``: the Python stack of every thread,
+
+then exits the process with ``EXIT_CODE``, so the launcher tears the job down.
+"""
+
+import faulthandler
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+from torchtitan.tools.logging import logger
+
+EXIT_CODE = 124
+"""Exit status of a rank the watchdog ended (as ``timeout(1)`` uses)."""
+
+
+def dump_flight_recorder(path: Path) -> int:
+    """Write this rank's flight-recorder entries as JSON; return how many were recorded."""
+    import torch._C._distributed_c10d as c10d
+
+    raw = c10d._dump_fr_trace_json(includeCollectives=True, onlyActive=False)
+    trace = json.loads(raw)
+    path.write_text(json.dumps(trace, indent=1, default=str))
+    return len(trace.get("entries", []))
+
+
+class StepWatchdog:
+    """``start(step, timeout)`` before a step, ``stop()`` after; a step over time ends the run."""
+
+    def __init__(self, dump_folder: str, rank: int):
+        self.folder = Path(dump_folder) / "comm_traces"
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._deadline: float | None = None
+        self._step = 0
+        self._timeout = 0.0
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
+        self._thread.start()
+
+    def start(self, step: int, timeout_seconds: float) -> None:
+        with self._lock:
+            self._step, self._timeout = step, timeout_seconds
+            self._deadline = time.monotonic() + timeout_seconds
+
+    def stop(self) -> None:
+        with self._lock:
+            self._deadline = None
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        while not self._closed.wait(0.5):
+            with self._lock:
+                late = self._deadline is not None and time.monotonic() > self._deadline
+                step, timeout = self._step, self._timeout
+            if late:
+                self._fire(step, timeout)
+
+    def _fire(self, step: int, timeout: float) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        trace = self.folder / f"rank{self.rank}_flight_recorder.json"
+        stacks = self.folder / f"rank{self.rank}_stacks.txt"
+        try:
+            entries = dump_flight_recorder(trace)
+            recorded = f"{entries} flight-recorder entries in {trace}"
+        except Exception as e:  # the stack dump below still gets written
+            recorded = f"no flight-recorder dump ({type(e).__name__}: {e})"
+        with stacks.open("w") as f:
+            faulthandler.dump_traceback(f, all_threads=True)
+        logger.error(
+            f"Step {step} on rank {self.rank} did not finish within {timeout:g} s "
+            f"(--comm.train_timeout_seconds / init_timeout_seconds for step 1): a rank is "
+            f"probably stuck in a collective or its data. Wrote {recorded} and all thread "
+            f"stacks to {stacks}; exiting with {EXIT_CODE}"
+        )
+        for handler in logger.handlers:
+            handler.flush()
+        os._exit(EXIT_CODE)
