@@ -179,7 +179,7 @@ class Parallelism:
 @dataclass
 class Checkpoint:
     enable: bool = False
-    """Save and resume with torch.distributed.checkpoint. (not implemented yet: issue #4)"""
+    """Save and resume with torch.distributed.checkpoint."""
 
     folder: str = "checkpoint"
     """Folder under ``job.dump_folder`` holding one ``step-N`` folder per checkpoint."""
