@@ -1,0 +1,151 @@
+"""``COMM_MODE=local_tensor``: every rank of a run simulated in one process, with real numerics.
+
+``torch.distributed._local_tensor.LocalTensorMode`` makes each tensor a ``LocalTensor`` that
+holds one value per simulated rank; ordinary ops run once per rank and collectives on a
+process group combine the ranks' values as the real collective would. The process group itself
+is the ``fake`` backend (world size N, this process is rank 0): it only names the groups,
+the mode does the work. Model code and DTensor code run unchanged; what differs is anything
+that is *not* a tensor op:
+
+- Python numbers are the same on every rank: ``dist.all_reduce`` of a tensor made from a
+  Python number goes straight to the fake backend and returns it *unreduced*. Reduce tensors
+  that came out of the model or out of :func:`replicate_to_ranks`.
+- ``.item()`` / ``int()`` / ``float()`` of a ``LocalTensor`` succeed only when every rank holds
+  the same value (after a reduction); otherwise ``.item()`` raises ``AssertionError`` and
+  ``int()`` ``AttributeError``.
+- Per-rank inputs (each data-parallel rank its own batch) are built with
+  :func:`for_each_dp_rank`; one rank's own value is read with :func:`value_on_rank`.
+
+These helpers also work in a real multi-process run, where they act on this rank only.
+"""
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._local_tensor import (
+    LocalTensor,
+    LocalTensorMode,
+    enabled_local_tensor_mode,
+    maybe_run_for_local_tensor,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+_T = TypeVar("_T")
+
+
+@contextlib.contextmanager
+def local_tensor_mode(world_size: int) -> Iterator[LocalTensorMode]:
+    """Simulate ``world_size`` ranks in this process until the block ends.
+
+    Starts the ``fake`` process group (rank 0 of ``world_size``) and enters ``LocalTensorMode``
+    over all ranks; build meshes, model and data inside. Tensors created inside are
+    ``LocalTensor``s: do not use them after the block.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "COMM_MODE=local_tensor runs as one process without torchrun: a process group "
+            "already exists; launch with NGPU=<ranks to simulate> and no torchrun"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        with LocalTensorMode(world_size) as mode:
+            yield mode
+    finally:
+        dist.destroy_process_group()
+
+
+def is_simulating() -> bool:
+    """True inside :func:`local_tensor_mode` (and not inside its ``disable()``)."""
+    return enabled_local_tensor_mode() is not None
+
+
+def for_each_dp_rank(make: Callable[[int], _T], dp_rank: int | torch.SymInt) -> _T:
+    """``make(dp_rank)`` for the data-parallel rank of every (simulated) rank.
+
+    ``dp_rank`` is ``world_mesh["dp"].get_local_rank()``: an ``int`` in a real run (the result is
+    ``make(dp_rank)``); under ``LocalTensorMode`` a per-rank ``SymInt``, and tensors in the
+    result become ``LocalTensor``s whose value on rank r is ``make(dp coordinate of r)``.
+    Ranks that share a dp coordinate (TP, CP peers) get equal copies. ``make`` must not run
+    collectives or have side effects other than reading its own data; tensors it returns may be
+    plain or ``LocalTensor``s equal on all ranks (anything built inside the mode).
+    """
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        # Data made inside the mode is a LocalTensor equal on every rank: take that value.
+        # Clone so simulated ranks never share storage (an in-place op would hit all of them).
+        return t.reconcile() if isinstance(t, LocalTensor) else t.clone()
+
+    def make_owned(rank: int) -> _T:
+        return torch.utils._pytree.tree_map_only(torch.Tensor, own, make(rank))
+
+    return maybe_run_for_local_tensor(make_owned)(dp_rank)
+
+
+def replicate_to_ranks(value: torch.Tensor | float) -> torch.Tensor:
+    """A tensor every (simulated) rank holds, fit to be all-reduced.
+
+    Under ``LocalTensorMode`` a plain tensor or number becomes a ``LocalTensor`` with a copy
+    per rank (the collectives only combine ``LocalTensor``s); elsewhere, a plain tensor.
+    """
+    t = torch.as_tensor(value)
+    mode = enabled_local_tensor_mode()
+    if mode is None or isinstance(t, LocalTensor):
+        return t
+    return mode.rank_map(lambda _: t.detach().clone())
+
+
+def value_on_rank(t: torch.Tensor, rank: int) -> torch.Tensor:
+    """What ``rank`` holds of ``t`` (a ``LocalTensor``); ``t`` itself for a plain tensor.
+
+    For per-rank numbers that are logged, not reduced, e.g. rank 0's local loss.
+    """
+    return t._local_tensors[rank] if isinstance(t, LocalTensor) else t
+
+
+@torch.no_grad()
+def load_full_model_(model: nn.Module, full: nn.Module) -> None:
+    """Give ``model`` (parallelized, any DTensor placements) the values of ``full`` (the same
+    architecture on one process, already initialised).
+
+    Every rank (simulated or real) holds ``full`` and cuts its own shards: no communication,
+    so it works under ``LocalTensorMode``, where ``set_model_state_dict(...,
+    broadcast_from_rank0=True)`` cannot. Parameters are replaced, not copied into: build the
+    optimizer afterwards. Buffers (persistent or not) are taken from ``full`` as they are.
+    """
+    full_params = dict(full.named_parameters(remove_duplicate=False))
+    full_buffers = dict(full.named_buffers(remove_duplicate=False))
+    replaced: dict[int, nn.Parameter] = {}
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            key = _clean_name(prefix + name)
+            if key not in full_params:
+                raise KeyError(f"{key} is in the parallelized model but not in the full one")
+            if id(param) not in replaced:
+                value = full_params[key].detach()
+                if isinstance(param, DTensor):
+                    value = distribute_tensor(
+                        value, param.device_mesh, param.placements, src_data_rank=None
+                    )
+                else:
+                    value = replicate_to_ranks(value.clone())
+                replaced[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
+            module._parameters[name] = replaced[id(param)]
+        for name, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[name] = full_buffers[_clean_name(prefix + name)].clone()
+
+
+def _clean_name(name: str) -> str:
+    """Parameter names without the wrappers of activation checkpointing and compile."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(wrapper, "")
+    return name
