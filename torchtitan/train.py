@@ -264,13 +264,8 @@ class Trainer:
                 start = time.perf_counter()
                 microbatches = [next(data_iter) for _ in range(self.grad_accum_steps)]
                 data_seconds = time.perf_counter() - start
-                with comm_trace.maybe_trace_collectives(
-                    self.step,
-                    trace_step=self.config.debug.comm_trace_step,
-                    noise_level=self.config.debug.comm_trace_noise_level,
-                    dump_folder=self.config.job.dump_folder,
-                    rank=self.rank,
-                ):
+                trace = dict(dump_folder=where["dump_folder"], rank=self.rank)
+                with comm_trace.maybe_trace_collectives(self.step, self.config.debug, **trace):
                     result = self.train_step(microbatches)
                 # Ranks of one data-parallel group share their tokens (TP, CP, PP).
                 tokens = sum(labels.numel() for _, labels in microbatches)

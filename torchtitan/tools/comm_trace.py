@@ -15,17 +15,19 @@ from pathlib import Path
 
 from torch.distributed.tensor.debug import CommDebugMode
 
+from torchtitan.config.job_config import Debug
 from torchtitan.tools.logging import logger
 
 
 @contextlib.contextmanager
 def maybe_trace_collectives(
-    step: int, *, trace_step: int, noise_level: int, dump_folder: str, rank: int
+    step: int, config: Debug, *, dump_folder: str, rank: int
 ) -> Iterator[None]:
-    """Trace the collectives inside when ``step == trace_step``; otherwise do nothing."""
-    if step != trace_step:
+    """Trace the collectives inside when ``step == config.comm_trace_step``; else nothing."""
+    if step != config.comm_trace_step:
         yield
         return
+    noise_level = config.comm_trace_noise_level
     mode = CommDebugMode()
     with mode:
         yield
