@@ -36,21 +36,25 @@ for arg in "$@"; do
   fi
 done
 
-# Resolve and validate the config in one light process (no torch import) before starting ranks,
-# so a typo gives one clear line instead of one error per rank.
-WORLD_SIZE=$NGPU "$PYTHON" -m torchtitan.config.manager --check --module "$MODULE" --config "$CONFIG" "$@"
-
 case "$COMM_MODE" in
-  "") ;;
-  fake_backend|local_tensor)
-    # One process, no torchrun: fake_backend plays rank $RANK of $NGPU; local_tensor
-    # simulates all $NGPU ranks. See docs/debugging.md.
-    WORLD_SIZE=$NGPU RANK=${RANK:-0} LOCAL_RANK=0 exec "$PYTHON" -m torchtitan.train \
-      --module "$MODULE" --config "$CONFIG" --comm.mode "$COMM_MODE" "$@" ;;
+  "") MODE_ARGS=() ;;
+  fake_backend|local_tensor) MODE_ARGS=(--comm.mode "$COMM_MODE") ;;
   *)
     echo "COMM_MODE=$COMM_MODE is not a mode: use fake_backend, local_tensor, or leave it unset" >&2
     exit 2 ;;
 esac
+
+# Resolve and validate the config in one light process (no torch import) before starting ranks,
+# so a typo gives one clear line instead of one error per rank.
+WORLD_SIZE=$NGPU "$PYTHON" -m torchtitan.config.manager --check --module "$MODULE" \
+  --config "$CONFIG" "${MODE_ARGS[@]}" "$@"
+
+if [ -n "$COMM_MODE" ]; then
+  # One process, no torchrun: fake_backend plays rank $RANK of $NGPU; local_tensor
+  # simulates all $NGPU ranks. See docs/debugging.md.
+  WORLD_SIZE=$NGPU RANK=${RANK:-0} LOCAL_RANK=0 exec "$PYTHON" -m torchtitan.train \
+    --module "$MODULE" --config "$CONFIG" "${MODE_ARGS[@]}" "$@"
+fi
 
 # Overrides are passed as separate, quoted words: values with spaces survive.
 exec "$PYTHON" -m torch.distributed.run \

@@ -6,11 +6,11 @@ step -> log, then a clean shutdown. Launch several ranks with ``./run_train.sh``
 
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -27,14 +27,14 @@ from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.components.train_state import StepResult, TrainState
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
-from torchtitan.config.manager import parse_args, to_toml
-from torchtitan.distributed import ParallelDims, tensor_parallel
+from torchtitan.config.manager import parse_args, save_resolved
+from torchtitan.distributed import ParallelDims, local_tensor, tensor_parallel
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.models import import_model_module
 from torchtitan.tools import comm_trace, profiling
 from torchtitan.tools.gc import gc_every
 from torchtitan.tools.logging import init_logger, logger
-from torchtitan.tools.memory_estimate import local_bytes
+from torchtitan.tools.memory_estimate import held_mib
 from torchtitan.tools.paths import resolve_path
 from torchtitan.tools.watchdog import StepWatchdog
 
@@ -54,7 +54,6 @@ def refuse_unimplemented(config: JobConfig) -> None:
         "--parallelism.expert_parallel_degree > 1": p.expert_parallel_degree > 1,
         "--float8.enable": config.float8.enable,
         "--validation.enable": config.validation.enable,
-        "--comm.mode local_tensor (COMM_MODE=local_tensor)": config.comm.mode == "local_tensor",
     }
     for flag, asked in requested.items():
         if asked:
@@ -84,7 +83,8 @@ class Trainer:
             rank=self.rank,
             save_rank=self.rank == 0 or config.metrics.save_for_all_ranks,
         )
-        self._save_config()
+        if self.rank == 0 and (saved := save_resolved(config)) is not None:
+            logger.info(f"Resolved config written to {saved}")
         self.train_state = TrainState()
         self.skipped_steps = 0
         self.watchdog = None
@@ -180,17 +180,22 @@ class Trainer:
         if self.fake_compute:
             return
         self.tokenizer = build_tokenizer(resolve_path(self.config.model.tokenizer_path))
-        self.dataloader = build_dataloader(
+        loader = functools.partial(
+            build_dataloader,
             dataset=t.dataset,
             dataset_path=t.dataset_path,
             tokenizer=self.tokenizer,
             seq_len=t.seq_len,
             local_batch_size=t.local_batch_size,
-            dp_rank=self.dp_rank,
             dp_world_size=self.parallel_dims.dp_degree,
             num_workers=t.num_workers,
             sharding=t.data_sharding,
         )
+        if local_tensor.is_simulating():  # one process reads for every data-parallel rank
+            loaders = [loader(dp_rank=r) for r in range(self.parallel_dims.dp_degree)]
+            self.dataloader = local_tensor.PerRankBatches(loaders, self.dp_rank)
+        else:
+            self.dataloader = loader(dp_rank=self.dp_rank)
 
     def _build_model(self) -> None:
         """Model on the meta device -> parallelize -> materialise on the device -> init.
@@ -224,6 +229,12 @@ class Trainer:
         )
         if self.fake_compute:
             return
+        build_full = functools.partial(spec.build_model, self.model_args)
+        if local_tensor.is_simulating():  # every simulated rank cuts its shards of one init
+            with local_tensor.host_only():
+                full = dist_utils.build_full_init(build_full, self.seed)
+            local_tensor.load_full_model_(model, full)
+            return self._finish_model()
         model.to_empty(device=self.device)
         # Initial weights depend only on the seed and the flavor, never on the parallelism.
         torch.manual_seed(self.seed)
@@ -234,10 +245,11 @@ class Trainer:
             # DTensor random ops on CPU draw the same numbers on every shard (no offset-based
             # RNG as on CUDA), which would duplicate heads and hidden units. Use the values a
             # one-process init gives instead: rank 0 builds them, every rank takes its part.
-            dist_utils.load_full_init_from_rank0(
-                model, lambda: spec.build_model(self.model_args), self.seed
-            )
-        model.train()
+            dist_utils.load_full_init_from_rank0(model, build_full, self.seed)
+        self._finish_model()
+
+    def _finish_model(self) -> None:
+        self.model.train()
         c = self.config.compile
         if c.enable and "loss" in c.components:
             self.loss_fn = torch.compile(cross_entropy_sum, backend=c.backend)
@@ -298,7 +310,7 @@ class Trainer:
         """
         self.optimizer.zero_grad()
         # Counted on the host copies: no device sync. The sum over ranks travels on gloo.
-        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
+        local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches)
         global_tokens = int(dist_utils.dist_reduce(local_tokens, "sum", self.loss_mesh))
         dp_size = self.loss_mesh.size() if self.loss_mesh is not None else 1
         scale = dp_size / max(global_tokens, 1)
@@ -316,19 +328,18 @@ class Trainer:
         )
         lr = self.lr_scheduler.get_last_lr()[0]
         # The norm is global, so every rank takes the same branch.
-        finite = self.config.comm.mode != "default" or bool(torch.isfinite(grad_norm))
+        finite = self.config.comm.mode == "fake_backend" or bool(torch.isfinite(grad_norm))
+        result = StepResult(loss_sum, local_tokens, global_tokens, grad_norm, lr)
         if finite:
             self.optimizer.step()
         else:
-            self._skip_nonfinite_step(loss_sum, local_tokens, grad_norm)
+            self._skip_nonfinite_step(result)
         self.lr_scheduler.step()
-        return StepResult(loss_sum, local_tokens, global_tokens, grad_norm, lr)
+        return result
 
-    def _skip_nonfinite_step(
-        self, loss_sum: torch.Tensor, local_tokens: int, grad_norm: torch.Tensor
-    ) -> None:
+    def _skip_nonfinite_step(self, result: StepResult) -> None:
         """Stop the run on a non-finite gradient norm, or skip the update when asked to."""
-        local_loss = loss_sum.item() / max(local_tokens, 1)
+        local_loss, grad_norm = self._own(result.local_loss), result.grad_norm
         if self.config.debug.skip_nonfinite_steps:
             self.optimizer.zero_grad()
             self.skipped_steps += 1
@@ -425,14 +436,14 @@ class Trainer:
         return moved, labels.to(self.device, non_blocking=True)
 
     def _log(self, result: StepResult) -> None:
-        local_loss = result.loss_sum.item() / max(result.local_tokens, 1)
+        local_loss = self._own(result.local_loss)
         loss = dist_utils.dist_reduce(result.loss_sum, "sum", self.loss_mesh) / max(
             result.global_tokens, 1
         )
-        loss_max = dist_utils.dist_reduce(local_loss, "max", self.loss_mesh)
+        loss_max = dist_utils.dist_reduce(result.local_loss, "max", self.loss_mesh)
         extra = {"loss_local": local_loss, "skipped_steps": self.skipped_steps}
         if self.step == 1:
-            extra |= self._state_mib()
+            extra |= held_mib(self.model, self.optimizer)
         self.metrics.log(
             self.step,
             loss=loss,
@@ -442,25 +453,9 @@ class Trainer:
             extra=extra,
         )
 
-    def _state_mib(self) -> dict[str, float]:
-        """This rank's share of parameters and optimizer state (what sharding shrinks)."""
-        params = local_bytes(self.model.parameters())
-        optim = local_bytes(v for state in self.optimizer.state.values() for v in state.values())
-        mib = {"param_mib": params / 2**20, "optimizer_state_mib": optim / 2**20}
-        logger.info(
-            f"This rank holds {mib['param_mib']:.1f} MiB of parameters and "
-            f"{mib['optimizer_state_mib']:.1f} MiB of optimizer state"
-        )
-        return mib
-
-    def _save_config(self) -> None:
-        name = self.config.job.save_config_file
-        if name is None or self.rank != 0:
-            return
-        path = Path(self.config.job.dump_folder) / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(to_toml(self.config))
-        logger.info(f"Resolved config written to {path}")
+    def _own(self, t: torch.Tensor) -> float:
+        """This rank's value of a per-rank scalar (rank ``RANK``'s when ranks are simulated)."""
+        return local_tensor.value_on_rank(t, self.rank).item()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -469,13 +464,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer = None
     try:
         config = parse_args(argv)
-        trainer = Trainer(config)
-        if config.comm.mode == "fake_backend":
-            dry_run.run(trainer)
-        elif config.checkpoint.create_seed_checkpoint:
-            trainer.create_seed_checkpoint()
-        else:
-            trainer.train()
+        with local_tensor.simulate(config.comm.mode):
+            trainer = Trainer(config)
+            if config.comm.mode == "fake_backend":
+                dry_run.run(trainer)
+            elif config.checkpoint.create_seed_checkpoint:
+                trainer.create_seed_checkpoint()
+            else:
+                trainer.train()
         return 0
     except (ConfigError, FileNotFoundError) as e:
         logger.error(str(e))

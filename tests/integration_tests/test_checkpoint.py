@@ -3,6 +3,7 @@ a killed rank, resharding, seed checkpoints, and the flags that shape what is sa
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchtitan.components.checkpoint import complete_checkpoints
 from torchtitan.train import main
@@ -179,11 +182,59 @@ def test_fsdp_resume_is_bitwise_exact(tmp_path, fsdp_uninterrupted, async_mode):
     assert [got[s] for s in range(11, 21)] == [want[s] for s in range(11, 21)]
 
 
+def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The full (unsharded) model tensors of a DCP checkpoint directory."""
+    metadata = FileSystemReader(str(checkpoint)).read_metadata()
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    assert state, checkpoint
+    return state
+
+
+def test_fsdp_x_tp_resume_is_bitwise_exact_from_async_and_sync_saves(tmp_path):
+    """FSDP 2 x TP 2: an uninterrupted 8-step run saves asynchronously every 2 steps; a run
+    resumed from its step 4 saves synchronously; a run resumed from that run's step 6 ends the
+    same. Losses after each resume and the final weights are bitwise equal."""
+    layout = ["--parallelism.tensor_parallel_degree", "2", "--checkpoint.interval", "2"]
+    steps = ["--training.steps", "8"]
+
+    def run(dump: Path, *flags: str) -> None:
+        result = _run_train(dump, *layout, *steps, *flags, ngpu=4)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    def resume_from(source: Path, step: int, dump: Path) -> None:
+        shutil.copytree(
+            source / "checkpoint" / f"step-{step}", dump / "checkpoint" / f"step-{step}"
+        )
+
+    full, from_async, from_sync = tmp_path / "full", tmp_path / "from_async", tmp_path / "from_sync"
+    run(full, "--checkpoint.async_mode", "async")
+    assert _steps(full) == ["step-2", "step-4", "step-6", "step-8"]
+    resume_from(full, 4, from_async)
+    run(from_async, "--checkpoint.async_mode", "disabled")
+    resume_from(from_async, 6, from_sync)
+    run(from_sync, "--checkpoint.async_mode", "disabled")
+    want = _losses(full)
+    for dump, first in ((from_async, 5), (from_sync, 7)):
+        got = _losses(dump)
+        assert sorted(got) == list(range(first, 9)), dump
+        assert [got[s] for s in range(first, 9)] == [want[s] for s in range(first, 9)], dump
+        final = _weights(dump / "checkpoint" / "step-8")
+        reference = _weights(full / "checkpoint" / "step-8")
+        assert final.keys() == reference.keys()
+        for key, tensor in reference.items():
+            assert torch.equal(final[key], tensor), (dump.name, key)
+
+
 def test_killed_rank_resumes_from_the_last_complete_checkpoint(tmp_path):
     # Bigger steps so the kill lands mid-run.
     flags = [
         "--training.steps",
-        "20",
+        "10",
         "--checkpoint.interval",
         "2",
         "--training.local_batch_size",
@@ -206,11 +257,11 @@ def test_killed_rank_resumes_from_the_last_complete_checkpoint(tmp_path):
     # run_train.sh execs torchrun, whose children are the ranks.
     workers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True)
     pids = [int(pid) for pid in workers.stdout.split()]
-    assert len(pids) == 2 and "step-20" not in _steps(dump), "the run ended before the kill"
+    assert len(pids) == 2 and "step-10" not in _steps(dump), "the run ended before the kill"
     os.kill(pids[-1], signal.SIGKILL)  # one rank dies mid-run
     assert launcher.wait(timeout=300) != 0
     survived = _steps(dump)
-    assert survived and "step-20" not in survived
+    assert survived and "step-10" not in survived
     resumed = _run_train(dump, *flags)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (
@@ -218,7 +269,10 @@ def test_killed_rank_resumes_from_the_last_complete_checkpoint(tmp_path):
         in resumed.stdout + resumed.stderr
     )
     want, got = _losses(tmp_path / "full"), _losses(dump)
-    assert [got[s] for s in range(15, 21)] == [want[s] for s in range(15, 21)]
+    resumed_at = int(survived[-1].removeprefix("step-"))
+    assert [got[s] for s in range(resumed_at + 1, 11)] == [
+        want[s] for s in range(resumed_at + 1, 11)
+    ]
 
 
 def test_fsdp_checkpoint_reshards_onto_other_layouts(tmp_path):

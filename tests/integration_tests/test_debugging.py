@@ -65,13 +65,19 @@ def test_a_hung_rank_ends_the_job_with_flight_recorder_and_stacks(tmp_path):
     assert (traces / "rank0_stacks.txt").exists()
 
 
-def test_comm_trace_and_profiler_traces_fsdp_x_tp(tmp_path):
+# A constant LR after warm-up: a 2-step run's schedule is the first 2 steps of a 4-step one.
+LR = ["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_type", "constant"]
+FSDP_TP = ["--training.steps", "4", "--parallelism.tensor_parallel_degree", "2", *LR]
+
+
+@pytest.fixture(scope="module")
+def fsdp_tp_run(tmp_path_factory):
+    """One real 4-rank FSDP 2 x TP 2 run, traced and profiled; also the reference losses of
+    the local_tensor simulation."""
+    dump = tmp_path_factory.mktemp("fsdp_tp")
     result = _run_train(
-        tmp_path,
-        "--training.steps",
-        "4",
-        "--parallelism.tensor_parallel_degree",
-        "2",
+        dump,
+        *FSDP_TP,
         "--debug.comm_trace_step",
         "2",
         "--profiling.enable_profiling",
@@ -82,7 +88,11 @@ def test_comm_trace_and_profiler_traces_fsdp_x_tp(tmp_path):
         ngpu=4,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout + result.stderr
+    return dump, result.stdout + result.stderr
+
+
+def test_comm_trace_and_profiler_traces_fsdp_x_tp(fsdp_tp_run):
+    tmp_path, out = fsdp_tp_run
     assert "Collectives of step 2" in out
     for rank in range(4):
         table = (tmp_path / "comm_trace" / f"rank{rank}_step2.txt").read_text()
@@ -118,6 +128,49 @@ def test_comm_trace_and_profiler_traces_fsdp_x_tp(tmp_path):
         assert "c10d_functional.all_gather_into_tensor" in module
         assert "FORWARD PASS" in module and "BACKWARD PASS" in module
     assert "c10d._allgather_base_" in block and "c10d._reduce_scatter_base_" in block
+
+
+def _simulate(dump: Path, ngpu: int, *flags: str) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        ["./run_train.sh", *SMALL, "--job.dump_folder", str(dump), *flags],
+        cwd=REPO,
+        env=_env(NGPU=str(ngpu), COMM_MODE="local_tensor"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_local_tensor_simulation_equals_the_real_four_rank_run(tmp_path, fsdp_tp_run):
+    real, _ = fsdp_tp_run
+    result = _simulate(tmp_path, 4, *FSDP_TP)
+    assert "Simulating 4 ranks in one process" in result.stdout + result.stderr
+    # FSDP2 cannot run under LocalTensorMode: the simulation shards with DTensor parameters.
+    assert 'fsdp_impl = "simple"' in (tmp_path / "config.toml").read_text()
+    simulated, reference = _records(tmp_path), _records(real)
+    assert [r["step"] for r in simulated] == [r["step"] for r in reference] == [1, 2, 3, 4]
+    # The same reductions in the same order: the losses are bitwise equal.
+    assert [r["loss"] for r in simulated] == [r["loss"] for r in reference]
+    assert [r["loss_max"] for r in simulated] == [r["loss_max"] for r in reference]
+    # FSDP2 and DTensor-parametrized sharding average gradients in different orders.
+    for sim, ref in zip(simulated, reference, strict=True):
+        assert sim["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    # Rank 0 holds a quarter of the parameters, as in the real run.
+    assert simulated[0]["param_mib"] == pytest.approx(reference[0]["param_mib"], rel=0.01)
+
+
+def test_local_tensor_runs_the_sixteen_rank_example(tmp_path, fsdp_tp_run):
+    """dp 2 x tp 8 reads the same data as dp 2 x tp 2: the same losses up to TP's sum order."""
+    real, _ = fsdp_tp_run
+    flags = ["--training.steps", "2", "--parallelism.tensor_parallel_degree", "8", *LR]
+    _simulate(tmp_path, 16, *flags, "--parallelism.data_parallel_shard_degree", "2")
+    simulated, reference = _records(tmp_path), _records(real)[:2]
+    assert [r["step"] for r in simulated] == [1, 2]
+    for sim, ref in zip(simulated, reference, strict=True):
+        assert sim["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert sim["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
 
 
 def test_memory_timeline_on_cpu(tmp_path):

@@ -30,8 +30,15 @@ class TrainState(Stateful):
 class StepResult:
     loss_sum: torch.Tensor
     """Summed token losses of this rank's micro-batches."""
-    local_tokens: int
+    local_tokens: torch.Tensor
+    """Valid (not ignored) tokens of this rank's micro-batches; like ``loss_sum``, one value
+    per rank when ranks are simulated (``COMM_MODE=local_tensor``)."""
     global_tokens: int
     grad_norm: torch.Tensor
     lr: float
     """Learning rate this step used."""
+
+    @property
+    def local_loss(self) -> torch.Tensor:
+        """This rank's mean token loss."""
+        return self.loss_sum / self.local_tokens.clamp(min=1)

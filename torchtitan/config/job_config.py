@@ -147,6 +147,12 @@ class Parallelism:
     framework choose (``default``: free them, except the last block's, which backward needs
     first)."""
 
+    fsdp_impl: Literal["auto", "fsdp2", "simple"] = "auto"
+    """How parameters are sharded over data-parallel ranks: ``fsdp2`` (``fully_shard``: per-block
+    bucketed all-gathers with prefetch), ``simple`` (each parameter a DTensor gathered when a
+    module reads it; runs under ``COMM_MODE=local_tensor``, where FSDP2 cannot), or ``auto``:
+    ``simple`` under ``local_tensor``, otherwise ``fsdp2``."""
+
     tensor_parallel_degree: int = 1
     """Ranks that split each layer's matmuls (TP); must divide heads, KV heads, FFN width and
     vocabulary."""

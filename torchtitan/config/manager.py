@@ -78,7 +78,21 @@ def parse_args(
         description=_DESCRIPTION,
     )
     validate(config)
+    resolve_auto(config)
     return config
+
+
+def resolve_auto(config: JobConfig) -> None:
+    """Replace ``auto`` choices by what they mean for this run, so the resolved config (printed
+    and saved) says what actually ran."""
+    config.parallelism.fsdp_impl = _fsdp_impl(config)
+
+
+def _fsdp_impl(config: JobConfig) -> str:
+    impl = config.parallelism.fsdp_impl
+    if impl != "auto":
+        return impl
+    return "simple" if config.comm.mode == "local_tensor" else "fsdp2"
 
 
 def load_registry_config(module_name: str, config_name: str) -> JobConfig:
@@ -220,6 +234,16 @@ def validate(config: JobConfig) -> None:
             f"--parallelism.data_parallel_shard_degree={dp_shard} must be -1 (auto) or >= 1",
         )
     )
+    c = config.checkpoint
+    for flag, given in (
+        ("--checkpoint.initial_load_path", c.initial_load_path is not None),
+        ("--checkpoint.load_step", c.load_step != -1),
+        ("--checkpoint.load_only", c.load_only),
+    ):
+        checks.append(
+            (not given or c.enable, f"{flag} does nothing without --checkpoint.enable; add it")
+        )
+    checks += _local_tensor_checks(config)
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
@@ -239,6 +263,44 @@ def validate(config: JobConfig) -> None:
         validate_parallelism(config, module, int(world_size))
 
 
+def _local_tensor_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    """What cannot run with every rank simulated in one process (``COMM_MODE=local_tensor``),
+    then what DTensor-parametrized sharding (``fsdp_impl simple``) cannot do anywhere."""
+    p = config.parallelism
+    checks = []
+    if config.comm.mode == "local_tensor":
+        why = "cannot run under COMM_MODE=local_tensor"
+        checks = [
+            (
+                p.fsdp_impl != "fsdp2",
+                f"--parallelism.fsdp_impl fsdp2 {why} (FSDP2 frees parameter storage with "
+                "resize_, which LocalTensor lacks); use auto or simple",
+            ),
+            (not config.compile.enable, f"--compile.enable {why}; drop the flag"),
+            (
+                not (config.checkpoint.enable or config.checkpoint.create_seed_checkpoint),
+                f"--checkpoint.enable / create_seed_checkpoint {why} (DCP cannot gather "
+                "LocalTensors); drop the checkpoint flags",
+            ),
+            (
+                not config.training.enable_cpu_offload,
+                f"--training.enable_cpu_offload {why}; drop the flag",
+            ),
+        ]
+    simple = _fsdp_impl(config) == "simple"
+    return checks + [
+        (
+            not (simple and config.training.enable_cpu_offload),
+            "--training.enable_cpu_offload needs --parallelism.fsdp_impl fsdp2",
+        ),
+        (
+            not (simple and p.fsdp_reshard_after_forward == "always"),
+            "--parallelism.fsdp_reshard_after_forward always needs --parallelism.fsdp_impl "
+            "fsdp2 (simple keeps gathered parameters until backward)",
+        ),
+    ]
+
+
 def validate_parallelism(
     config: JobConfig, module: types.ModuleType, world_size: int
 ) -> ParallelDims:
@@ -252,6 +314,17 @@ def validate_parallelism(
 
 def to_dict(config: JobConfig) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(config)
+
+
+def save_resolved(config: JobConfig) -> Path | None:
+    """Write the resolved config to ``<dump_folder>/<job.save_config_file>`` (``None``: off)."""
+    name = config.job.save_config_file
+    if name is None:
+        return None
+    path = Path(config.job.dump_folder) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_toml(config))
+    return path
 
 
 def to_toml(config: JobConfig) -> str:

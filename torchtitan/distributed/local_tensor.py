@@ -20,11 +20,13 @@ These helpers also work in a real multi-process run, where they act on this rank
 """
 
 import contextlib
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed._local_tensor import (
     LocalTensor,
@@ -33,6 +35,8 @@ from torch.distributed._local_tensor import (
     maybe_run_for_local_tensor,
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from torchtitan.tools.logging import logger
 
 _T = TypeVar("_T")
 
@@ -60,6 +64,54 @@ def local_tensor_mode(world_size: int) -> Iterator[LocalTensorMode]:
         dist.destroy_process_group()
 
 
+def simulate(comm_mode: str) -> contextlib.AbstractContextManager:
+    """The trainer's way in: under ``comm_mode="local_tensor"``, ``LocalTensorMode`` over the
+    ``WORLD_SIZE`` ranks (``NGPU`` of ``run_train.sh``) until the block ends; the process group
+    (``fake``) is made inside, by ``init_distributed``. Otherwise nothing."""
+    if comm_mode != "local_tensor":
+        return contextlib.nullcontext()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    logger.warning(
+        f"COMM_MODE=local_tensor: Simulating {world_size} ranks in one process. Losses and "
+        "gradients are those of the real run; speed and memory are not (every op runs once "
+        "per rank, one after the other). The metrics show rank 0's view."
+    )
+    return LocalTensorMode(world_size)
+
+
+@contextlib.contextmanager
+def host_only() -> Iterator[None]:
+    """Plain tensors inside the block even while simulating (building the one-process model,
+    reading data): ``LocalTensorMode`` is paused."""
+    mode = enabled_local_tensor_mode()
+    with mode.disable() if mode is not None else contextlib.nullcontext():
+        yield
+
+
+class PerRankBatches:
+    """Batches for every simulated rank from one dataloader per data-parallel rank.
+
+    Each step reads one batch from every loader (outside the mode) and hands out batches
+    whose tensors hold, on simulated rank r, the batch of r's data-parallel coordinate, as
+    ``dp_world_size`` separate processes would each read their own. Loaders are indexed by
+    data-parallel rank; ``dp_rank`` is ``world_mesh["dp"].get_local_rank()``.
+    """
+
+    def __init__(self, loaders: Sequence[Iterable], dp_rank: int | torch.SymInt):
+        self.loaders = list(loaders)
+        self.dp_rank = dp_rank
+
+    def __iter__(self) -> Iterator:
+        iters = [iter(loader) for loader in self.loaders]
+        while True:
+            with host_only():
+                try:
+                    batches = [next(it) for it in iters]
+                except StopIteration:
+                    return
+            yield for_each_dp_rank(batches.__getitem__, self.dp_rank)
+
+
 def is_simulating() -> bool:
     """True inside :func:`local_tensor_mode` (and not inside its ``disable()``)."""
     return enabled_local_tensor_mode() is not None
@@ -81,10 +133,16 @@ def for_each_dp_rank(make: Callable[[int], _T], dp_rank: int | torch.SymInt) -> 
         # Clone so simulated ranks never share storage (an in-place op would hit all of them).
         return t.reconcile() if isinstance(t, LocalTensor) else t.clone()
 
-    def make_owned(rank: int) -> _T:
-        return torch.utils._pytree.tree_map_only(torch.Tensor, own, make(rank))
+    specs = []
 
-    return maybe_run_for_local_tensor(make_owned)(dp_rank)
+    def make_owned(rank: int) -> list:
+        # Flat: the per-rank results are combined leaf by leaf only through lists and tuples.
+        leaves, spec = pytree.tree_flatten(make(rank))
+        specs.append(spec)
+        return [own(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+
+    leaves = maybe_run_for_local_tensor(make_owned)(dp_rank)
+    return pytree.tree_unflatten(list(leaves), specs[0])
 
 
 def replicate_to_ranks(value: torch.Tensor | float) -> torch.Tensor:

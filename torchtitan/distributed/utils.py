@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -39,11 +40,12 @@ def init_distributed(
     if dist.is_initialized():  # several trainers in one process (tests, notebooks)
         return dist.get_world_size()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if comm_mode == "fake_backend":
+    if comm_mode in ("fake_backend", "local_tensor"):
         # Importing the module registers the "fake" backend with c10d.
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        rank = int(os.environ.get("RANK", "0"))
+        # local_tensor: the process is every rank; the group only names them (rank 0 of N).
+        rank = int(os.environ.get("RANK", "0")) if comm_mode == "fake_backend" else 0
         if not 0 <= rank < world_size:
             raise ConfigError(f"RANK={rank} must be in [0, NGPU={world_size}) for fake_backend")
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
@@ -92,9 +94,13 @@ def dist_reduce(x: torch.Tensor | float, op: str, mesh: DeviceMesh | None) -> fl
 
     A device tensor is reduced where it lives; a Python number stays on the host, where the
     ``cpu:gloo,cuda:nccl`` process group sends it through gloo without touching the GPU.
+    When every rank is simulated in this process, pass the per-rank tensor: a Python number
+    is one value, not one per rank.
     """
     if isinstance(x, DTensor):
         x = x.full_tensor()
+    if not isinstance(x, torch.Tensor) and enabled_local_tensor_mode() is not None:
+        raise TypeError("dist_reduce under COMM_MODE=local_tensor needs a per-rank tensor")
     t = torch.as_tensor(x).detach().to(torch.float64).clone()
     if mesh is None or mesh.size() == 1:
         return t.item()
@@ -138,19 +144,24 @@ def load_full_init_from_rank0(
     """
     full_state: dict[str, torch.Tensor] = {}
     if dist.get_rank() == 0:
-        # Built like the trainer builds: on meta (module constructors draw no random numbers).
-        with torch.device("meta"):
-            full = build_full()
-        full.to_empty(device="cpu")
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(seed)
-            full.init_weights(buffer_device=torch.device("cpu"))
-        full_state = full.state_dict()
+        full_state = build_full_init(build_full, seed).state_dict()
     set_model_state_dict(
         model,
         full_state,
         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
     )
+
+
+def build_full_init(build_full: Callable[[], nn.Module], seed: int) -> nn.Module:
+    """The whole model on the host, initialised as one process would with ``seed``."""
+    # Built like the trainer builds: on meta (module constructors draw no random numbers).
+    with torch.device("meta"):
+        full = build_full()
+    full.to_empty(device="cpu")
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        full.init_weights(buffer_device=torch.device("cpu"))
+    return full
 
 
 def set_pg_timeouts(seconds: float) -> None:

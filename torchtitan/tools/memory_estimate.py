@@ -17,6 +17,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 
+from torchtitan.tools.logging import logger
+
 GiB = 2**30
 
 
@@ -33,6 +35,18 @@ def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
             local = t.to_local() if isinstance(t, DTensor) else t
             total += local.numel() * local.element_size()
     return total
+
+
+def held_mib(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """This rank's share of parameters and optimizer state (what sharding shrinks), logged."""
+    params = local_bytes(model.parameters())
+    optim = local_bytes(v for state in optimizer.state.values() for v in state.values())
+    mib = {"param_mib": params / 2**20, "optimizer_state_mib": optim / 2**20}
+    logger.info(
+        f"This rank holds {mib['param_mib']:.1f} MiB of parameters and "
+        f"{mib['optimizer_state_mib']:.1f} MiB of optimizer state"
+    )
+    return mib
 
 
 def peak_by_category(

@@ -548,3 +548,52 @@ def test_cli_check_is_silent_on_success(cli_runs) -> None:
     run = cli_runs["check"]
     assert run.returncode == 0, run.stderr
     assert run.stdout == ""
+
+
+# --- COMM_MODE=local_tensor ------------------------------------------------------------------
+
+
+def test_fsdp_impl_auto_resolves_by_comm_mode() -> None:
+    assert parse().parallelism.fsdp_impl == "fsdp2"
+    assert parse("--comm.mode", "local_tensor").parallelism.fsdp_impl == "simple"
+    assert parse("--parallelism.fsdp_impl", "simple").parallelism.fsdp_impl == "simple"
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ("--parallelism.fsdp_impl fsdp2", "--parallelism.fsdp_impl fsdp2 cannot run under"),
+        ("--compile.enable", "--compile.enable cannot run under COMM_MODE=local_tensor"),
+        ("--checkpoint.enable", "--checkpoint.enable / create_seed_checkpoint cannot run"),
+        ("--checkpoint.create_seed_checkpoint", "create_seed_checkpoint cannot run under"),
+        ("--training.enable_cpu_offload", "--training.enable_cpu_offload cannot run under"),
+    ],
+)
+def test_what_local_tensor_cannot_simulate_is_refused(argv: str, expected: str) -> None:
+    message = config_error("--comm.mode", "local_tensor", *argv.split())
+    assert expected in message and "\n" not in message
+
+
+def test_cpu_offload_needs_fsdp2() -> None:
+    message = config_error("--parallelism.fsdp_impl", "simple", "--training.enable_cpu_offload")
+    assert "--training.enable_cpu_offload needs --parallelism.fsdp_impl fsdp2" in message
+
+
+def test_simple_fsdp_cannot_reshard_after_forward() -> None:
+    message = config_error(
+        "--comm.mode", "local_tensor", "--parallelism.fsdp_reshard_after_forward", "always"
+    )
+    assert "--parallelism.fsdp_reshard_after_forward always needs" in message
+    parse("--parallelism.fsdp_reshard_after_forward", "always")  # auto -> fsdp2 outside
+
+
+@pytest.mark.parametrize(
+    "argv",
+    ["--checkpoint.initial_load_path seed", "--checkpoint.load_step 5", "--checkpoint.load_only"],
+)
+def test_loading_flags_without_checkpointing_are_an_error(argv: str) -> None:
+    flag = argv.split()[0]
+    assert config_error(*argv.split()) == (
+        f"{flag} does nothing without --checkpoint.enable; add it"
+    )
+    parse("--checkpoint.enable", *argv.split())

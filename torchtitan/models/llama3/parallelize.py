@@ -22,6 +22,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import apply_fsdp, apply_replicate, mixed_precision_policy
+from torchtitan.distributed.simple_fsdp import apply_simple_fsdp
 from torchtitan.distributed.tensor_parallel import enable_async_tp
 
 
@@ -53,10 +54,18 @@ def parallelize_llama3(
         training.mixed_precision_param, training.mixed_precision_reduce
     )
     blocks = model.layers.values()
+    dims = ("dp_shard_cp",)
+    if parallel_dims.dp_replicate_enabled:
+        dims = ("dp_replicate", "dp_shard_cp") if parallel_dims.fsdp_enabled else ("dp_replicate",)
+    if parallelism.fsdp_impl == "simple" and parallel_dims.dp_enabled:
+        return apply_simple_fsdp(
+            model,
+            dp_mesh=world_mesh[dims],
+            tp_mesh=world_mesh["tp"] if parallel_dims.tp_enabled else None,
+            param_dtype=mp_policy.param_dtype,
+            reduce_dtype=mp_policy.reduce_dtype,
+        )
     if parallel_dims.fsdp_enabled:
-        dims = ("dp_shard_cp",)
-        if parallel_dims.dp_replicate_enabled:
-            dims = ("dp_replicate", "dp_shard_cp")
         return apply_fsdp(
             model,
             blocks,
