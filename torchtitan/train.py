@@ -330,6 +330,8 @@ class Trainer:
         # The norm is global, so every rank takes the same branch.
         finite = self.config.comm.mode == "fake_backend" or bool(torch.isfinite(grad_norm))
         result = StepResult(loss_sum, local_tokens, global_tokens, grad_norm, lr)
+        if self.checkpointer is not None:  # a pinned-memory save may still read the weights
+            self.checkpointer.wait_for_staging()
         if finite:
             self.optimizer.step()
         else:

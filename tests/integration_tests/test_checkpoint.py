@@ -15,7 +15,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from torchtitan.components import checkpoint
 from torchtitan.components.checkpoint import complete_checkpoints
 from torchtitan.train import main
 
@@ -71,9 +73,10 @@ def test_resume_is_bitwise_exact_in_one_process(tmp_path, uninterrupted, async_m
     mode = ["--checkpoint.async_mode", async_mode]
     assert _train(tmp_path, "--training.steps", "10", *mode) == 0
     assert _steps(tmp_path) == ["step-5", "step-10"]
-    assert _train(tmp_path, "--training.steps", "20", *mode) == 0
+    # step-5 was written by the mode under test (the final step-10 save is always synchronous).
+    assert _train(tmp_path, "--training.steps", "20", "--checkpoint.load_step", "5", *mode) == 0
     want, got = _losses(uninterrupted), _losses(tmp_path)
-    assert [got[s] for s in range(11, 21)] == [want[s] for s in range(11, 21)]
+    assert [got[s] for s in range(6, 21)] == [want[s] for s in range(6, 21)]
 
 
 def test_torn_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, uninterrupted, capfd):
@@ -86,7 +89,7 @@ def test_torn_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, uninter
     assert "Loading checkpoint" in err and "step-5 " in err
     # Resumed from step 5: steps 6..20 retrained, and identical to the uninterrupted run.
     want, got = _losses(uninterrupted), _losses(tmp_path)
-    assert [got[s] for s in range(11, 21)] == [want[s] for s in range(11, 21)]
+    assert [got[s] for s in range(6, 21)] == [want[s] for s in range(6, 21)]
 
 
 def test_explicit_load_step_that_is_missing_or_torn_is_an_error(tmp_path, capfd):
@@ -162,6 +165,40 @@ def test_seed_checkpoint_sets_the_initial_weights(tmp_path):
 # ---- several ranks -------------------------------------------------------------------------
 
 
+class _SlowStager(DefaultStager):
+    """Background staging on plain host memory (pinned memory needs a GPU) that starts late:
+    if the optimizer stepped before the copy finished, the checkpoint would hold the next
+    step's weights and the resumed run would diverge."""
+
+    def _stage(self, state_dict, **kwargs):
+        time.sleep(0.5)
+        return super()._stage(state_dict, **kwargs)
+
+
+def test_background_staging_is_joined_before_the_optimizer_step(
+    tmp_path, uninterrupted, monkeypatch
+):
+    stagers = []
+
+    def stager(device_type):
+        options = StagingOptions(
+            use_pinned_memory=False,
+            use_shared_memory=False,
+            use_async_staging=True,
+            use_non_blocking_copy=False,
+        )
+        stagers.append(_SlowStager(options))
+        return stagers[-1]
+
+    monkeypatch.setattr(checkpoint, "pinned_stager", stager)
+    mode = ["--checkpoint.async_mode", "async_with_pinned_mem"]
+    assert _train(tmp_path, "--training.steps", "10", *mode) == 0
+    assert _train(tmp_path, "--training.steps", "20", "--checkpoint.load_step", "5", *mode) == 0
+    assert len(stagers) == 2
+    want, got = _losses(uninterrupted), _losses(tmp_path)
+    assert [got[s] for s in range(6, 21)] == [want[s] for s in range(6, 21)]
+
+
 @pytest.fixture(scope="module")
 def fsdp_uninterrupted(tmp_path_factory) -> Path:
     dump = tmp_path_factory.mktemp("fsdp_uninterrupted")
@@ -176,10 +213,11 @@ def test_fsdp_resume_is_bitwise_exact(tmp_path, fsdp_uninterrupted, async_mode):
     first = _run_train(tmp_path, "--training.steps", "10", *mode)
     assert first.returncode == 0, first.stderr[-3000:]
     assert _steps(tmp_path) == ["step-5", "step-10"]
-    second = _run_train(tmp_path, "--training.steps", "20", *mode)
+    # step-5 was written by the mode under test (the final step-10 save is always synchronous).
+    second = _run_train(tmp_path, "--training.steps", "20", "--checkpoint.load_step", "5", *mode)
     assert second.returncode == 0, second.stderr[-3000:]
     want, got = _losses(fsdp_uninterrupted), _losses(tmp_path)
-    assert [got[s] for s in range(11, 21)] == [want[s] for s in range(11, 21)]
+    assert [got[s] for s in range(6, 21)] == [want[s] for s in range(6, 21)]
 
 
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:

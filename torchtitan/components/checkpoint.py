@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -133,11 +134,10 @@ class CheckpointManager:
             # Saving in the background on the training process group would interleave its
             # collectives with the training step's: give it its own gloo group.
             self._async_group = dist.new_group(backend="gloo")
-        if config.async_mode == "async_with_pinned_mem" and device_type != "cuda":
-            logger.warning(
-                "--checkpoint.async_mode async_with_pinned_mem needs a GPU (pinned host memory); "
-                "using plain async"
-            )
+        self._stager: DefaultStager | None = None
+        self._staging: Future | None = None
+        if config.async_mode == "async_with_pinned_mem":
+            self._stager = pinned_stager(device_type)
         self._remove_incomplete()
 
     # ---- loading ---------------------------------------------------------------------------
@@ -231,16 +231,27 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
         _barrier()
         if self.config.async_mode != "disabled" and not last:
-            future = dcp.async_save(
+            response = dcp.async_save(
                 state,
                 storage_writer=_BackgroundWriter(str(tmp)),
                 process_group=self._async_group,
+                async_stager=self._stager,
                 no_dist=_no_dist(),
             )
-            self._pending = _Pending(step, getattr(future, "upload_completion", future))
+            self._staging = getattr(response, "staging_completion", None)
+            self._pending = _Pending(step, getattr(response, "upload_completion", response))
             return
         dcp.save(state, checkpoint_id=str(tmp), no_dist=_no_dist())
         self._finalize(step)
+
+    def wait_for_staging(self) -> None:
+        """Block until the state of an ``async_with_pinned_mem`` save is copied to host memory.
+
+        That copy runs on a side stream while the next step computes; call this before the
+        optimizer updates the weights it is reading."""
+        if self._staging is not None:
+            staging, self._staging = self._staging, None
+            staging.result()
 
     def poll(self) -> None:
         """Finalize a background save that has finished (cheap; call every step)."""
@@ -287,6 +298,28 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.finish_pending()
+        if self._stager is not None:
+            self._stager.close()
+
+
+def pinned_stager(device_type: str) -> DefaultStager | None:
+    """Staging for ``async_with_pinned_mem``: pinned host buffers allocated by the first save
+    and reused by every later one, filled by non-blocking device-to-host copies in the
+    background (``wait_for_staging`` joins them). ``None`` (plain async) without a GPU."""
+    if device_type != "cuda":
+        logger.warning(
+            "--checkpoint.async_mode async_with_pinned_mem needs a GPU (pinned host memory); "
+            "using plain async"
+        )
+        return None
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=True,
+            use_shared_memory=False,
+            use_async_staging=True,
+            use_non_blocking_copy=True,
+        )
+    )
 
 
 class _BackgroundWriter(FileSystemWriter):
