@@ -251,7 +251,8 @@ class Trainer:
     def _finish_model(self) -> None:
         self.model.train()
         c = self.config.compile
-        if c.enable and "loss" in c.components:
+        # Compiled, the vocab-sharded loss ignores loss_parallel and returns a wrong value.
+        if c.enable and "loss" in c.components and not self.loss_parallel:
             self.loss_fn = torch.compile(cross_entropy_sum, backend=c.backend)
 
     def train(self) -> None:

@@ -55,7 +55,19 @@ CASES = {
         "--training.local_batch_size 4 --activation_checkpoint.mode selective "
         "--activation_checkpoint.selective_ac_option op",
     ),
+    # Compiled, the loss-parallel cross-entropy gave a wrong value: it stays eager under TP.
+    "tp2_compile_loss": (
+        2,
+        "--training.local_batch_size 8 --parallelism.tensor_parallel_degree 2 "
+        "--compile.enable --compile.components loss",
+    ),
     "fsdp2_tp2": (4, "--training.local_batch_size 4 --parallelism.tensor_parallel_degree 2"),
+    # DTensor-parametrized sharding (what COMM_MODE=local_tensor uses), in a real run.
+    "simple_fsdp2_tp2": (
+        4,
+        "--training.local_batch_size 4 --parallelism.tensor_parallel_degree 2 "
+        "--parallelism.fsdp_impl simple",
+    ),
     "hsdp2x2": (4, "--training.local_batch_size 2 --parallelism.data_parallel_replicate_degree 2"),
     "compile": (1, "--training.local_batch_size 8 --compile.enable"),
 }

@@ -244,6 +244,18 @@ def validate(config: JobConfig) -> None:
             (not given or c.enable, f"{flag} does nothing without --checkpoint.enable; add it")
         )
     checks += _local_tensor_checks(config)
+    checks.append(
+        (
+            not (
+                config.compile.enable
+                and "model" in config.compile.components
+                and p.tensor_parallel_degree > 1
+            ),
+            "--compile.enable with --parallelism.tensor_parallel_degree > 1 fails in backward "
+            "on torch 2.13 (a compiled block hands a plain-tensor gradient to a DTensor op; "
+            "scripts/repro_tp_compile.py); use --compile.components loss, or TP without compile",
+        )
+    )
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)

@@ -597,3 +597,15 @@ def test_loading_flags_without_checkpointing_are_an_error(argv: str) -> None:
         f"{flag} does nothing without --checkpoint.enable; add it"
     )
     parse("--checkpoint.enable", *argv.split())
+
+
+def test_compiling_tensor_parallel_blocks_is_refused() -> None:
+    message = config_error("--compile.enable", "--parallelism.tensor_parallel_degree", "2")
+    assert message.startswith("--compile.enable with --parallelism.tensor_parallel_degree > 1")
+    parse(
+        "--compile.enable",
+        "--compile.components",
+        "loss",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+    )
