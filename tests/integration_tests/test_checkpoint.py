@@ -58,6 +58,12 @@ def _steps(dump: Path) -> list[str]:
     return [p.name for p in complete_checkpoints(dump / "checkpoint")]
 
 
+def _copy_step(source: Path, step: int, dump: Path) -> None:
+    """Put ``source``'s ``step-N`` checkpoint into ``dump``'s checkpoint folder."""
+    name = f"step-{step}"
+    shutil.copytree(source / "checkpoint" / name, dump / "checkpoint" / name)
+
+
 # ---- one process ---------------------------------------------------------------------------
 
 
@@ -180,7 +186,7 @@ def test_background_staging_is_joined_before_the_optimizer_step(
 ):
     stagers = []
 
-    def stager(device_type):
+    def stager(async_mode, device_type):
         options = StagingOptions(
             use_pinned_memory=False,
             use_shared_memory=False,
@@ -190,7 +196,7 @@ def test_background_staging_is_joined_before_the_optimizer_step(
         stagers.append(_SlowStager(options))
         return stagers[-1]
 
-    monkeypatch.setattr(checkpoint, "pinned_stager", stager)
+    monkeypatch.setattr(checkpoint, "stager_for", stager)
     mode = ["--checkpoint.async_mode", "async_with_pinned_mem"]
     assert _train(tmp_path, "--training.steps", "10", *mode) == 0
     assert _train(tmp_path, "--training.steps", "20", "--checkpoint.load_step", "5", *mode) == 0
@@ -244,17 +250,12 @@ def test_fsdp_x_tp_resume_is_bitwise_exact_from_async_and_sync_saves(tmp_path):
         result = _run_train(dump, *layout, *steps, *flags, ngpu=4)
         assert result.returncode == 0, result.stderr[-3000:]
 
-    def resume_from(source: Path, step: int, dump: Path) -> None:
-        shutil.copytree(
-            source / "checkpoint" / f"step-{step}", dump / "checkpoint" / f"step-{step}"
-        )
-
     full, from_async, from_sync = tmp_path / "full", tmp_path / "from_async", tmp_path / "from_sync"
     run(full, "--checkpoint.async_mode", "async")
     assert _steps(full) == ["step-2", "step-4", "step-6", "step-8"]
-    resume_from(full, 4, from_async)
+    _copy_step(full, 4, from_async)
     run(from_async, "--checkpoint.async_mode", "disabled")
-    resume_from(from_async, 6, from_sync)
+    _copy_step(from_async, 6, from_sync)
     run(from_sync, "--checkpoint.async_mode", "disabled")
     want = _losses(full)
     for dump, first in ((from_async, 5), (from_sync, 7)):
@@ -313,11 +314,10 @@ def test_killed_rank_resumes_from_the_last_complete_checkpoint(tmp_path):
     ]
 
 
-def test_fsdp_checkpoint_reshards_onto_other_layouts(tmp_path):
+def test_fsdp_checkpoint_reshards_onto_other_layouts(tmp_path, fsdp_uninterrupted):
     """An FSDP 2 checkpoint (model + optimizer) loads under FSDP 4, FSDP 2 x TP 2, TP 2 and one
     process; each then trains one step on the same global batch and must agree exactly."""
-    saved = _run_train(tmp_path / "source", "--training.steps", "5")
-    assert saved.returncode == 0, saved.stderr[-3000:]
+    _copy_step(fsdp_uninterrupted, 5, tmp_path / "source")
     load = (
         f"{' '.join(BASE)} --training.steps 6 --checkpoint.load_only "
         f"--checkpoint.folder {tmp_path / 'source' / 'checkpoint'} "
@@ -354,9 +354,10 @@ def test_fsdp_checkpoint_reshards_onto_other_layouts(tmp_path):
             )
 
 
-def test_changing_the_data_parallel_degree_requires_excluding_the_dataloader(tmp_path):
-    saved = _run_train(tmp_path, "--training.steps", "5")
-    assert saved.returncode == 0, saved.stderr[-3000:]
+def test_changing_the_data_parallel_degree_requires_excluding_the_dataloader(
+    tmp_path, fsdp_uninterrupted
+):
+    _copy_step(fsdp_uninterrupted, 5, tmp_path)
     run = _run_train(tmp_path, "--training.steps", "6", ngpu=1)
     assert run.returncode != 0
     assert "--checkpoint.exclude_from_loading dataloader" in run.stdout + run.stderr

@@ -134,10 +134,8 @@ class CheckpointManager:
             # Saving in the background on the training process group would interleave its
             # collectives with the training step's: give it its own gloo group.
             self._async_group = dist.new_group(backend="gloo")
-        self._stager: DefaultStager | None = None
         self._staging: Future | None = None
-        if config.async_mode == "async_with_pinned_mem":
-            self._stager = pinned_stager(device_type)
+        self._stager = stager_for(config.async_mode, device_type)
         self._remove_incomplete()
 
     # ---- loading ---------------------------------------------------------------------------
@@ -302,10 +300,16 @@ class CheckpointManager:
             self._stager.close()
 
 
-def pinned_stager(device_type: str) -> DefaultStager | None:
-    """Staging for ``async_with_pinned_mem``: pinned host buffers allocated by the first save
-    and reused by every later one, filled by non-blocking device-to-host copies in the
-    background (``wait_for_staging`` joins them). ``None`` (plain async) without a GPU."""
+def stager_for(async_mode: str, device_type: str) -> DefaultStager | None:
+    """How a background save copies the state to host memory before writing it.
+
+    ``None`` (DCP's blocking copy on the training thread) except for ``async_with_pinned_mem``
+    on a GPU: pinned host buffers allocated by the first save and reused by every later one,
+    filled by non-blocking device-to-host copies while the next step computes
+    (``wait_for_staging`` joins them before the optimizer step).
+    """
+    if async_mode != "async_with_pinned_mem":
+        return None
     if device_type != "cuda":
         logger.warning(
             "--checkpoint.async_mode async_with_pinned_mem needs a GPU (pinned host memory); "
