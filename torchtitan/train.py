@@ -149,9 +149,10 @@ class Trainer:
         if world_size > 1:
             self.world_mesh = self.parallel_dims.build_mesh(self.device.type)
         # Ranks whose tokens make up one loss (gradients are averaged over the same ranks).
-        self.loss_mesh = self.world_mesh["dp_cp"] if self.world_mesh is not None else None
+        self.loss_mesh = self.parallel_dims.mesh("dp_cp") if self.world_mesh is not None else None
         # This rank's place among the ranks that read different data.
-        self.dp_rank = self.world_mesh["dp"].get_local_rank() if self.world_mesh is not None else 0
+        dp_mesh = self.parallel_dims.mesh("dp") if self.world_mesh is not None else None
+        self.dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
         logger.info(
             f"{self.parallel_dims} on {self.device}, gradient accumulation {self.grad_accum_steps}"
         )

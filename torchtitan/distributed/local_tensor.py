@@ -94,7 +94,7 @@ class PerRankBatches:
     Each step reads one batch from every loader (outside the mode) and hands out batches
     whose tensors hold, on simulated rank r, the batch of r's data-parallel coordinate, as
     ``dp_world_size`` separate processes would each read their own. Loaders are indexed by
-    data-parallel rank; ``dp_rank`` is ``world_mesh["dp"].get_local_rank()``.
+    data-parallel rank; ``dp_rank`` is ``parallel_dims.mesh("dp").get_local_rank()``.
     """
 
     def __init__(self, loaders: Sequence[Iterable], dp_rank: int | torch.SymInt):
@@ -120,7 +120,7 @@ def is_simulating() -> bool:
 def for_each_dp_rank(make: Callable[[int], _T], dp_rank: int | torch.SymInt) -> _T:
     """``make(dp_rank)`` for the data-parallel rank of every (simulated) rank.
 
-    ``dp_rank`` is ``world_mesh["dp"].get_local_rank()``: an ``int`` in a real run (the result is
+    ``dp_rank`` is ``parallel_dims.mesh("dp").get_local_rank()``: an ``int`` in a real run (the result is
     ``make(dp_rank)``); under ``LocalTensorMode`` a per-rank ``SymInt``, and tensors in the
     result become ``LocalTensor``s whose value on rank r is ``make(dp coordinate of r)``.
     Ranks that share a dp coordinate (TP, CP peers) get equal copies. ``make`` must not run

@@ -4,7 +4,8 @@ Constructing one validates the degrees without importing torch, so the config pr
 can reject impossible layouts before any rank starts.
 
 The world is laid out as ``pp x dp_replicate x dp_shard x cp x tp`` (outermost first, so TP
-ranks are neighbours and share the fastest links). Flattened meshes that other components use:
+ranks are neighbours and share the fastest links). Flattened meshes that other components use,
+from ``ParallelDims.mesh(name)`` once ``build_mesh`` has run:
 
 - ``dp``: ``dp_replicate x dp_shard`` -- ranks that read different data;
 - ``dp_shard_cp``: ``dp_shard x cp`` -- ranks FSDP shards parameters over;
@@ -35,6 +36,10 @@ class ParallelDims:
     pp: int
     ep: int
     world_size: int
+    # Filled by build_mesh: the world mesh ("world") and the flattened meshes by name.
+    _meshes: dict[str, "DeviceMesh"] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
@@ -148,10 +153,27 @@ class ParallelDims:
         mesh = init_device_mesh(
             device_type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims)
         )
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        # Kept here: torch warns that slicing flattened dims from the root will go away.
+        self._meshes = {
+            "world": mesh,
+            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
+            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+        }
         return mesh
+
+    def mesh(self, *names: str) -> "DeviceMesh":
+        """A dimension of the world mesh (named or flattened), or several named ones as one
+        mesh, e.g. ``mesh("dp_replicate", "dp_shard_cp")`` for HSDP. Needs ``build_mesh``."""
+        if "world" not in self._meshes:
+            raise RuntimeError("ParallelDims.mesh() needs build_mesh() first")
+        if len(names) == 1 and names[0] in self._meshes:
+            return self._meshes[names[0]]
+        if names == ("dp_replicate", "dp_shard_cp"):
+            if self.cp > 1:
+                raise NotImplementedError("HSDP with context parallelism")
+            names = ("dp_replicate", "dp_shard")  # the same ranks while cp is 1
+        return self._meshes["world"][names]
 
     def __str__(self) -> str:
         degrees = ", ".join(

@@ -54,7 +54,6 @@ def init_distributed(
         return 1
     # The flight recorder reads its buffer size when the process group is created.
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(trace_buf_size))
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(trace_buf_size))
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend=backend,

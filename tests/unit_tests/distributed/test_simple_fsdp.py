@@ -105,7 +105,7 @@ def _simulated(dp: int, tp: int, *, check=None):
         if tp > 1:
             tp_mesh = mesh["tp"]
             apply_tp(model, tp_mesh, loss_parallel=True, sequence_parallel=True)
-        apply_simple_fsdp(model, dp_mesh=mesh["dp_shard_cp"], tp_mesh=tp_mesh)
+        apply_simple_fsdp(model, dp_mesh=dims.mesh("dp_shard_cp"), tp_mesh=tp_mesh)
         load_full_model_(model, full)
         if check is not None:
             check(model, mesh)
@@ -113,8 +113,8 @@ def _simulated(dp: int, tp: int, *, check=None):
             model,
             batches,
             dp=dp,
-            dp_rank=mesh["dp"].get_local_rank(),
-            loss_mesh=mesh["dp_cp"],
+            dp_rank=dims.mesh("dp").get_local_rank(),
+            loss_mesh=dims.mesh("dp_cp"),
             loss_parallel=tp > 1,
         )
 

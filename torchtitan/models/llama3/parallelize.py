@@ -60,7 +60,7 @@ def parallelize_llama3(
     if parallelism.fsdp_impl == "simple" and parallel_dims.dp_enabled:
         return apply_simple_fsdp(
             model,
-            dp_mesh=world_mesh[dims],
+            dp_mesh=parallel_dims.mesh(*dims),
             tp_mesh=world_mesh["tp"] if parallel_dims.tp_enabled else None,
             param_dtype=mp_policy.param_dtype,
             reduce_dtype=mp_policy.reduce_dtype,
@@ -69,7 +69,7 @@ def parallelize_llama3(
         return apply_fsdp(
             model,
             blocks,
-            world_mesh[dims],
+            parallel_dims.mesh(*dims),
             mp_policy=mp_policy,
             reshard_after_forward=parallelism.fsdp_reshard_after_forward,
             cpu_offload=training.enable_cpu_offload,
