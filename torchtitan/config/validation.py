@@ -1,0 +1,187 @@
+"""One validation pass over a resolved ``JobConfig``: value ranges, cross-field rules, degrees
+against the world size, and what a comm mode cannot run. Imports no torch (the pre-flight runs
+it before any rank starts)."""
+
+import os
+import types
+
+from torchtitan.config.errors import ConfigError, did_you_mean
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models import import_model_module
+
+
+def validate(config: JobConfig) -> None:
+    """Check value ranges and cross-field rules; raise ``ConfigError`` naming the flag."""
+    t, o, s = config.training, config.optimizer, config.lr_scheduler
+    checks = [
+        (t.steps >= 1, f"--training.steps={t.steps} must be >= 1"),
+        (t.local_batch_size >= 1, f"--training.local_batch_size={t.local_batch_size} must be >= 1"),
+        (
+            t.global_batch_size == -1 or t.global_batch_size >= 1,
+            f"--training.global_batch_size={t.global_batch_size} must be -1 (auto) or >= 1",
+        ),
+        (t.seq_len >= 1, f"--training.seq_len={t.seq_len} must be >= 1"),
+        (t.gc_freq >= 0, f"--training.gc_freq={t.gc_freq} must be >= 0"),
+        (t.num_workers >= 0, f"--training.num_workers={t.num_workers} must be >= 0"),
+        (o.lr > 0, f"--optimizer.lr={o.lr} must be > 0"),
+        (0 <= o.beta1 < 1, f"--optimizer.beta1={o.beta1} must be in [0, 1)"),
+        (0 <= o.beta2 < 1, f"--optimizer.beta2={o.beta2} must be in [0, 1)"),
+        (o.eps > 0, f"--optimizer.eps={o.eps} must be > 0"),
+        (o.weight_decay >= 0, f"--optimizer.weight_decay={o.weight_decay} must be >= 0"),
+        (s.warmup_steps >= 0, f"--lr_scheduler.warmup_steps={s.warmup_steps} must be >= 0"),
+        (
+            s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
+            f"--lr_scheduler.decay_ratio={s.decay_ratio} must be in [0, 1]",
+        ),
+        (
+            0 <= s.min_lr_factor <= 1,
+            f"--lr_scheduler.min_lr_factor={s.min_lr_factor} must be in [0, 1]",
+        ),
+        (
+            config.metrics.log_freq >= 1,
+            f"--metrics.log_freq={config.metrics.log_freq} must be >= 1",
+        ),
+        (
+            config.comm.init_timeout_seconds > 0,
+            f"--comm.init_timeout_seconds={config.comm.init_timeout_seconds} must be > 0",
+        ),
+        (
+            config.comm.train_timeout_seconds > 0,
+            f"--comm.train_timeout_seconds={config.comm.train_timeout_seconds} must be > 0",
+        ),
+        (
+            config.profiling.profile_freq
+            >= config.profiling.profiler_warmup + config.profiling.profiler_active
+            and config.profiling.profiler_active >= 1,
+            f"--profiling.profile_freq={config.profiling.profile_freq} must be >= "
+            f"profiler_warmup + profiler_active = {config.profiling.profiler_warmup} + "
+            f"{config.profiling.profiler_active}, with profiler_active >= 1",
+        ),
+        (
+            config.comm.dry_run_steps >= 0,
+            f"--comm.dry_run_steps={config.comm.dry_run_steps} must be >= 0",
+        ),
+        (
+            config.debug.device_memory_gib > 0,
+            f"--debug.device_memory_gib={config.debug.device_memory_gib} must be > 0",
+        ),
+    ]
+    p = config.parallelism
+    for name in (
+        "data_parallel_replicate_degree",
+        "tensor_parallel_degree",
+        "pipeline_parallel_degree",
+        "context_parallel_degree",
+        "expert_parallel_degree",
+    ):
+        value = getattr(p, name)
+        checks.append((value >= 1, f"--parallelism.{name}={value} must be >= 1"))
+    dp_shard = p.data_parallel_shard_degree
+    checks.append(
+        (
+            dp_shard == -1 or dp_shard >= 1,
+            f"--parallelism.data_parallel_shard_degree={dp_shard} must be -1 (auto) or >= 1",
+        )
+    )
+    c = config.checkpoint
+    for flag, given in (
+        ("--checkpoint.initial_load_path", c.initial_load_path is not None),
+        ("--checkpoint.load_step", c.load_step != -1),
+        ("--checkpoint.load_only", c.load_only),
+    ):
+        checks.append(
+            (not given or c.enable, f"{flag} does nothing without --checkpoint.enable; add it")
+        )
+    checks += _local_tensor_checks(config)
+    checks.append(
+        (
+            not (
+                config.compile.enable
+                and "model" in config.compile.components
+                and p.tensor_parallel_degree > 1
+            ),
+            "--compile.enable with --parallelism.tensor_parallel_degree > 1 fails in backward "
+            "on torch 2.13 (a compiled block hands a plain-tensor gradient to a DTensor op; "
+            "scripts/repro_tp_compile.py); use --compile.components loss, or TP without compile",
+        )
+    )
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+    module = import_model_module(config.model.name)
+    flavors = getattr(module, "flavors", None)
+    if flavors is not None and config.model.flavor not in flavors:
+        raise ConfigError(
+            f"--model.flavor {config.model.flavor} is not a {config.model.name} flavor"
+            f"{did_you_mean(config.model.flavor, flavors)}; available: {', '.join(flavors)}"
+        )
+
+    world_size = os.environ.get("WORLD_SIZE")
+    if world_size is not None:
+        if not world_size.isdigit() or int(world_size) < 1:
+            raise ConfigError(f"WORLD_SIZE={world_size!r} must be a positive integer (set NGPU)")
+        validate_parallelism(config, module, int(world_size))
+
+
+def _local_tensor_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    """What cannot run with every rank simulated in one process (``COMM_MODE=local_tensor``),
+    then what DTensor-parametrized sharding (``fsdp_impl simple``) cannot do anywhere."""
+    p = config.parallelism
+    checks = []
+    if config.comm.mode == "local_tensor":
+        why = "cannot run under COMM_MODE=local_tensor"
+        checks = [
+            (
+                p.fsdp_impl != "fsdp2",
+                f"--parallelism.fsdp_impl fsdp2 {why} (FSDP2 frees parameter storage with "
+                "resize_, which LocalTensor lacks); use auto or simple",
+            ),
+            (not config.compile.enable, f"--compile.enable {why}; drop the flag"),
+            (
+                not (config.checkpoint.enable or config.checkpoint.create_seed_checkpoint),
+                f"--checkpoint.enable / create_seed_checkpoint {why} (DCP cannot gather "
+                "LocalTensors); drop the checkpoint flags",
+            ),
+            (
+                not config.training.enable_cpu_offload,
+                f"--training.enable_cpu_offload {why}; drop the flag",
+            ),
+        ]
+    simple = _fsdp_impl(config) == "simple"
+    return checks + [
+        (
+            not (simple and config.training.enable_cpu_offload),
+            "--training.enable_cpu_offload needs --parallelism.fsdp_impl fsdp2",
+        ),
+        (
+            not (simple and p.fsdp_reshard_after_forward == "always"),
+            "--parallelism.fsdp_reshard_after_forward always needs --parallelism.fsdp_impl "
+            "fsdp2 (simple keeps gathered parameters until backward)",
+        ),
+    ]
+
+
+def validate_parallelism(
+    config: JobConfig, module: types.ModuleType, world_size: int
+) -> ParallelDims:
+    """Degrees against the world size (``ParallelDimsError``), then against the model's dims."""
+    parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
+    model_check = getattr(module, "validate", None)
+    if model_check is not None:
+        model_check(config, parallel_dims)
+    return parallel_dims
+
+
+def resolve_auto(config: JobConfig) -> None:
+    """Replace ``auto`` choices by what they mean for this run, so the resolved config (printed
+    and saved) says what actually ran."""
+    config.parallelism.fsdp_impl = _fsdp_impl(config)
+
+
+def _fsdp_impl(config: JobConfig) -> str:
+    impl = config.parallelism.fsdp_impl
+    if impl != "auto":
+        return impl
+    return "simple" if config.comm.mode == "local_tensor" else "fsdp2"
