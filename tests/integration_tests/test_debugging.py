@@ -2,7 +2,6 @@
 snapshots, non-finite steps, reproducibility."""
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -10,31 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-SMALL = ["--training.seq_len", "64", "--debug.seed", "0", "--metrics.log_freq", "1"]
+from launch import REPO, SMALL, clean_env, records, run_train
 
 pytestmark = pytest.mark.integration
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return env | {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1"} | extra
+# Memory snapshots (or, on CPU, the memory timeline) of step 2.
+SNAPSHOT = [
+    "--training.steps", "2", "--profiling.enable_memory_snapshot",
+    "--profiling.profile_freq", "2", "--profiling.profiler_warmup", "0",
+]  # fmt: skip
 
 
 def _run_train(dump: Path, *flags: str, ngpu: int = 1, log_rank: str = "0"):
-    return subprocess.run(
-        ["./run_train.sh", *SMALL, "--job.dump_folder", str(dump), *flags],
-        cwd=REPO,
-        env=_env(NGPU=str(ngpu), LOG_RANK=log_rank),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-def _records(dump: Path) -> list[dict]:
-    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return run_train(dump, *flags, ngpu=ngpu, log_rank=log_rank)
 
 
 def test_a_hung_rank_ends_the_job_with_flight_recorder_and_stacks(tmp_path):
@@ -45,7 +31,7 @@ def test_a_hung_rank_ends_the_job_with_flight_recorder_and_stacks(tmp_path):
         + ["tests/integration_tests/hang_harness.py", *SMALL, "--training.steps", "6"]
         + ["--comm.train_timeout_seconds", "5", "--job.dump_folder", str(tmp_path)],
         cwd=REPO,
-        env=_env(HANG_RANK="1", HANG_STEP="3"),
+        env=clean_env(HANG_RANK="1", HANG_STEP="3"),
         capture_output=True,
         text=True,
         timeout=200,
@@ -131,14 +117,7 @@ def test_comm_trace_and_profiler_traces_fsdp_x_tp(fsdp_tp_run):
 
 
 def _simulate(dump: Path, ngpu: int, *flags: str) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        ["./run_train.sh", *SMALL, "--job.dump_folder", str(dump), *flags],
-        cwd=REPO,
-        env=_env(NGPU=str(ngpu), COMM_MODE="local_tensor"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_train(dump, *flags, ngpu=ngpu, COMM_MODE="local_tensor")
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -149,7 +128,7 @@ def test_local_tensor_simulation_equals_the_real_four_rank_run(tmp_path, fsdp_tp
     assert "Simulating 4 ranks in one process" in result.stdout + result.stderr
     # FSDP2 cannot run under LocalTensorMode: the simulation shards with DTensor parameters.
     assert 'fsdp_impl = "simple"' in (tmp_path / "config.toml").read_text()
-    simulated, reference = _records(tmp_path), _records(real)
+    simulated, reference = records(tmp_path), records(real)
     assert [r["step"] for r in simulated] == [r["step"] for r in reference] == [1, 2, 3, 4]
     # The same reductions in the same order: the losses are bitwise equal.
     assert [r["loss"] for r in simulated] == [r["loss"] for r in reference]
@@ -166,7 +145,7 @@ def test_local_tensor_runs_the_sixteen_rank_example(tmp_path, fsdp_tp_run):
     real, _ = fsdp_tp_run
     flags = ["--training.steps", "2", "--parallelism.tensor_parallel_degree", "8", *LR]
     _simulate(tmp_path, 16, *flags, "--parallelism.data_parallel_shard_degree", "2")
-    simulated, reference = _records(tmp_path), _records(real)[:2]
+    simulated, reference = records(tmp_path), records(real)[:2]
     assert [r["step"] for r in simulated] == [1, 2]
     for sim, ref in zip(simulated, reference, strict=True):
         assert sim["loss"] == pytest.approx(ref["loss"], rel=1e-5)
@@ -176,13 +155,7 @@ def test_local_tensor_runs_the_sixteen_rank_example(tmp_path, fsdp_tp_run):
 def test_memory_timeline_on_cpu(tmp_path):
     result = _run_train(
         tmp_path,
-        "--training.steps",
-        "2",
-        "--profiling.enable_memory_snapshot",
-        "--profiling.profile_freq",
-        "2",
-        "--profiling.profiler_warmup",
-        "0",
+        *SNAPSHOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "need the CUDA caching allocator" in result.stdout + result.stderr
@@ -197,13 +170,7 @@ def test_memory_timeline_on_cpu(tmp_path):
 def test_cuda_memory_snapshot_and_oom_dump(tmp_path):
     result = _run_train(
         tmp_path,
-        "--training.steps",
-        "2",
-        "--profiling.enable_memory_snapshot",
-        "--profiling.profile_freq",
-        "2",
-        "--profiling.profiler_warmup",
-        "0",
+        *SNAPSHOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "memory_snapshot/iteration_2/rank0_memory_snapshot.pickle").stat().st_size
@@ -227,8 +194,8 @@ def test_non_finite_step_stops_or_is_skipped(tmp_path):
     assert "rank 0" in err and "last good checkpoint:" in err and "step-1" in err
     skipped = _run_train(tmp_path / "skip", *flags, "--debug.skip_nonfinite_steps")
     assert skipped.returncode == 0, skipped.stderr[-3000:]
-    records = _records(tmp_path / "skip")
-    assert records[-1]["skipped_steps"] >= 1 and records[0]["skipped_steps"] == 0
+    steps = records(tmp_path / "skip")
+    assert steps[-1]["skipped_steps"] >= 1 and steps[0]["skipped_steps"] == 0
 
 
 def test_same_seed_is_bitwise_reproducible_and_another_seed_is_not(tmp_path):
@@ -237,6 +204,6 @@ def test_same_seed_is_bitwise_reproducible_and_another_seed_is_not(tmp_path):
     for name, seed in (("a", "7"), ("b", "7"), ("c", "8")):
         result = _run_train(tmp_path / name, *flags, "--debug.seed", seed, ngpu=2)
         assert result.returncode == 0, result.stderr[-3000:]
-        runs[name] = [(r["loss"], r["grad_norm"]) for r in _records(tmp_path / name)]
+        runs[name] = [(r["loss"], r["grad_norm"]) for r in records(tmp_path / name)]
     assert runs["a"] == runs["b"]
     assert runs["a"][0] != runs["c"][0]

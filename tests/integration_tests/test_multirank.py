@@ -1,37 +1,16 @@
 """Real multi-process runs on CPU with gloo, launched the way users launch them."""
 
-import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-SMALL = ["--training.seq_len", "64", "--debug.seed", "0", "--metrics.log_freq", "1"]
+from launch import REPO, SMALL, clean_env, records, run_train
 
 pytestmark = pytest.mark.integration
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return env | {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1"} | extra
-
-
 def _run_train(tmp_path, *flags: str, ngpu: int = 2, log_rank: str = "0", timeout: int = 300):
-    return subprocess.run(
-        ["./run_train.sh", *SMALL, "--job.dump_folder", str(tmp_path), *flags],
-        cwd=REPO,
-        env=_env(NGPU=str(ngpu), LOG_RANK=log_rank),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return run_train(tmp_path, *flags, ngpu=ngpu, log_rank=log_rank, timeout=timeout)
 
 
 def test_run_train_sh_two_fsdp_ranks_train_in_sync(tmp_path):
@@ -47,8 +26,8 @@ def test_run_train_sh_two_fsdp_ranks_train_in_sync(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout + result.stderr
     assert "dp_shard=2" in out and "step:  6" in out
-    r0 = _records(tmp_path / "metrics_rank0.jsonl")
-    r1 = _records(tmp_path / "metrics_rank1.jsonl")
+    r0 = records(tmp_path / "metrics_rank0.jsonl")
+    r1 = records(tmp_path / "metrics_rank1.jsonl")
     assert [r["step"] for r in r0] == list(range(1, 7))
     for a, b in zip(r0, r1, strict=True):
         # Globally reduced values agree on both ranks; each rank's own loss is its own data's.
@@ -69,7 +48,7 @@ def test_replicated_ranks_end_with_identical_weights(tmp_path):
             "--parallelism.data_parallel_replicate_degree", "2",
             "--parallelism.data_parallel_shard_degree", "1",
         ],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
+        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "DP SYNC OK" in result.stdout
