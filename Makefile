@@ -26,7 +26,7 @@ train: $(STAMP)
 	PYTHON=$(PY) ./run_train.sh $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check torchtitan tests scripts benchmarks
