@@ -1,12 +1,14 @@
 """Train several parallel configs on identical data and weights; save what to compare.
 
-    torchrun --nproc_per_node=N numerics_harness.py OUT_DIR CASE [CASE ...]
+    torchrun --nproc_per_node=N numerics_harness.py [--trainer-data] OUT_DIR CASE [CASE ...]
     python numerics_harness.py OUT_DIR CASE            # the one-process reference
 
 Each CASE is ``name:flag flag ...`` (trainer flags, space separated). Every case starts from
 the same weights (one-process init for the seed) and, at every step, consumes the same global
-batch: the first windows of the bundled corpus, split by data-parallel rank. Rank 0 writes
-``OUT_DIR/<name>.pt`` with the per-step losses and grad norms and the full final weights.
+batch: the first windows of the bundled corpus, split by data-parallel rank. With
+``--trainer-data`` the trainer keeps its own dataloader instead (and whatever position a
+checkpoint gives it). Rank 0 writes ``OUT_DIR/<name>.pt`` with the per-step losses and grad
+norms and the full final weights.
 """
 
 import json
@@ -58,10 +60,11 @@ def _clean(name: str) -> str:
     return name
 
 
-def run_case(out_dir: Path, name: str, flags: list[str]) -> None:
+def run_case(out_dir: Path, name: str, flags: list[str], *, trainer_data: bool = False) -> None:
     dump = out_dir / name
     trainer = Trainer(parse_args([*flags, "--job.dump_folder", str(dump)], console_outputs=False))
-    trainer.dataloader = GlobalBatchSlices(trainer, trainer.config.training.steps)
+    if not trainer_data:
+        trainer.dataloader = GlobalBatchSlices(trainer, trainer.config.training.steps)
     trainer.train()
     weights = {}
     for param_name, param in trainer.model.named_parameters():
@@ -76,10 +79,12 @@ def run_case(out_dir: Path, name: str, flags: list[str]) -> None:
 
 def main() -> None:
     init_logger()
-    out_dir = Path(sys.argv[1])
-    for case in sys.argv[2:]:
+    args = sys.argv[1:]
+    trainer_data = args[0] == "--trainer-data"
+    out_dir = Path(args[trainer_data])
+    for case in args[trainer_data + 1 :]:
         name, _, flags = case.partition(":")
-        run_case(out_dir, name, flags.split())
+        run_case(out_dir, name, flags.split(), trainer_data=trainer_data)
     shutdown()
 
 

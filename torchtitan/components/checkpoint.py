@@ -76,11 +76,19 @@ class OptimizerState(Stateful):
 
 
 class PerRankState(Stateful):
-    """State that differs per data-parallel rank (the dataloader), stored as one serialized
-    item per rank (its size varies, so not a tensor) and read back with ``weights_only=True``."""
+    """State kept per data-parallel rank (the dataloader), stored as one serialized item per
+    rank (its size varies, so not a tensor) and read back with ``weights_only=True``.
 
-    def __init__(self, inner: Stateful, *, rank: int, world_size: int):
+    ``replicated`` says every rank's item is the same (``by_row`` data), so a run with another
+    number of ranks can load any of them; ``reading(rank)`` is the view that loads that one.
+    """
+
+    def __init__(self, inner: Stateful, *, rank: int, world_size: int, replicated: bool = False):
         self.inner, self.rank, self.world_size = inner, rank, world_size
+        self.replicated = replicated
+
+    def reading(self, rank: int) -> "PerRankState":
+        return PerRankState(self.inner, rank=rank, world_size=self.world_size, replicated=True)
 
     def state_dict(self) -> dict[str, Any]:
         buffer = io.BytesIO()
@@ -165,7 +173,9 @@ class CheckpointManager:
     def _load(self, path: Path) -> int:
         keys = saved_state_keys(path)
         if keys == {"model"}:
-            # A seed checkpoint or a weights-only export: start training from these weights.
+            # A seed checkpoint (or, with load_only, any weights): start from these weights.
+            if path.name != "step-0" and not self.config.load_only:
+                raise ConfigError(self._weights_only_message(path))
             self._load_model_only(path)
             return 0
         wanted = {k: v for k, v in self.states.items() if k not in self.config.exclude_from_loading}
@@ -175,10 +185,26 @@ class CheckpointManager:
                 f"checkpoint {path} has no {', '.join(sorted(missing))} state; pass "
                 f"--checkpoint.exclude_from_loading {' '.join(sorted(missing))} to skip it"
             )
-        self._check_dataloader_layout(path, wanted)
+        match_dataloader_layout(path, wanted)
         logger.info(f"Loading checkpoint {path} ({', '.join(wanted)})")
         dcp.load(wanted, checkpoint_id=str(path), planner=_SafeLoadPlanner(), no_dist=_no_dist())
         return int(_STEP_DIR.match(path.name).group(1))
+
+    def _weights_only_message(self, path: Path) -> str:
+        full = [
+            p.name for p in complete_checkpoints(self.folder) if saved_state_keys(p) != {"model"}
+        ]
+        earlier = (
+            f"resume from {full[-1]} with --checkpoint.load_step {full[-1].removeprefix('step-')}"
+            if full
+            else "no earlier checkpoint here holds optimizer state"
+        )
+        return (
+            f"checkpoint {path} holds only model weights (a final save with "
+            "--checkpoint.last_save_model_only), so training cannot resume from it: "
+            f"{earlier}; or start a new run from these weights with "
+            f"--checkpoint.initial_load_path {path} and another --job.dump_folder"
+        )
 
     def _load_model_only(self, path: Path) -> None:
         problem = verify(path)
@@ -191,18 +217,6 @@ class CheckpointManager:
             planner=_SafeLoadPlanner(),
             no_dist=_no_dist(),
         )
-
-    def _check_dataloader_layout(self, path: Path, wanted: dict[str, Stateful]) -> None:
-        state = wanted.get("dataloader")
-        if not isinstance(state, PerRankState):
-            return
-        saved = saved_ranks(path, "dataloader")
-        if saved != state.world_size:
-            raise ConfigError(
-                f"checkpoint {path} holds dataloader state for {saved} data-parallel ranks, "
-                f"this run has {state.world_size}: their shards do not line up; pass "
-                "--checkpoint.exclude_from_loading dataloader to restart the data from its beginning"
-            )
 
     # ---- saving ----------------------------------------------------------------------------
 
@@ -385,6 +399,30 @@ def saved_ranks(path: Path, key: str) -> int:
     return sum(1 for fqn in metadata.state_dict_metadata if fqn.startswith(f"{key}.rank_"))
 
 
+def match_dataloader_layout(path: Path, wanted: dict[str, Stateful]) -> None:
+    """Refuse per-rank dataloader state saved under another DP degree, unless every rank
+    reads the whole stream (``by_row``, or one rank): then all ranks here read rank 0's."""
+    state = wanted.get("dataloader")
+    if not isinstance(state, PerRankState):
+        return
+    saved = saved_ranks(path, "dataloader")
+    if saved == state.world_size:
+        return
+    if not state.replicated:
+        raise ConfigError(
+            f"checkpoint {path} holds dataloader state for {saved} data-parallel ranks, "
+            f"this run has {state.world_size}: their shards do not line up; resume with "
+            f"{saved} data-parallel ranks, or pass --checkpoint.exclude_from_loading "
+            "dataloader to restart the data from its beginning (runs that change the "
+            "degree keep their place with --training.data_sharding by_row)"
+        )
+    logger.info(
+        f"Dataloader state of {saved} data-parallel ranks continues on {state.world_size}: "
+        "each reads the whole stream, so rank 0's position serves every rank"
+    )
+    wanted["dataloader"] = state.reading(0)
+
+
 def _write_durably(path: Path, text: str) -> None:
     with path.open("w") as f:
         f.write(text)
@@ -415,6 +453,11 @@ def build_checkpoint_states(
         "model": ModelState(model),
         "optimizer": OptimizerState(model, optimizer),
         "lr_scheduler": lr_scheduler,
-        "dataloader": PerRankState(dataloader, rank=dp_rank, world_size=dp_world_size),
+        "dataloader": PerRankState(
+            dataloader,
+            rank=dp_rank,
+            world_size=dp_world_size,
+            replicated=getattr(dataloader, "replicated_state", False),
+        ),
         "train_state": train_state,
     }

@@ -247,8 +247,11 @@ class _RowsOf:
 class ParallelAwareDataloader(StatefulDataLoader, Stateful):
     """A ``StatefulDataLoader`` whose state is keyed by data-parallel rank.
 
-    A checkpoint holds one entry per DP rank; loading under a different DP degree is refused
-    (the shards would not line up), which ``--checkpoint.exclude_from_loading dataloader`` skips.
+    A checkpoint holds one entry per DP rank. Under ``by_document`` sharding each entry is a
+    position in that rank's own shard, so loading under another DP degree is refused (the
+    shards would not line up; ``--checkpoint.exclude_from_loading dataloader`` restarts the
+    data). Under ``by_row``, or with a single rank, every rank reads the whole stream, the
+    entries are identical (``replicated_state``) and any one resumes any DP degree.
     """
 
     def __init__(
@@ -260,30 +263,59 @@ class ParallelAwareDataloader(StatefulDataLoader, Stateful):
         batch_size: int,
         num_workers: int = 0,
         collate_fn: Callable | None = None,
+        sharding: str = "by_document",
     ):
         super().__init__(
             dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn
         )
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
+        self.sharding = sharding
         self._rank_key = f"dp_rank_{dp_rank}"
 
+    @property
+    def replicated_state(self) -> bool:
+        """Whether this state stands for every DP rank: ``by_row``, or a single rank."""
+        return _reads_whole_stream(self.sharding, self.dp_world_size)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"dp_world_size": self.dp_world_size, self._rank_key: super().state_dict()}
+        return {
+            "dp_world_size": self.dp_world_size,
+            "sharding": self.sharding,
+            self._rank_key: super().state_dict(),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
-        saved = state_dict.get("dp_world_size")
-        if saved != self.dp_world_size:
-            raise ValueError(
-                f"dataloader state was saved with data-parallel degree {saved}, this run has "
-                f"{self.dp_world_size}; resume with the same degree or pass "
+        sharding = state_dict.get("sharding", "by_document")
+        degree = state_dict.get("dp_world_size")
+        entries = [k for k in state_dict if k.startswith("dp_rank_")]
+        if (sharding, degree) == (self.sharding, self.dp_world_size):
+            if self._rank_key not in state_dict:
+                raise ValueError(f"dataloader state has no entry for {self._rank_key}")
+            super().load_state_dict(state_dict[self._rank_key])
+        elif self.replicated_state and _reads_whole_stream(sharding, degree) and entries:
+            # Both read the whole stream: the saved position is every rank's position.
+            super().load_state_dict(state_dict[entries[0]])
+        elif sharding != self.sharding:
+            raise ConfigError(
+                f"dataloader state was saved with --training.data_sharding {sharding}, this "
+                f"run has {self.sharding}; resume with {sharding} or pass "
                 "--checkpoint.exclude_from_loading dataloader"
             )
-        if self._rank_key not in state_dict:
-            raise ValueError(f"dataloader state has no entry for {self._rank_key}")
-        super().load_state_dict(state_dict[self._rank_key])
+        else:
+            raise ConfigError(
+                f"dataloader state was saved with data-parallel degree {degree}, this run has "
+                f"{self.dp_world_size}; resume with the same degree or pass "
+                "--checkpoint.exclude_from_loading dataloader (runs that change the degree keep "
+                "their place with --training.data_sharding by_row)"
+            )
+
+
+def _reads_whole_stream(sharding: str, dp_world_size: int) -> bool:
+    """Every rank reads the whole stream in the same global batches (so states agree)."""
+    return sharding == "by_row" or dp_world_size == 1
 
 
 def build_dataloader(
@@ -304,7 +336,7 @@ def build_dataloader(
     ``sharding="by_document"`` gives each DP rank its own documents; ``"by_row"`` has every
     rank read the whole stream in global batches of ``local_batch_size x dp_world_size`` rows
     and keep rows ``[dp_rank x local_batch_size, ...)``, so the global batch of a step does not
-    depend on the DP degree.
+    depend on the DP degree, and its state resumes under any DP degree.
     """
     data, text_key = open_dataset(dataset, dataset_path)
     by_row = sharding == "by_row"
@@ -327,4 +359,5 @@ def build_dataloader(
         batch_size=rows,
         num_workers=num_workers,
         collate_fn=_RowsOf(start, start + local_batch_size),
+        sharding=sharding,
     )
