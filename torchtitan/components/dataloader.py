@@ -282,6 +282,7 @@ class ParallelAwareDataloader(StatefulDataLoader, Stateful):
         return {
             "dp_world_size": self.dp_world_size,
             "sharding": self.sharding,
+            "num_workers": self.num_workers,
             self._rank_key: super().state_dict(),
         }
 
@@ -291,6 +292,13 @@ class ParallelAwareDataloader(StatefulDataLoader, Stateful):
         sharding = state_dict.get("sharding", "by_document")
         degree = state_dict.get("dp_world_size")
         entries = [k for k in state_dict if k.startswith("dp_rank_")]
+        workers = state_dict.get("num_workers", self.num_workers)
+        if workers != self.num_workers:  # torchdata keeps one state per worker
+            raise ConfigError(
+                f"dataloader state was saved with --training.num_workers {workers}, this run "
+                f"has {self.num_workers}; resume with {workers} or pass "
+                "--checkpoint.exclude_from_loading dataloader"
+            )
         if (sharding, degree) == (self.sharding, self.dp_world_size):
             if self._rank_key not in state_dict:
                 raise ValueError(f"dataloader state has no entry for {self._rank_key}")

@@ -445,6 +445,15 @@ def test_by_document_state_of_one_rank_resumes_by_row_ranks(tmp_path: Path) -> N
         by_document.load_state_dict(by_row)
 
 
+def test_a_change_of_worker_count_is_refused_in_one_line(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "docs.jsonl", [_doc(i, 4) for i in range(20)])
+    loader = _files_loader(path, IdTokenizer(), seq_len=3, infinite=True)
+    _global_rows([loader], 2)
+    other = _files_loader(path, IdTokenizer(), seq_len=3, num_workers=2, infinite=True)
+    with pytest.raises(ValueError, match="--training.num_workers 0, this run has 2; resume with 0"):
+        other.load_state_dict(_saved(loader.state_dict(), tmp_path))
+
+
 # --- c4 through a local mirror ------------------------------------------------------------------
 
 _C4_README = """---
