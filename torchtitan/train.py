@@ -27,7 +27,7 @@ from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.components.train_state import StepResult, TrainState
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
-from torchtitan.config.manager import parse_args, save_resolved
+from torchtitan.config.manager import parse_args, save_resolved, to_toml
 from torchtitan.distributed import ParallelDims, local_tensor, tensor_parallel
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.models import import_model_module
@@ -130,6 +130,7 @@ class Trainer:
             states=states,
             model=self.model,
             device_type=self.device.type,
+            run_config=to_toml(self.config),
         )
 
     def _init_distributed(self) -> None:

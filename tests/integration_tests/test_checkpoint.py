@@ -107,6 +107,17 @@ def test_explicit_load_step_that_is_missing_or_torn_is_an_error(tmp_path, capfd)
     assert "incomplete checkpoint" in capfd.readouterr().err
 
 
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path, uninterrupted, capfd):
+    _copy_step(uninterrupted, 5, tmp_path)
+    assert (tmp_path / "checkpoint/step-5/config.toml").is_file()  # the writer's config
+    capfd.readouterr()
+    assert _train(tmp_path, "--training.steps", "6", "--model.flavor", "debug_100m") == 2
+    errors = [line for line in capfd.readouterr().err.splitlines() if "does not fit" in line]
+    assert len(errors) == 1, errors
+    assert "layers.0.attention.wk.weight is [128, 256] there and [256, 768] here" in errors[0]
+    assert "saved with --model.flavor debugmodel (this run: debug_100m)" in errors[0]
+
+
 def test_an_interrupted_save_is_never_loaded(tmp_path, capfd):
     assert _train(tmp_path, "--training.steps", "5") == 0
     (tmp_path / "checkpoint/step-5").rename(tmp_path / "checkpoint/step-5.tmp")

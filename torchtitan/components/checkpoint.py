@@ -20,10 +20,10 @@ import dataclasses
 import io
 import json
 import os
-import re
 import shutil
 import threading
 import time
+import tomllib
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -41,13 +41,23 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchtitan.components.checkpoint_files import (
+    CONFIG_FILE,
+    MANIFEST,
+    STEP_DIR,
+    complete_checkpoints,
+    model_mismatch,
+    saved_config,
+    saved_ranks,
+    saved_state_keys,
+    verify,
+    write_durably,
+)
 from torchtitan.components.checkpoint_writer import CheckpointWriter, lower_priority, stager_for
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.tools.logging import logger
 
-MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -131,11 +141,13 @@ class CheckpointManager:
         states: dict[str, Stateful],
         model: nn.Module,
         device_type: str,
+        run_config: str | None = None,
     ):
         self.config = config
         self.folder = Path(dump_folder) / config.folder
         self.states = states
         self.model = model
+        self.run_config = run_config  # resolved TOML, saved in every checkpoint
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._pending: _Pending | None = None
         self._async_group = None
@@ -185,10 +197,12 @@ class CheckpointManager:
                 f"checkpoint {path} has no {', '.join(sorted(missing))} state; pass "
                 f"--checkpoint.exclude_from_loading {' '.join(sorted(missing))} to skip it"
             )
+        if "model" in wanted:
+            self._check_model_fits(path, flag="")
         match_dataloader_layout(path, wanted)
         logger.info(f"Loading checkpoint {path} ({', '.join(wanted)})")
         dcp.load(wanted, checkpoint_id=str(path), planner=_SafeLoadPlanner(), no_dist=_no_dist())
-        return int(_STEP_DIR.match(path.name).group(1))
+        return int(STEP_DIR.match(path.name).group(1))
 
     def _weights_only_message(self, path: Path) -> str:
         full = [
@@ -206,10 +220,34 @@ class CheckpointManager:
             f"--checkpoint.initial_load_path {path} and another --job.dump_folder"
         )
 
+    def _check_model_fits(self, path: Path, *, flag: str) -> None:
+        """Names and shapes of the saved model tensors against this model's, before loading."""
+        shapes = {k: tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
+        problem = model_mismatch(path, shapes)
+        if problem is None:
+            return
+        written_by = saved_config(path)
+        saved = (written_by or {}).get("model", {})
+        here = tomllib.loads(self.run_config).get("model", {}) if self.run_config else {}
+        differ = [k for k in sorted(saved) if k in here and saved[k] != here[k]]
+        if differ:
+            cause = "it was saved with " + ", ".join(
+                f"--model.{k} {saved[k]} (this run: {here[k]})" for k in differ
+            )
+        elif written_by is not None:
+            cause = f"compare the [model] section of {path / CONFIG_FILE} with this run's"
+        else:
+            cause = "was it saved with another --model.flavor?"
+        raise ConfigError(
+            f"{flag}checkpoint {path} does not fit this model: {problem}; {cause}; load a "
+            "checkpoint of this model, or train it in another --job.dump_folder"
+        )
+
     def _load_model_only(self, path: Path) -> None:
         problem = verify(path)
         if problem:
             raise ConfigError(f"--checkpoint.initial_load_path {path}: {problem}")
+        self._check_model_fits(path, flag="--checkpoint.initial_load_path: ")
         logger.info(f"Loading model weights from {path}")
         dcp.load(
             {"model": self.states["model"]},
@@ -329,8 +367,10 @@ class CheckpointManager:
         """On rank 0, once every rank's files are written: manifest, rename, purge old."""
         if self.rank == 0:
             tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
+            if self.run_config is not None:
+                write_durably(tmp / CONFIG_FILE, self.run_config)
             files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-            _write_durably(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+            write_durably(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             logger.info(f"Saved checkpoint {final}")
@@ -363,42 +403,6 @@ class CheckpointManager:
             self._stager.close()
 
 
-def complete_checkpoints(folder: Path) -> list[Path]:
-    """Finished checkpoint folders, oldest first."""
-    if not folder.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name))]
-    return [p for _, p in sorted(found)]
-
-
-def verify(path: Path) -> str | None:
-    """``None`` if ``path`` is a complete checkpoint, else what is wrong with it."""
-    if not path.is_dir():
-        return f"{path} does not exist"
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return f"{path / MANIFEST} is missing or unreadable (incomplete checkpoint)"
-    for name, size in manifest["files"].items():
-        file = path / name
-        if not file.is_file():
-            return f"{file} is missing"
-        if file.stat().st_size != size:
-            return f"{file} has {file.stat().st_size} bytes, expected {size} (truncated)"
-    return None
-
-
-def saved_state_keys(path: Path) -> set[str]:
-    """Top-level state names in a checkpoint (``model``, ``optimizer``, ...)."""
-    metadata = FileSystemReader(str(path)).read_metadata()
-    return {fqn.split(".", 1)[0] for fqn in metadata.state_dict_metadata}
-
-
-def saved_ranks(path: Path, key: str) -> int:
-    metadata = FileSystemReader(str(path)).read_metadata()
-    return sum(1 for fqn in metadata.state_dict_metadata if fqn.startswith(f"{key}.rank_"))
-
-
 def match_dataloader_layout(path: Path, wanted: dict[str, Stateful]) -> None:
     """Refuse per-rank dataloader state saved under another DP degree, unless every rank
     reads the whole stream (``by_row``, or one rank): then all ranks here read rank 0's."""
@@ -421,13 +425,6 @@ def match_dataloader_layout(path: Path, wanted: dict[str, Stateful]) -> None:
         "each reads the whole stream, so rank 0's position serves every rank"
     )
     wanted["dataloader"] = state.reading(0)
-
-
-def _write_durably(path: Path, text: str) -> None:
-    with path.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _no_dist() -> bool:

@@ -1,4 +1,5 @@
-"""Per-rank dataloader state saved by one number of data-parallel ranks, loaded by another."""
+"""What a checkpoint holds against what this run has: per-rank dataloader state saved by
+another number of data-parallel ranks, and model tensors of another shape or name."""
 
 import io
 
@@ -11,6 +12,7 @@ from torchtitan.components.checkpoint import (
     _SafeLoadPlanner,
     match_dataloader_layout,
 )
+from torchtitan.components.checkpoint_files import model_mismatch
 from torchtitan.config.errors import ConfigError
 
 
@@ -57,3 +59,15 @@ def test_replicated_state_is_read_from_rank_zero_by_every_rank(tmp_path):
     assert position.value == 10
     # The run still saves under its own rank.
     assert list(PerRankState(position, rank=3, world_size=4).state_dict()) == ["rank_3"]
+
+
+def test_model_mismatch_names_resized_missing_and_unexpected_tensors(tmp_path):
+    saved = {"a.weight": torch.zeros(4, 2), "b.weight": torch.zeros(3), "old.bias": torch.zeros(1)}
+    dcp.save({"model": saved}, checkpoint_id=str(tmp_path), no_dist=True)
+    assert model_mismatch(tmp_path, {k: tuple(v.shape) for k, v in saved.items()}) is None
+    problem = model_mismatch(tmp_path, {"a.weight": (4, 3), "b.weight": (3,), "new.bias": (1,)})
+    assert problem == (
+        "1 tensor(s) differ in shape, e.g. a.weight is [4, 2] there and [4, 3] here; "
+        "1 tensor(s) of this model are not in it, e.g. new.bias; "
+        "1 of its tensors are not in this model, e.g. old.bias"
+    )

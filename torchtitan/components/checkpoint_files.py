@@ -1,0 +1,101 @@
+"""What is on disk: complete checkpoint folders, their verification against the manifest, and
+what a checkpoint holds (state names, per-rank entries, model tensors, the config that wrote it).
+
+These read files only (DCP metadata, the manifest, TOML); nothing here unpickles anything.
+"""
+
+import json
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+MANIFEST = "manifest.json"
+CONFIG_FILE = "config.toml"
+"""The resolved config of the run that wrote the checkpoint, next to its shards."""
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """Finished checkpoint folders, oldest first."""
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def verify(path: Path) -> str | None:
+    """``None`` if ``path`` is a complete checkpoint, else what is wrong with it."""
+    if not path.is_dir():
+        return f"{path} does not exist"
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return f"{path / MANIFEST} is missing or unreadable (incomplete checkpoint)"
+    for name, size in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size != size:
+            return f"{file} has {file.stat().st_size} bytes, expected {size} (truncated)"
+    return None
+
+
+def saved_state_keys(path: Path) -> set[str]:
+    """Top-level state names in a checkpoint (``model``, ``optimizer``, ...)."""
+    return {fqn.split(".", 1)[0] for fqn in _metadata(path)}
+
+
+def saved_ranks(path: Path, key: str) -> int:
+    return sum(1 for fqn in _metadata(path) if fqn.startswith(f"{key}.rank_"))
+
+
+def model_mismatch(path: Path, shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """``None`` if the checkpoint's model tensors have exactly these names and global shapes,
+    else the differences (counted, with one example each)."""
+    saved = {
+        fqn.removeprefix("model."): tuple(meta.size)
+        for fqn, meta in _metadata(path).items()
+        if fqn.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    resized = sorted(k for k in shapes.keys() & saved.keys() if saved[k] != shapes[k])
+    missing = sorted(shapes.keys() - saved.keys())
+    # DCP would load a smaller model from a bigger checkpoint without a word.
+    unexpected = sorted(saved.keys() - shapes.keys())
+    problems = []
+    if resized:
+        k = resized[0]
+        problems.append(
+            f"{len(resized)} tensor(s) differ in shape, e.g. {k} is {list(saved[k])} there "
+            f"and {list(shapes[k])} here"
+        )
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) of this model are not in it, e.g. {missing[0]}")
+    if unexpected:
+        problems.append(
+            f"{len(unexpected)} of its tensors are not in this model, e.g. {unexpected[0]}"
+        )
+    return "; ".join(problems) or None
+
+
+def saved_config(path: Path) -> dict[str, Any] | None:
+    """The resolved config saved with a checkpoint (older checkpoints have none)."""
+    try:
+        return tomllib.loads((path / CONFIG_FILE).read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+
+
+def write_durably(path: Path, text: str) -> None:
+    with path.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _metadata(path: Path) -> dict[str, Any]:
+    return FileSystemReader(str(path)).read_metadata().state_dict_metadata
