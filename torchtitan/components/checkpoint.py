@@ -45,6 +45,7 @@ from torchtitan.components.checkpoint_files import (
     CONFIG_FILE,
     MANIFEST,
     STEP_DIR,
+    SafeFileSystemReader,
     complete_checkpoints,
     model_mismatch,
     saved_config,
@@ -201,7 +202,12 @@ class CheckpointManager:
             self._check_model_fits(path, flag="")
         match_dataloader_layout(path, wanted)
         logger.info(f"Loading checkpoint {path} ({', '.join(wanted)})")
-        dcp.load(wanted, checkpoint_id=str(path), planner=_SafeLoadPlanner(), no_dist=_no_dist())
+        dcp.load(
+            wanted,
+            storage_reader=SafeFileSystemReader(str(path)),
+            planner=_SafeLoadPlanner(),
+            no_dist=_no_dist(),
+        )
         return int(STEP_DIR.match(path.name).group(1))
 
     def _weights_only_message(self, path: Path) -> str:
@@ -251,7 +257,7 @@ class CheckpointManager:
         logger.info(f"Loading model weights from {path}")
         dcp.load(
             {"model": self.states["model"]},
-            checkpoint_id=str(path),
+            storage_reader=SafeFileSystemReader(str(path)),
             planner=_SafeLoadPlanner(),
             no_dist=_no_dist(),
         )

@@ -1,18 +1,25 @@
 """What is on disk: complete checkpoint folders, their verification against the manifest, and
 what a checkpoint holds (state names, per-rank entries, model tensors, the config that wrote it).
 
-These read files only (DCP metadata, the manifest, TOML); nothing here unpickles anything.
+DCP pickles its ``.metadata`` file; ``SafeFileSystemReader`` reads it back with an unpickler
+that can only create DCP's own metadata classes, ``torch.Size``, dtypes, layouts, memory
+formats and paths, so a crafted checkpoint cannot run code while it is inspected or loaded.
 """
 
 import json
 import os
+import pickle
 import re
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+from torchtitan.config.errors import ConfigError
 
 MANIFEST = "manifest.json"
 CONFIG_FILE = "config.toml"
@@ -98,4 +105,50 @@ def write_durably(path: Path, text: str) -> None:
 
 
 def _metadata(path: Path) -> dict[str, Any]:
-    return FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+
+# Modules whose own classes DCP metadata is made of (any class defined there), and single
+# names elsewhere that rebuild plain values.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+_METADATA_NAMES = {
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice", "complex"},
+}
+_TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if "." not in name and module in sys.modules:
+            value = getattr(sys.modules[module], name, None)
+            if module in _METADATA_MODULES and isinstance(value, type):
+                if value.__module__ == module:
+                    return value
+            if name in _METADATA_NAMES.get(module, ()):
+                return value
+            if module == "torch" and isinstance(value, _TORCH_VALUES):
+                return value
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of checkpoint metadata")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader, with the metadata read by an allow-list unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            with path.open("rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+            raise ConfigError(f"{path} is not DCP checkpoint metadata: {e}") from None
+        if not isinstance(metadata, Metadata):
+            raise ConfigError(f"{path} is not DCP checkpoint metadata: {type(metadata)} inside")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata

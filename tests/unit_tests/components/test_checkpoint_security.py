@@ -1,10 +1,15 @@
 """Loading a checkpoint never runs code hidden in it."""
 
+import pickle
+
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchtitan.components.checkpoint import _SafeLoadPlanner
+from torchtitan.components.checkpoint_files import SafeFileSystemReader, saved_state_keys
+from torchtitan.config.errors import ConfigError
 
 
 class _Payload:
@@ -29,3 +34,18 @@ def test_plain_values_still_load(tmp_path):
     target = {"train_state": {"note": None, "raw": None}}
     dcp.load(target, checkpoint_id=str(tmp_path), planner=_SafeLoadPlanner(), no_dist=True)
     assert target == saved
+
+
+def test_crafted_metadata_is_refused_without_running_code(tmp_path, capsys):
+    """DCP pickles ``.metadata``; our reader only rebuilds DCP's metadata classes from it."""
+    dcp.save(
+        {"model": {"w": torch.ones(2, dtype=torch.bfloat16)}},
+        checkpoint_id=str(tmp_path),
+        no_dist=True,
+    )
+    metadata = SafeFileSystemReader(str(tmp_path)).read_metadata()  # a real one reads back
+    assert metadata.state_dict_metadata["model.w"].properties.dtype == torch.bfloat16
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Payload()))
+    with pytest.raises(ConfigError, match=r"not DCP checkpoint metadata: builtins\.print is not"):
+        saved_state_keys(tmp_path)
+    assert "code ran" not in capsys.readouterr().out
