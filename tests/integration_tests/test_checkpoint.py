@@ -118,6 +118,18 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path, uninterr
     assert "saved with --model.flavor debugmodel (this run: debug_100m)" in errors[0]
 
 
+def test_initial_load_path_gives_way_to_the_folder_s_own_checkpoints(
+    tmp_path, uninterrupted, capfd
+):
+    _copy_step(uninterrupted, 5, tmp_path)
+    other = uninterrupted / "checkpoint" / "step-10"
+    assert (
+        _train(tmp_path, "--training.steps", "6", "--checkpoint.initial_load_path", str(other)) == 0
+    )
+    assert f"--checkpoint.initial_load_path {other} is not used" in capfd.readouterr().err
+    assert _losses(tmp_path)[6] == _losses(uninterrupted)[6]  # resumed from the folder's step 5
+
+
 def test_an_interrupted_save_is_never_loaded(tmp_path, capfd):
     assert _train(tmp_path, "--training.steps", "5") == 0
     (tmp_path / "checkpoint/step-5").rename(tmp_path / "checkpoint/step-5.tmp")

@@ -175,6 +175,11 @@ class CheckpointManager:
         for path in reversed(complete_checkpoints(self.folder)):
             problem = verify(path)
             if problem is None:
+                if c.initial_load_path:
+                    logger.warning(
+                        f"--checkpoint.initial_load_path {c.initial_load_path} is not used: "
+                        f"{self.folder} has checkpoints, resuming from {path.name}"
+                    )
                 return self._load(path)
             logger.warning(f"Skipping checkpoint {path}: {problem}")
         if c.initial_load_path:
