@@ -6,6 +6,7 @@ that can only create DCP's own metadata classes, ``torch.Size``, dtypes, layouts
 formats and paths, so a crafted checkpoint cannot run code while it is inspected or loaded.
 """
 
+import functools
 import json
 import os
 import pickle
@@ -105,7 +106,15 @@ def write_durably(path: Path, text: str) -> None:
 
 
 def _metadata(path: Path) -> dict[str, Any]:
-    return SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+    """The checkpoint's tensor and value entries. At scale ``.metadata`` is large and a load
+    inspects it several times, so it is unpickled once per file version."""
+    stat = (Path(path) / ".metadata").stat()
+    return _read_metadata(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_metadata(path: str, mtime_ns: int, size: int) -> dict[str, Any]:
+    return SafeFileSystemReader(path).read_metadata().state_dict_metadata
 
 
 # Modules whose own classes DCP metadata is made of (any class defined there), and single
