@@ -206,3 +206,6 @@ class _WandbSink(_Sink):
 
     def close(self) -> None:
         self._run.finish()
+        # wandb flushes and stops its service in an atexit hook, which the trainer's os._exit
+        # skips: without this the offline run file can be left without its last records.
+        self._wandb.teardown()
