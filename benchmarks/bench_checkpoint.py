@@ -22,7 +22,7 @@ from pathlib import Path
 
 from torchtitan.config.manager import parse_args
 from torchtitan.tools.logging import init_logger
-from torchtitan.train import Trainer
+from torchtitan.trainer import Trainer
 
 # Steps between saves: longer than one background write on a 2-core CPU host.
 INTERVALS = {"debugmodel": 12, "debug_100m": 40}

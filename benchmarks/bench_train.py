@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torchtitan.config.manager import parse_args
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.tools.logging import init_logger
-from torchtitan.train import Trainer
+from torchtitan.trainer import Trainer
 
 
 def _config_args(batch: int, seq: int, steps: int, dtype: str, dump: str) -> list[str]:

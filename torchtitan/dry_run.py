@@ -7,39 +7,54 @@ parallelization run; then this module prints the rank's memory estimate and runs
 otherwise on fake tensors, which carry shapes but no data. Values (loss, norms) mean nothing.
 """
 
-import copy
 import dataclasses
-from typing import TYPE_CHECKING
+import os
 
 import torch
 
+from torchtitan.batch_runner import BatchRunner
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.config import JobConfig
+from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.models.spec import get_model_spec
 from torchtitan.tools import memory_estimate
 from torchtitan.tools.logging import logger
-
-if TYPE_CHECKING:
-    from torchtitan.train import Trainer
+from torchtitan.trainer import Trainer
 
 REAL_STEP_FLOPS = 1e12
 """Above this many FLOPs per rank and step, ``--comm.fake_compute auto`` steps on fake tensors:
 a CPU core does a few tens of GFLOP/s, so one real step would take minutes."""
 
 
-def wants_fake_compute(config, model_args, parallel_dims, grad_accum_steps: int) -> bool:
-    """Whether a ``fake_backend`` run should step on fake tensors (``--comm.fake_compute``)."""
-    if config.comm.mode != "fake_backend":
-        return False
+def wants_fake_compute(config: JobConfig) -> bool:
+    """Whether the dry run should step on fake tensors (``--comm.fake_compute``)."""
     if config.comm.fake_compute != "auto":
         return config.comm.fake_compute == "fake"
     t = config.training
-    tokens = t.local_batch_size * t.seq_len * grad_accum_steps
-    flops = model_args.flops_per_token(t.seq_len) * tokens / parallel_dims.non_data_parallel_size
+    spec = get_model_spec(config.model.name)
+    dims = ParallelDims.from_config(config.parallelism, int(os.environ.get("WORLD_SIZE", "1")))
+    accumulation = dims.grad_accum_steps(t.local_batch_size, t.global_batch_size)
+    tokens = t.local_batch_size * t.seq_len * accumulation
+    args = spec.args_for(config.model.flavor, seq_len=t.seq_len)
+    flops = spec.flops_per_token(args, t.seq_len) * tokens / dims.non_data_parallel_size
     return flops > REAL_STEP_FLOPS
 
 
-def banner(trainer: "Trainer") -> str:
+def build_trainer(config: JobConfig) -> Trainer:
+    """The trainer of a dry run: no checkpointing (no real values to save or load), and the
+    model left on the meta device when a real step would be too large for this host."""
+    c = config.checkpoint
+    if c.enable or c.create_seed_checkpoint:
+        logger.warning("Checkpointing is off under COMM_MODE=fake_backend (no real values)")
+        off = dataclasses.replace(c, enable=False, create_seed_checkpoint=False)
+        config = dataclasses.replace(config, checkpoint=off)
+    return Trainer(config, on_meta=wants_fake_compute(config))
+
+
+def banner(trainer: Trainer) -> str:
     dims = trainer.parallel_dims
-    compute = "fake tensors (shapes only)" if trainer.fake_compute else "real tensors"
+    compute = "fake tensors (shapes only)" if trainer.on_meta else "real tensors"
     return (
         f"DRY RUN (COMM_MODE=fake_backend): rank {trainer.rank} of {dims.world_size} simulated "
         f"ranks, no-op collectives, steps on {compute}. Losses, norms and other data-dependent "
@@ -47,81 +62,70 @@ def banner(trainer: "Trainer") -> str:
     )
 
 
-def estimate_memory(trainer: "Trainer") -> memory_estimate.MemoryEstimate:
+def estimate_memory(trainer: Trainer) -> memory_estimate.MemoryEstimate:
     """This rank's memory: exact state bytes from the built model, peak from shallow copies."""
-    args = trainer.model_args
-    n_layers = getattr(args, "n_layers", None)
+    n_layers = trainer.model_args.n_layers
     peaks, ratio = [], 0.0
-    for depth in (1, 2) if n_layers else (None,):
+    for depth in (1, 2):
         peak, ratio = _probe_step(trainer, depth)
         peaks.append(peak)
-    peak = memory_estimate.extrapolate(*peaks, n_layers) if n_layers else peaks[0]
-    params = memory_estimate.local_bytes(trainer.model.parameters())
-    grads = memory_estimate.local_bytes(p for p in trainer.model.parameters() if p.requires_grad)
+    parameters = [p for part in trainer.model_parts for p in part.parameters()]
+    params = memory_estimate.local_bytes(parameters)
+    grads = memory_estimate.local_bytes(p for p in parameters if p.requires_grad)
     return memory_estimate.MemoryEstimate(
-        n_layers=n_layers or 0,
+        n_layers=n_layers,
         parameters=params,
         gradients=grads,
         optimizer=int(params * ratio),
-        peak=peak,
+        peak=memory_estimate.extrapolate(*peaks, n_layers),
     )
 
 
-def _probe_step(trainer: "Trainer", depth: int | None) -> tuple[dict[str, int], float]:
+def _probe_step(trainer: Trainer, depth: int | None) -> tuple[dict[str, int], float]:
     """Build the model with ``depth`` blocks (all of them for ``None``), parallelized like the
     real one, and measure a step on fake tensors. Returns the peak by category and the
     optimizer's state bytes per parameter byte."""
-    from torchtitan.components.loss import cross_entropy_sum
-    from torchtitan.components.optimizer import build_optimizer
-
     config = trainer.config
-    args = (
-        trainer.model_args
-        if depth is None
-        else dataclasses.replace(trainer.model_args, n_layers=depth)
+    args = trainer.model_args
+    if depth is not None:
+        args = dataclasses.replace(args, n_layers=depth)
+    # Inductor cannot trace fake tensors of an outer fake mode; compiled runs usually need
+    # somewhat less activation memory than this estimate.
+    context = dataclasses.replace(
+        trainer.parallelize_context, compile=dataclasses.replace(config.compile, enable=False)
     )
-    with torch.device("meta"):
-        model = trainer.model_spec.build_model(args)
-    model = trainer.model_spec.parallelize(
-        model,
-        parallel_dims=trainer.parallel_dims,
-        world_mesh=trainer.world_mesh,
-        training=config.training,
-        parallelism=config.parallelism,
-        activation_checkpoint=config.activation_checkpoint,
-        # Inductor cannot trace fake tensors of an outer fake mode; compiled runs usually
-        # need somewhat less activation memory than this estimate.
-        compile=dataclasses.replace(config.compile, enable=False),
-    )
+    model_parts = trainer.build_model_parts(args, context)
     t = config.training
     with memory_estimate.fake_tensor_mode():
-        model.to_empty(device=trainer.device)
-        optimizer = build_optimizer(model, config.optimizer, trainer.device)
+        for part in model_parts:
+            part.to_empty(device=trainer.device)
+        optimizers = build_optimizers(model_parts, config.optimizer, trainer.device)
+        runner = BatchRunner(model_parts, context, trainer.device)
         inputs = torch.randint(0, args.vocab_size, (t.local_batch_size, t.seq_len))
         labels = torch.randint(0, args.vocab_size, (t.local_batch_size, t.seq_len))
-        # The trainer's own forward/backward (loss parallelism, autocast) on this model.
-        probe = copy.copy(trainer)
-        probe.model, probe.loss_fn = model, cross_entropy_sum
+        parameters = [p for part in model_parts for p in part.parameters()]
 
         def forward_backward() -> None:
-            probe.forward_backward({"input": inputs}, labels, scale=1.0)
-            dist_utils.clip_grad_norm_(model.parameters(), t.max_norm)
+            runner.forward_backward([({"input": inputs}, labels)], scale=1.0)
+            dist_utils.clip_grad_norm_(parameters, t.max_norm, pp_mesh=trainer.pp_mesh)
 
         def optimizer_step() -> None:
-            optimizer.step()
-            optimizer.zero_grad()
+            optimizers.step()
+            optimizers.zero_grad()
 
         peak = memory_estimate.peak_by_category(
-            model, optimizer, forward_backward=forward_backward, optimizer_step=optimizer_step
+            model_parts,
+            optimizers.optimizers,
+            forward_backward=forward_backward,
+            optimizer_step=optimizer_step,
         )
-        state = (v for s in optimizer.state.values() for v in s.values())
-        ratio = memory_estimate.local_bytes(state) / max(
-            memory_estimate.local_bytes(model.parameters()), 1
+        ratio = memory_estimate.local_bytes(optimizers.state_tensors()) / max(
+            memory_estimate.local_bytes(parameters), 1
         )
     return peak, ratio
 
 
-def run(trainer: "Trainer") -> None:
+def run(trainer: Trainer) -> None:
     """Banner, memory estimate, then ``--comm.dry_run_steps`` steps."""
     logger.warning(banner(trainer))
     estimate = estimate_memory(trainer)
@@ -135,19 +139,18 @@ def run(trainer: "Trainer") -> None:
     if steps == 0:
         logger.info("Dry run finished: built and estimated, no step (--comm.dry_run_steps 0)")
         return
-    if trainer.fake_compute:
+    if trainer.on_meta:
         # The probes above already ran the trainer's step on fake tensors, at shallow depth.
         logger.info(
             "Dry run finished: the step ran on fake tensors (1 and 2 blocks, same "
             "parallelization); pass --comm.fake_compute real to run real tensors"
         )
         return
-    trainer.config.training.steps = min(trainer.config.training.steps, steps)
-    trainer.train()
+    trainer.train(until=steps)
     logger.info(f"Dry run finished: {trainer.step} real step(s) on no-op collectives")
 
 
-def _advice(config) -> str:
+def _advice(config: JobConfig) -> str:
     """What to change when the estimate does not fit, most effective first."""
     steps = ["lower --training.local_batch_size or --training.seq_len"]
     if config.activation_checkpoint.mode != "full":

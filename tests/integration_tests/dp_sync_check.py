@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.utils import shutdown
 from torchtitan.tools.logging import init_logger
-from torchtitan.train import Trainer
+from torchtitan.trainer import Trainer
 
 
 def main() -> None:
@@ -19,7 +19,8 @@ def main() -> None:
     first_batch = next(iter(trainer.dataloader))[0]["input"]
     trainer.train()
     world = dist.get_world_size()
-    for name, param in trainer.model.named_parameters():
+    (model,) = trainer.model_parts
+    for name, param in model.named_parameters():
         local = param.to_local() if hasattr(param, "to_local") else param
         gathered = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(gathered, local.detach().contiguous())

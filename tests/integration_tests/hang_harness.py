@@ -7,21 +7,21 @@ import os
 import sys
 import time
 
-from torchtitan import train
+from torchtitan import train, trainer
 
 HANG_RANK = int(os.environ["HANG_RANK"])
 HANG_STEP = int(os.environ["HANG_STEP"])
-_train_step = train.Trainer.train_step
+_train_step = trainer.Trainer.train_step
 
 
-def train_step(self, microbatches):
+def train_step(self, batches):
     if self.rank == HANG_RANK and self.step == HANG_STEP:
         time.sleep(600)
-    return _train_step(self, microbatches)
+    return _train_step(self, batches)
 
 
 if __name__ == "__main__":
-    train.Trainer.train_step = train_step
+    trainer.Trainer.train_step = train_step
     code = train.main(sys.argv[1:])
     sys.stdout.flush()
     sys.stderr.flush()

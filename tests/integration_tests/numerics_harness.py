@@ -24,7 +24,7 @@ from torchtitan.components.dataloader import build_dataloader
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.utils import shutdown
 from torchtitan.tools.logging import init_logger
-from torchtitan.train import Trainer
+from torchtitan.trainer import Trainer
 
 
 class GlobalBatchSlices:
@@ -67,7 +67,8 @@ def run_case(out_dir: Path, name: str, flags: list[str], *, trainer_data: bool =
         trainer.dataloader = GlobalBatchSlices(trainer, trainer.config.training.steps)
     trainer.train()
     weights = {}
-    for param_name, param in trainer.model.named_parameters():
+    (model,) = trainer.model_parts
+    for param_name, param in model.named_parameters():
         full = param.full_tensor() if isinstance(param, DTensor) else param
         weights[_clean(param_name)] = full.detach().clone()
     trainer.close()

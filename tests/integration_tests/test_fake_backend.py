@@ -90,9 +90,9 @@ import os, sys
 os.environ.update(WORLD_SIZE="8", RANK="0")
 from torchtitan import dry_run
 from torchtitan.config.manager import parse_args
-from torchtitan.train import Trainer
+from torchtitan.trainer import Trainer
 config = parse_args(sys.argv[1:])
-trainer = Trainer(config)
+trainer = Trainer(config, on_meta=True)
 estimate = dry_run.estimate_memory(trainer)
 full, _ = dry_run._probe_step(trainer, None)
 print("RESULT", estimate.peak_total, full["Total"], estimate.parameters, flush=True)

@@ -34,7 +34,7 @@ def _env() -> dict[str, str]:
 
 
 def test_fsdp_two_ranks_match_one_process_with_accumulation_bitwise(tmp_path):
-    # 4 sequences per step either way: 2 ranks x 2, or 1 process x 2 micro-batches of 2.
+    # 4 sequences per step either way: 2 ranks x 2, or 1 process x 2 accumulation batches of 2.
     result = subprocess.run(
         [
             sys.executable, str(SCRIPT),

@@ -6,8 +6,10 @@ import math
 import pytest
 import torch
 
+from torchtitan.batch_runner import autocast_context
 from torchtitan.config.manager import parse_args
-from torchtitan.train import Trainer, main
+from torchtitan.train import main
+from torchtitan.trainer import Trainer
 
 SMALL = ["--training.seq_len", "64", "--debug.seed", "0", "--metrics.log_freq", "1"]
 
@@ -44,7 +46,8 @@ def test_gradient_accumulation_equals_the_large_batch(tmp_path, local_batch):
     steps = ["--training.steps", "3", "--lr_scheduler.warmup_steps", "0"]
     big_records, big = _run(tmp_path / "big", *steps, "--training.local_batch_size", "8")
     acc_initial = {
-        n: p.detach().clone() for n, p in _trainer(tmp_path / "init").model.named_parameters()
+        n: p.detach().clone()
+        for n, p in _trainer(tmp_path / "init").model_parts[0].named_parameters()
     }
     acc_records, acc = _run(
         tmp_path / "acc",
@@ -61,7 +64,8 @@ def test_gradient_accumulation_equals_the_large_batch(tmp_path, local_batch):
     # Micro-batching changes only the float summation order (~1e-7 relative in the gradients);
     # Adam's m / sqrt(v) amplifies that where a gradient is near zero, so weights after 3 steps
     # agree to ~1e-5, under 1% of the 3 x lr = 6e-3 the weights can move.
-    for (name, p), q in zip(acc.model.named_parameters(), big.model.parameters(), strict=True):
+    (acc_model,), (big_model,) = acc.model_parts, big.model_parts
+    for (name, p), q in zip(acc_model.named_parameters(), big_model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=5e-5, msg=name)
         assert not torch.equal(p, acc_initial[name])
 
@@ -76,11 +80,12 @@ def test_bf16_compute_tracks_fp32(tmp_path):
     bf16, trainer = _run(
         tmp_path / "bf16", "--training.steps", "2", "--training.mixed_precision_param", "bfloat16"
     )
-    with trainer.autocast:
-        logits = trainer.model(torch.zeros(1, 8, dtype=torch.long))
+    (model,) = trainer.model_parts
+    with trainer.runner.autocast:
+        logits = model(torch.zeros(1, 8, dtype=torch.long))
     assert logits.dtype == torch.bfloat16
     # Parameters stay float32 (autocast casts per op); the loss agrees to bf16 precision.
-    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert all(p.dtype == torch.float32 for p in model.parameters())
     for a, b in zip(bf16, fp32, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-2)
 
@@ -175,8 +180,8 @@ def test_bf16_is_applied_once_whatever_the_parallelism(tmp_path):
         (1, 2, 2): False,
     }
     for (rep, shard, tp), autocast in cases.items():
-        trainer.parallel_dims = ParallelDims(rep, shard, 1, tp, 1, 1, world_size=rep * shard * tp)
-        context = trainer._autocast()
+        dims = ParallelDims(rep, shard, 1, tp, 1, 1, world_size=rep * shard * tp)
+        context = autocast_context(dims, trainer.config.training.mixed_precision_param, "cpu")
         assert isinstance(context, torch.autocast) == autocast, (rep, shard, tp)
         assert isinstance(context, contextlib.nullcontext) != autocast
 
@@ -192,3 +197,17 @@ def test_wandb_offline_run_records_the_logged_values(tmp_path, monkeypatch):
     for record in records:
         assert json.dumps(record["loss"]).encode() in data
     assert b"grad_norm" in data and b"tps" in data
+
+
+def test_forward_only_loss_equals_the_training_forward_and_leaves_no_trace(tmp_path):
+    trainer = _trainer(tmp_path, "--training.steps", "1")
+    (model,) = trainer.model_parts
+    batch = next(iter(trainer.dataloader))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    evaluated = trainer.runner.loss(batch)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    result = trainer.train_step([batch])  # its loss is the forward before the update
+    trainer.close()
+    assert evaluated.dtype == torch.float64
+    assert torch.equal(evaluated, result.loss_sum)

@@ -24,6 +24,7 @@ import shutil
 import threading
 import time
 import tomllib
+from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -55,6 +55,8 @@ from torchtitan.components.checkpoint_files import (
     write_durably,
 )
 from torchtitan.components.checkpoint_writer import CheckpointWriter, lower_priority, stager_for
+from torchtitan.components.lr_scheduler import LRSchedulers
+from torchtitan.components.optimizer import Optimizers
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.tools.logging import logger
@@ -63,27 +65,24 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class ModelState(Stateful):
-    """The model's parameters as DCP sees them (sharded DTensors stay sharded)."""
+    """The parameters of this rank's model parts as DCP sees them (sharded DTensors stay
+    sharded), under the names of the whole model: the parts' names do not overlap, so a
+    checkpoint saved with one split (pipeline stages) loads into any other."""
 
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict)
-
-
-class OptimizerState(Stateful):
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model_parts: Sequence[nn.Module]):
+        self.model_parts = list(model_parts)
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        merged: dict[str, Any] = {}
+        for part in self.model_parts:
+            merged.update(get_model_state_dict(part))
+        return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+        # Each part takes its own names; with one part every name must be there.
+        options = StateDictOptions(strict=len(self.model_parts) == 1)
+        for part in self.model_parts:
+            set_model_state_dict(part, state_dict, options=options)
 
 
 class PerRankState(Stateful):
@@ -140,14 +139,12 @@ class CheckpointManager:
         *,
         dump_folder: str,
         states: dict[str, Stateful],
-        model: nn.Module,
         device_type: str,
         run_config: str | None = None,
     ):
         self.config = config
         self.folder = Path(dump_folder) / config.folder
         self.states = states
-        self.model = model
         self.run_config = run_config  # resolved TOML, saved in every checkpoint
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._pending: _Pending | None = None
@@ -233,7 +230,7 @@ class CheckpointManager:
 
     def _check_model_fits(self, path: Path, *, flag: str) -> None:
         """Names and shapes of the saved model tensors against this model's, before loading."""
-        shapes = {k: tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
+        shapes = {k: tuple(v.shape) for k, v in self.states["model"].state_dict().items()}
         problem = model_mismatch(path, shapes)
         if problem is None:
             return
@@ -323,9 +320,9 @@ class CheckpointManager:
         if self._pending is not None and self._pending.future.done():
             self.finish_pending()
         if self._prestage is None and self._stager is not None and not self.config.load_only:
-            optimizer = getattr(self.states.get("optimizer"), "optimizer", None)
+            optimizers = self.states.get("optimizer")
             # An optimizer without state would be stepped (lr 0) by DCP to create it.
-            if optimizer is not None and optimizer.state:
+            if isinstance(optimizers, Optimizers) and optimizers.has_state:
                 self._start_prestage()
 
     def _start_prestage(self) -> None:
@@ -397,7 +394,7 @@ class CheckpointManager:
 
     def _export_model_state(self) -> dict[str, Any]:
         dtype = _DTYPES[self.config.export_dtype]
-        state = get_model_state_dict(self.model)
+        state = self.states["model"].state_dict()
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
     def _remove_incomplete(self) -> None:
@@ -449,18 +446,18 @@ def _barrier() -> None:
 
 def build_checkpoint_states(
     *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    lr_scheduler: Any,
+    model_parts: Sequence[nn.Module],
+    optimizers: Optimizers,
+    lr_schedulers: LRSchedulers,
     dataloader: Stateful,
     train_state: Stateful,
     dp_rank: int,
     dp_world_size: int,
 ) -> dict[str, Stateful]:
     return {
-        "model": ModelState(model),
-        "optimizer": OptimizerState(model, optimizer),
-        "lr_scheduler": lr_scheduler,
+        "model": ModelState(model_parts),
+        "optimizer": optimizers,
+        "lr_scheduler": lr_schedulers,
         "dataloader": PerRankState(
             dataloader,
             rank=dp_rank,

@@ -2,10 +2,13 @@
 
 import functools
 import math
+from typing import Any
 
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.lr_scheduler import LambdaLR
 
+from torchtitan.components.optimizer import Optimizers
 from torchtitan.config.job_config import LRScheduler as LRSchedulerConfig
 
 
@@ -56,3 +59,39 @@ def build_lr_scheduler(
         min_lr_factor=config.min_lr_factor,
     )
     return LambdaLR(optimizer, fn)
+
+
+class LRSchedulers(Stateful):
+    """One schedule per optimizer of :class:`Optimizers`, all the same curve, stepped together.
+
+    Checkpointed as a single ``LambdaLR`` state (they are identical), so a checkpoint written
+    with any number of model parts loads into any other.
+    """
+
+    def __init__(self, schedulers: list[LambdaLR]):
+        self.schedulers = schedulers
+
+    def step(self) -> None:
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+    def get_last_lr(self) -> list[float]:
+        return self.schedulers[0].get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.schedulers[0].state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for scheduler in self.schedulers:
+            scheduler.load_state_dict(dict(state_dict))
+
+
+def build_lr_schedulers(
+    optimizers: Optimizers, config: LRSchedulerConfig, *, training_steps: int
+) -> LRSchedulers:
+    return LRSchedulers(
+        [
+            build_lr_scheduler(optimizer, config, training_steps=training_steps)
+            for optimizer in optimizers.optimizers
+        ]
+    )

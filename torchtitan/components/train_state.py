@@ -29,9 +29,9 @@ class TrainState(Stateful):
 @dataclasses.dataclass
 class StepResult:
     loss_sum: torch.Tensor
-    """Summed token losses of this rank's micro-batches."""
+    """Summed token losses of this rank's accumulation batches."""
     local_tokens: torch.Tensor
-    """Valid (not ignored) tokens of this rank's micro-batches; like ``loss_sum``, one value
+    """Valid (not ignored) tokens of this rank's accumulation batches; like ``loss_sum``, one value
     per rank when ranks are simulated (``COMM_MODE=local_tensor``)."""
     global_tokens: int
     grad_norm: torch.Tensor

@@ -56,7 +56,8 @@ class Training:
     file / glob / folder for ``--training.dataset files``."""
 
     local_batch_size: int = 8
-    """Sequences per micro-batch on each data-parallel rank."""
+    """Sequences per gradient-accumulation batch on each data-parallel rank (a step runs
+    global_batch_size / (local_batch_size x data-parallel degree) of them)."""
 
     global_batch_size: int = -1
     """Sequences per optimizer step over all ranks; -1 means local_batch_size x data-parallel
@@ -173,7 +174,8 @@ class Parallelism:
     """Pipeline schedule name from ``torch.distributed.pipelining``."""
 
     pipeline_parallel_microbatch_size: int = 1
-    """Sequences per pipeline micro-batch."""
+    """Sequences per pipeline micro-batch (a split of one accumulation batch inside the
+    pipeline schedule)."""
 
     context_parallel_degree: int = 1
     """Ranks that split each sequence (CP). (not implemented yet)"""

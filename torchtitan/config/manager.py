@@ -25,7 +25,7 @@ import tyro
 from torchtitan.config.errors import ConfigError, did_you_mean
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.validation import resolve_auto, validate
-from torchtitan.models import import_model_module
+from torchtitan.models.spec import get_model_spec
 
 DEFAULT_MODULE = "llama3"
 DEFAULT_CONFIG = "llama3_debugmodel"
@@ -83,13 +83,7 @@ def parse_args(
 
 def load_registry_config(module_name: str, config_name: str) -> JobConfig:
     """Call ``<module>.config_registry.<config_name>()``."""
-    module = import_model_module(module_name)
-    registry = getattr(module, "config_registry", None)
-    if registry is None:
-        raise ConfigError(
-            f"--module {module_name} has no config_registry; add a config_registry.py with "
-            "functions returning JobConfig"
-        )
+    registry = get_model_spec(module_name).config_registry
     names = sorted(n for n, f in vars(registry).items() if _is_registry_function(f, registry))
     fn = getattr(registry, config_name, None)
     if fn is None or config_name not in names:

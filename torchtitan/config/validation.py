@@ -1,14 +1,19 @@
-"""One validation pass over a resolved ``JobConfig``: value ranges, cross-field rules, degrees
-against the world size, and what a comm mode cannot run. Imports no torch (the pre-flight runs
-it before any rank starts)."""
+"""One validation pass over a resolved ``JobConfig``: value ranges, cross-field rules, features
+not built yet, degrees against the world size and the model, and what a comm mode cannot run.
+Imports no torch: ``run_train.sh`` and the Slurm script run it (``python -m
+torchtitan.config.manager --check``) before any rank starts, and every rank runs it again when
+it parses its config. The few rules that need torch (the device) are in
+:func:`validate_environment`, which the entry point runs before building anything.
+
+A new technique adds its rules here, next to the ones of the techniques it composes with.
+"""
 
 import os
-import types
 
 from torchtitan.config.errors import ConfigError, did_you_mean
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models import import_model_module
+from torchtitan.models.spec import ModelSpec, get_model_spec
 
 
 def validate(config: JobConfig) -> None:
@@ -93,36 +98,86 @@ def validate(config: JobConfig) -> None:
         checks.append(
             (not given or c.enable, f"{flag} does nothing without --checkpoint.enable; add it")
         )
+    checks += _unimplemented_checks(config)
+    checks += _activation_checkpoint_checks(config)
+    checks += _compile_checks(config)
     checks += _local_tensor_checks(config)
-    checks.append(
-        (
-            not (
-                config.compile.enable
-                and "model" in config.compile.components
-                and p.tensor_parallel_degree > 1
-            ),
-            "--compile.enable with --parallelism.tensor_parallel_degree > 1 fails in backward "
-            "on torch 2.13 (a compiled block hands a plain-tensor gradient to a DTensor op; "
-            "scripts/repro_tp_compile.py); use --compile.components loss, or TP without compile",
-        )
-    )
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
 
-    module = import_model_module(config.model.name)
-    flavors = getattr(module, "flavors", None)
-    if flavors is not None and config.model.flavor not in flavors:
+    spec = get_model_spec(config.model.name)
+    if config.model.flavor not in spec.flavors:
         raise ConfigError(
             f"--model.flavor {config.model.flavor} is not a {config.model.name} flavor"
-            f"{did_you_mean(config.model.flavor, flavors)}; available: {', '.join(flavors)}"
+            f"{did_you_mean(config.model.flavor, spec.flavors)}; available: "
+            f"{', '.join(spec.flavors)}"
         )
 
     world_size = os.environ.get("WORLD_SIZE")
     if world_size is not None:
         if not world_size.isdigit() or int(world_size) < 1:
             raise ConfigError(f"WORLD_SIZE={world_size!r} must be a positive integer (set NGPU)")
-        validate_parallelism(config, module, int(world_size))
+        validate_parallelism(config, spec, int(world_size))
+
+
+def validate_environment(config: JobConfig, device_type: str) -> None:
+    """The rules that depend on the machine (``device_type``: ``cuda`` or ``cpu``, found by the
+    caller with torch). Every rank reaches the same verdict before it builds anything."""
+    if config.parallelism.enable_async_tensor_parallel and device_type != "cuda":
+        raise ConfigError(
+            "--parallelism.enable_async_tensor_parallel needs CUDA (symmetric memory); "
+            "remove it on CPU"
+        )
+
+
+def _unimplemented_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    """Features whose config fields exist but whose implementation lands later."""
+    p = config.parallelism
+    requested = {
+        "--parallelism.pipeline_parallel_degree > 1": p.pipeline_parallel_degree > 1,
+        "--parallelism.context_parallel_degree > 1": p.context_parallel_degree > 1,
+        "--parallelism.expert_parallel_degree > 1": p.expert_parallel_degree > 1,
+        "--float8.enable": config.float8.enable,
+        "--validation.enable": config.validation.enable,
+    }
+    return [
+        (not asked, f"{flag} is not implemented yet; remove the flag to train without it")
+        for flag, asked in requested.items()
+    ]
+
+
+def _activation_checkpoint_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    ac = config.activation_checkpoint
+    option = ac.selective_ac_option
+    valid = option == "op" or (option.isdigit() and int(option) >= 1)
+    return [
+        (
+            ac.mode != "selective" or valid,
+            f"--activation_checkpoint.selective_ac_option={option!r} must be 'op' or a "
+            "positive integer N (checkpoint every N-th block)",
+        )
+    ]
+
+
+def _compile_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    p, c = config.parallelism, config.compile
+    compiled_blocks = c.enable and "model" in c.components
+    return [
+        (
+            not (compiled_blocks and p.tensor_parallel_degree > 1),
+            "--compile.enable with --parallelism.tensor_parallel_degree > 1 fails in backward "
+            "on torch 2.13 (a compiled block hands a plain-tensor gradient to a DTensor op; "
+            "scripts/repro_tp_compile.py); use --compile.components loss, or TP without compile",
+        ),
+        (
+            not p.enable_async_tensor_parallel
+            or (compiled_blocks and p.tensor_parallel_degree > 1),
+            "--parallelism.enable_async_tensor_parallel needs --parallelism.tensor_parallel_degree"
+            " > 1 and --compile.enable (inductor performs the overlap), and compiled TP blocks "
+            "are refused on torch 2.13: remove the flag",
+        ),
+    ]
 
 
 def _local_tensor_checks(config: JobConfig) -> list[tuple[bool, str]]:
@@ -163,14 +218,14 @@ def _local_tensor_checks(config: JobConfig) -> list[tuple[bool, str]]:
     ]
 
 
-def validate_parallelism(
-    config: JobConfig, module: types.ModuleType, world_size: int
-) -> ParallelDims:
-    """Degrees against the world size (``ParallelDimsError``), then against the model's dims."""
+def validate_parallelism(config: JobConfig, spec: ModelSpec, world_size: int) -> ParallelDims:
+    """Degrees against the world size (``ParallelDimsError``), the global batch against the
+    data-parallel degree, then the degrees against the model's dims."""
     parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
-    model_check = getattr(module, "validate", None)
-    if model_check is not None:
-        model_check(config, parallel_dims)
+    t = config.training
+    parallel_dims.grad_accum_steps(t.local_batch_size, t.global_batch_size)
+    if spec.validate is not None:
+        spec.validate(config, parallel_dims)
     return parallel_dims
 
 

@@ -18,7 +18,6 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import ActivationCheckpoint
 
 _aten = torch.ops.aten
@@ -69,13 +68,7 @@ def apply_ac(blocks: nn.ModuleDict, config: ActivationCheckpoint) -> None:
         determinism_check=config.determinism_check,
         debug=config.debug,
     )
-    option = config.selective_ac_option
-    if config.mode == "selective" and option != "op":
-        if not option.isdigit() or int(option) < 1:
-            raise ConfigError(
-                f"--activation_checkpoint.selective_ac_option={option!r} must be 'op' or a "
-                "positive integer N (checkpoint every N-th block)"
-            )
+    option = config.selective_ac_option  # checked by the config pre-flight: "op" or N >= 1
     for i, (name, block) in enumerate(list(blocks.items())):
         if config.mode == "full":
             wrapped = wrap(block)

@@ -112,6 +112,14 @@ class PerRankBatches:
             yield for_each_dp_rank(batches.__getitem__, self.dp_rank)
 
 
+def dataloader_for_rank(build: Callable[[int], Iterable], dp_rank: int, dp_degree: int) -> Iterable:
+    """``build(dp_rank)``, this rank's dataloader; while simulating, one process reads for
+    every data-parallel rank (:class:`PerRankBatches` over ``build(r)`` for each ``r``)."""
+    if not is_simulating():
+        return build(dp_rank)
+    return PerRankBatches([build(r) for r in range(dp_degree)], dp_rank)
+
+
 def is_simulating() -> bool:
     """True inside :func:`local_tensor_mode` (and not inside its ``disable()``)."""
     return enabled_local_tensor_mode() is not None

@@ -138,6 +138,24 @@ class ParallelDims:
     def non_data_parallel_size(self) -> int:
         return self.cp * self.tp * self.pp
 
+    def global_batch_size(self, local_batch_size: int, global_batch_size: int) -> int:
+        """Sequences per optimizer step (``--training.global_batch_size``, -1 = one
+        accumulation batch of ``local_batch_size`` on every data-parallel rank)."""
+        per_step = local_batch_size * self.dp_degree
+        return per_step if global_batch_size == -1 else global_batch_size
+
+    def grad_accum_steps(self, local_batch_size: int, global_batch_size: int) -> int:
+        """Gradient-accumulation batches per optimizer step on each data-parallel rank."""
+        per_step = local_batch_size * self.dp_degree
+        total = self.global_batch_size(local_batch_size, global_batch_size)
+        if total % per_step:
+            raise ConfigError(
+                f"--training.global_batch_size={total} must be a multiple of "
+                f"--training.local_batch_size x data-parallel degree = {local_batch_size} x "
+                f"{self.dp_degree} = {per_step}"
+            )
+        return total // per_step
+
     def build_mesh(self, device_type: str) -> "DeviceMesh":
         """Create the world mesh with every named and flattened dimension (once per run)."""
         # Imported here so validating degrees (config pre-flight) does not import torch.
@@ -162,10 +180,15 @@ class ParallelDims:
         }
         return mesh
 
+    @property
+    def meshes_built(self) -> bool:
+        """Whether ``build_mesh`` has run (every run with more than one rank)."""
+        return "world" in self._meshes
+
     def mesh(self, *names: str) -> "DeviceMesh":
         """A dimension of the world mesh (named or flattened), or several named ones as one
         mesh, e.g. ``mesh("dp_replicate", "dp_shard_cp")`` for HSDP. Needs ``build_mesh``."""
-        if "world" not in self._meshes:
+        if not self.meshes_built:
             raise RuntimeError("ParallelDims.mesh() needs build_mesh() first")
         if len(names) == 1 and names[0] in self._meshes:
             return self._meshes[names[0]]

@@ -4,7 +4,7 @@ import datetime
 import os
 import random
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.distributed import local_tensor
 from torchtitan.tools.logging import logger
 
 
@@ -108,32 +109,92 @@ def dist_reduce(x: torch.Tensor | float, op: str, mesh: DeviceMesh | None) -> fl
     return t.item()
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, *, pp_mesh: DeviceMesh | None = None
+) -> torch.Tensor:
     """Clip the global gradient norm; return it (before clipping) as a plain tensor.
 
-    Gradients may be plain tensors (replicated) and DTensors on several meshes (FSDP, TP,
-    pipeline stages): each group's norm is computed on its own mesh, reduced to a full value,
-    and the groups are combined, so every rank gets the norm of the whole model.
+    Gradients may be plain tensors (replicated) and DTensors on several meshes (FSDP, TP):
+    each group's norm is computed on its own mesh, reduced to a full value, and the groups are
+    combined. Under pipeline parallelism each rank holds only its stages' parameters: pass the
+    ``pp`` mesh and the squared norms of all stages are summed over it. Every rank gets the
+    norm of the whole model.
     """
     groups: dict[DeviceMesh | None, list[torch.Tensor]] = defaultdict(list)
     for p in parameters:
         if p.grad is not None:
             mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-            groups[mesh].append(p.grad)
+            groups[mesh].append(p)
     norms = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    for params in groups.values():
+        # Squares of float32 values are exact in float64 and their sum nearly so: the norm
+        # rounds to the same float32 whatever the order of the sum, i.e. however the
+        # gradients are sharded. A layout-dependent norm would clip by a slightly different
+        # factor and make runs of two layouts drift apart.
+        per_tensor = [torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in params]
+        norm = torch.linalg.vector_norm(torch.stack(per_tensor))
         # A DTensor norm is partial over its shards: reduce to the full value on every rank.
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    total = (
+        torch.linalg.vector_norm(torch.stack(norms))
+        if norms
+        else torch.zeros((), dtype=torch.float64)
+    )
+    if pp_mesh is not None and pp_mesh.size() > 1:
+        squared = total**2
+        dist.all_reduce(squared, group=pp_mesh.get_group())
+        total = squared.sqrt()
+    total = total.float()
     if max_norm > 0:
-        for grads in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total, foreach=True)
+        for params in groups.values():
+            # Takes the parameters (it scales their .grad), not the gradients themselves.
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total
 
 
+def fake_collectives() -> bool:
+    """Whether collectives run on the ``fake`` process group (``COMM_MODE=fake_backend`` or
+    ``local_tensor``): they return at once, so nothing can hang or be received from rank 0."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
+def values_are_real() -> bool:
+    """False for a ``COMM_MODE=fake_backend`` dry run, where collectives move no data and
+    every value computed from them (gradient norms, losses) is meaningless. Under
+    ``local_tensor`` the fake group only names ranks and the values are real."""
+    return not fake_collectives() or local_tensor.is_simulating()
+
+
+def init_model_weights(
+    model_parts: Sequence[nn.Module],
+    build_full: Callable[[], nn.Module],
+    *,
+    seed: int,
+    device: torch.device,
+) -> None:
+    """Materialise the model parts (built on meta, parallelized) on ``device`` with the values
+    a one-process run initialises with ``seed``: initial weights depend only on the seed and
+    the flavor, never on the parallelism."""
+    if local_tensor.is_simulating():  # every simulated rank cuts its shards of one init
+        with local_tensor.host_only():
+            full = build_full_init(build_full, seed)
+        for part in model_parts:
+            local_tensor.load_full_model_(part, full)
+        return
+    for part in model_parts:
+        part.to_empty(device=device)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            part.init_weights(buffer_device=device)
+    if dist.is_initialized() and device.type == "cpu" and not fake_collectives():
+        # DTensor random ops on CPU draw the same numbers on every shard (no offset-based
+        # RNG as on CUDA), which would duplicate heads and hidden units. Use the values a
+        # one-process init gives instead: rank 0 builds them, every rank takes its part.
+        load_full_init_from_rank0(model_parts, build_full, seed)
+
+
 def load_full_init_from_rank0(
-    model: nn.Module, build_full: Callable[[], nn.Module], seed: int
+    model_parts: Sequence[nn.Module], build_full: Callable[[], nn.Module], seed: int
 ) -> None:
     """Overwrite a parallelized model's parameters with a one-process initialisation.
 
@@ -144,11 +205,11 @@ def load_full_init_from_rank0(
     full_state: dict[str, torch.Tensor] = {}
     if dist.get_rank() == 0:
         full_state = build_full_init(build_full, seed).state_dict()
-    set_model_state_dict(
-        model,
-        full_state,
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    options = StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True, strict=len(model_parts) == 1
     )
+    for part in model_parts:
+        set_model_state_dict(part, full_state, options=options)
 
 
 def build_full_init(build_full: Callable[[], nn.Module], seed: int) -> nn.Module:

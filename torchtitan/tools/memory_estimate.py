@@ -9,7 +9,7 @@ also counted exactly on the full-depth (meta) model, which checks the extrapolat
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -37,10 +37,10 @@ def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def held_mib(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+def held_mib(parameters: Iterable[torch.Tensor], optimizer_state: Iterable) -> dict[str, float]:
     """This rank's share of parameters and optimizer state (what sharding shrinks), logged."""
-    params = local_bytes(model.parameters())
-    optim = local_bytes(v for state in optimizer.state.values() for v in state.values())
+    params = local_bytes(parameters)
+    optim = local_bytes(optimizer_state)
     mib = {"param_mib": params / 2**20, "optimizer_state_mib": optim / 2**20}
     logger.info(
         f"This rank holds {mib['param_mib']:.1f} MiB of parameters and "
@@ -50,8 +50,8 @@ def held_mib(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, fl
 
 
 def peak_by_category(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model_parts: Sequence[nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
     *,
     forward_backward: Callable[[], None],
     optimizer_step: Callable[[], None],
@@ -68,7 +68,7 @@ def peak_by_category(
     forward_backward()
     optimizer_step()
     tracker = MemTracker()
-    tracker.track_external(model, optimizer)
+    tracker.track_external(*model_parts, *optimizers)
     with tracker:
         forward_backward()
     optimizer_step()

@@ -11,8 +11,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from torchtitan.components import checkpoint
-from torchtitan.components.checkpoint import CheckpointManager, ModelState, OptimizerState
+from torchtitan.components.checkpoint import CheckpointManager, ModelState
 from torchtitan.components.checkpoint_writer import CheckpointWriter, stager_for
+from torchtitan.components.optimizer import Optimizers
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 
 
@@ -93,8 +94,7 @@ def test_a_save_that_waits_for_the_previous_write_says_so(tmp_path, monkeypatch)
     manager = CheckpointManager(
         config,
         dump_folder=str(tmp_path),
-        states={"model": ModelState(model)},
-        model=model,
+        states={"model": ModelState([model])},
         device_type="cpu",
     )
     try:
@@ -120,8 +120,7 @@ def test_staging_buffers_are_allocated_in_the_background_after_the_first_step(tm
     manager = CheckpointManager(
         config,
         dump_folder=str(tmp_path),
-        states={"model": ModelState(model), "optimizer": OptimizerState(model, optimizer)},
-        model=model,
+        states={"model": ModelState([model]), "optimizer": Optimizers([model], [optimizer])},
         device_type="cpu",
     )
     callers = []

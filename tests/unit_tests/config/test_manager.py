@@ -337,7 +337,12 @@ def toy_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     files = {
         "__init__.py": "",
         "toy/__init__.py": (
-            "from ttcfg_models.toy import config_registry\n\nflavors = {'tiny': {'dim': 8}}\n"
+            "from torchtitan.models.spec import ModelSpec, lazy\n"
+            "from ttcfg_models.toy import config_registry\n\n"
+            "model_spec = ModelSpec(name='toy', flavors={'tiny': {'dim': 8}}, "
+            "config_registry=config_registry, build_model=lazy('ttcfg_models.toy.model:Toy'), "
+            "parallelize=lazy('ttcfg_models.toy.model:parallelize'), "
+            "flops_per_token=lazy('ttcfg_models.toy.model:flops'))\n"
         ),
         "toy/config_registry.py": _TOY_REGISTRY,
         "toy/toy.toml": "[training]\nsteps = 11\n",
@@ -392,8 +397,8 @@ def test_registry_function_must_return_job_config(toy_models: Path) -> None:
     assert "not_a_config() must return a JobConfig" in message
 
 
-def test_module_without_registry(toy_models: Path) -> None:
-    assert "has no config_registry" in config_error("--module", "ttcfg_models.noreg")
+def test_module_without_model_spec(toy_models: Path) -> None:
+    assert "has no model_spec" in config_error("--module", "ttcfg_models.noreg")
 
 
 def test_missing_dependency_inside_a_model_is_not_hidden(toy_models: Path) -> None:
@@ -609,3 +614,57 @@ def test_compiling_tensor_parallel_blocks_is_refused() -> None:
         "--parallelism.tensor_parallel_degree",
         "2",
     )
+
+
+# --- rules the pre-flight runs before any rank starts --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("world", "argv", "expected"),
+    [
+        (None, "--float8.enable", "--float8.enable is not implemented yet"),
+        (None, "--validation.enable", "--validation.enable is not implemented yet"),
+        (
+            "2",
+            "--parallelism.pipeline_parallel_degree 2",
+            "--parallelism.pipeline_parallel_degree > 1 is not implemented yet",
+        ),
+        (
+            "2",
+            "--training.local_batch_size 4 --training.global_batch_size 12",
+            "--training.global_batch_size=12 must be a multiple of --training.local_batch_size x "
+            "data-parallel degree = 4 x 2 = 8",
+        ),
+        (
+            None,
+            "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option 0",
+            "--activation_checkpoint.selective_ac_option='0' must be 'op' or a positive integer",
+        ),
+        (
+            "2",
+            "--parallelism.tensor_parallel_degree 2 --parallelism.enable_async_tensor_parallel",
+            "--parallelism.enable_async_tensor_parallel needs",
+        ),
+    ],
+)
+def test_pre_flight_refuses_before_any_rank_starts(
+    monkeypatch: pytest.MonkeyPatch, world: str | None, argv: str, expected: str
+) -> None:
+    if world is not None:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    message = config_error(*argv.split())
+    assert expected in message and "\n" not in message
+
+
+def test_pre_flight_imports_no_torch() -> None:
+    code = (
+        "import sys; from torchtitan.config.manager import parse_args; "
+        "parse_args(['--training.global_batch_size', '16']); "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RANK"} | {"WORLD_SIZE": "2"}
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"

@@ -6,6 +6,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import ActivationCheckpoint
+from torchtitan.config.manager import parse_args
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.llama3.args import Llama3Args
 from torchtitan.models.llama3.model import Transformer
@@ -87,7 +88,7 @@ def test_debug_options_reach_the_checkpoint():
 
 @pytest.mark.parametrize("option", ["0", "-1", "ops", ""])
 def test_bad_selective_option_names_the_flag(option):
+    # A pre-flight rule: refused while the config is parsed, before any rank builds a model.
+    flags = ["--activation_checkpoint.mode", "selective"]
     with pytest.raises(ConfigError, match="--activation_checkpoint.selective_ac_option"):
-        apply_ac(
-            _model().layers, ActivationCheckpoint(mode="selective", selective_ac_option=option)
-        )
+        parse_args([*flags, f"--activation_checkpoint.selective_ac_option={option}"])

@@ -1,10 +1,12 @@
 """Llama 3 (and 3.1/3.2 sizes). Importing this package does not import torch, so the config
-manager can list and validate configs quickly; ``model_spec()`` brings in the model."""
+pre-flight can list and validate configs quickly; the model and its plans load when a run
+builds them."""
 
 from torchtitan.models.llama3 import config_registry
 from torchtitan.models.llama3.args import Llama3Args, check_parallel_degrees, flavors
+from torchtitan.models.spec import ModelSpec, lazy
 
-__all__ = ["Llama3Args", "config_registry", "flavors", "model_spec", "validate"]
+__all__ = ["Llama3Args", "config_registry", "flavors", "model_spec"]
 
 
 def validate(config, parallel_dims) -> None:
@@ -18,11 +20,12 @@ def validate(config, parallel_dims) -> None:
     )
 
 
-def model_spec():
-    from torchtitan.models import ModelSpec
-    from torchtitan.models.llama3.model import Transformer
-    from torchtitan.models.llama3.parallelize import parallelize_llama3
-
-    return ModelSpec(
-        name="llama3", flavors=flavors, build_model=Transformer, parallelize=parallelize_llama3
-    )
+model_spec = ModelSpec(
+    name="llama3",
+    flavors=flavors,
+    config_registry=config_registry,
+    build_model=lazy("torchtitan.models.llama3.model:Transformer"),
+    parallelize=lazy("torchtitan.models.llama3.parallelize:parallelize_llama3"),
+    flops_per_token=Llama3Args.flops_per_token,
+    validate=validate,
+)

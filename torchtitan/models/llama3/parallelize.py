@@ -17,65 +17,59 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtitan.config.job_config import ActivationCheckpoint, Compile, Parallelism, Training
-from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import apply_fsdp, apply_replicate, mixed_precision_policy
 from torchtitan.distributed.simple_fsdp import apply_simple_fsdp
 from torchtitan.distributed.tensor_parallel import enable_async_tp
+from torchtitan.models.spec import ParallelizeContext
 
 
-def parallelize_llama3(
-    model: nn.Module,
-    *,
-    parallel_dims: ParallelDims,
-    world_mesh: DeviceMesh | None,
-    training: Training,
-    parallelism: Parallelism,
-    activation_checkpoint: ActivationCheckpoint,
-    compile: Compile,
-) -> nn.Module:
-    if parallel_dims.tp_enabled:
+def parallelize_llama3(model: nn.Module, context: ParallelizeContext) -> nn.Module:
+    """Apply every technique ``context`` asks for to ``model`` (one model part)."""
+    dims, parallelism, compile = context.parallel_dims, context.parallelism, context.compile
+    if dims.tp_enabled:
+        tp_mesh = dims.mesh("tp")
         apply_tp(
             model,
-            world_mesh["tp"],
+            tp_mesh,
             loss_parallel=not parallelism.disable_loss_parallel,
             sequence_parallel=parallelism.enable_sequence_parallel,
         )
         if parallelism.enable_async_tensor_parallel:
-            enable_async_tp(world_mesh["tp"], compile_enabled=compile.enable)
-    apply_ac(model.layers, activation_checkpoint)
+            enable_async_tp(tp_mesh)
+    apply_ac(model.layers, context.activation_checkpoint)
     if compile.enable and "model" in compile.components:
         apply_compile(model.layers, compile)
-    if world_mesh is None:
+    if not dims.meshes_built:
         return model
+    training = context.training
     mp_policy = mixed_precision_policy(
         training.mixed_precision_param, training.mixed_precision_reduce
     )
     blocks = model.layers.values()
-    dims = ("dp_shard_cp",)
-    if parallel_dims.dp_replicate_enabled:
-        dims = ("dp_replicate", "dp_shard_cp") if parallel_dims.fsdp_enabled else ("dp_replicate",)
-    if parallelism.fsdp_impl == "simple" and parallel_dims.dp_enabled:
+    dp_dims = ("dp_shard_cp",)
+    if dims.dp_replicate_enabled:
+        dp_dims = ("dp_replicate", "dp_shard_cp") if dims.fsdp_enabled else ("dp_replicate",)
+    if parallelism.fsdp_impl == "simple" and dims.dp_enabled:
         return apply_simple_fsdp(
             model,
-            dp_mesh=parallel_dims.mesh(*dims),
-            tp_mesh=world_mesh["tp"] if parallel_dims.tp_enabled else None,
+            dp_mesh=dims.mesh(*dp_dims),
+            tp_mesh=dims.mesh("tp") if dims.tp_enabled else None,
             param_dtype=mp_policy.param_dtype,
             reduce_dtype=mp_policy.reduce_dtype,
         )
-    if parallel_dims.fsdp_enabled:
+    if dims.fsdp_enabled:
         return apply_fsdp(
             model,
             blocks,
-            parallel_dims.mesh(*dims),
+            dims.mesh(*dp_dims),
             mp_policy=mp_policy,
             reshard_after_forward=parallelism.fsdp_reshard_after_forward,
             cpu_offload=training.enable_cpu_offload,
         )
-    if parallel_dims.dp_replicate_enabled:
-        return apply_replicate(model, blocks, world_mesh["dp_replicate"], mp_policy=mp_policy)
+    if dims.dp_replicate_enabled:
+        return apply_replicate(model, blocks, dims.mesh("dp_replicate"), mp_policy=mp_policy)
     return model
 
 

@@ -1,0 +1,137 @@
+"""Moves a batch through the model parts: the one place that knows how a step's compute runs.
+
+The ``BatchRunner`` owns everything that wraps the model's forward and backward: bf16 autocast
+(when no data-parallel mixed-precision policy casts already), loss parallelism under tensor
+parallelism, the loss scale, and when gradients are reduced across gradient-accumulation
+batches. The scale is applied inside the loss function (:class:`ScaledLoss`), the one place a
+pipeline schedule, which calls the loss itself, can apply it too. Pipeline schedules and the
+context-parallel context land here: this is the only module that will ask whether pipeline
+parallelism is on. The trainer decides *what* a step is (token counts, clipping, the optimizer);
+the runner only runs batches.
+
+Batches are named by what splits them: a step's *accumulation batches* are the
+``--training.local_batch_size`` slices a rank runs one after the other before the optimizer
+step; *pipeline micro-batches* (``--parallelism.pipeline_parallel_microbatch_size``) split one
+accumulation batch further inside a pipeline schedule.
+"""
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from torchtitan.components.loss import cross_entropy_sum
+from torchtitan.distributed import ParallelDims, tensor_parallel
+from torchtitan.models.spec import ParallelizeContext
+
+Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
+"""``({"input": tokens [bs, seq]}, labels [bs, seq])``, on the host until the runner moves it."""
+
+
+class ScaledLoss:
+    """The training loss as the model's caller (the runner, or a pipeline schedule) calls it:
+    ``loss_fn(logits, labels)`` returns the summed token loss times ``scale``.
+
+    The unscaled sums are kept, detached, for logging: :meth:`take_sum` returns and clears them.
+    """
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.loss_fn = loss_fn
+        self.scale = 1.0
+        self._sums: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(logits, labels)
+        detached = loss.detach()
+        # Under loss parallelism the loss is a DTensor, already summed over the TP ranks.
+        self._sums.append(detached.to_local() if isinstance(detached, DTensor) else detached)
+        return loss * self.scale
+
+    def take_sum(self, device: torch.device) -> torch.Tensor:
+        """The summed losses since the last call, added in float64: exact for float32 values,
+        so the logged loss does not depend on how the global batch was split."""
+        total = torch.zeros((), device=device, dtype=torch.float64)
+        for loss in self._sums:
+            total += loss
+        self._sums.clear()
+        return total
+
+
+def autocast_context(
+    parallel_dims: ParallelDims, mixed_precision_param: str, device_type: str
+) -> contextlib.AbstractContextManager:
+    """bf16 compute through autocast, unless data parallelism's mixed-precision policy
+    (FSDP, HSDP, replicate) already casts the parameters."""
+    policy_casts = parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled
+    if mixed_precision_param == "float32" or policy_casts:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.bfloat16)
+
+
+class BatchRunner:
+    """Runs this rank's batches through ``model_parts`` (one part without pipelining)."""
+
+    def __init__(
+        self, model_parts: Sequence[nn.Module], context: ParallelizeContext, device: torch.device
+    ):
+        self.model_parts = list(model_parts)
+        self.device = device
+        dims = context.parallel_dims
+        self.autocast = autocast_context(dims, context.training.mixed_precision_param, device.type)
+        self.loss_parallel = dims.tp_enabled and not context.parallelism.disable_loss_parallel
+        loss_fn = cross_entropy_sum
+        c = context.compile
+        # Compiled, the vocab-sharded loss ignores loss_parallel and returns a wrong value.
+        if c.enable and "loss" in c.components and not self.loss_parallel:
+            loss_fn = torch.compile(cross_entropy_sum, backend=c.backend)
+        self.loss_fn = ScaledLoss(loss_fn)
+
+    def forward_backward(self, batches: Sequence[Batch], *, scale: float) -> torch.Tensor:
+        """Forward and backward over a step's accumulation batches (host tensors), each
+        ``loss x scale``; gradients accumulate in the parameters and are reduced across
+        data-parallel ranks once, after the last batch. Returns the summed token loss
+        (float64, detached)."""
+        self.loss_fn.scale = scale
+        for i, batch in enumerate(batches):
+            self._reduce_gradients(i == len(batches) - 1)
+            inputs, labels = self._to_device(batch)
+            with self._context():
+                logits = self._model(inputs["input"])
+                loss = self.loss_fn(logits, labels)
+                del logits
+                loss.backward()
+        return self.loss_fn.take_sum(self.device)
+
+    @torch.no_grad()
+    def loss(self, batch: Batch) -> torch.Tensor:
+        """Forward only: the summed token loss of one batch (float64), for validation. Leaves
+        no gradients and no state behind."""
+        inputs, labels = self._to_device(batch)
+        self.loss_fn.scale = 1.0
+        with self._context():
+            self.loss_fn(self._model(inputs["input"]), labels)
+        return self.loss_fn.take_sum(self.device)
+
+    @property
+    def _model(self) -> nn.Module:
+        (model,) = self.model_parts  # several parts need a pipeline schedule (not built yet)
+        return model
+
+    def _context(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(tensor_parallel.loss_parallel_context(self.loss_parallel))
+        stack.enter_context(self.autocast)
+        return stack
+
+    def _reduce_gradients(self, enabled: bool) -> None:
+        for part in self.model_parts:
+            if isinstance(part, FSDPModule):
+                part.set_requires_gradient_sync(enabled)
+
+    def _to_device(self, batch: Batch) -> Batch:
+        inputs, labels = batch
+        moved = {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()}
+        return moved, labels.to(self.device, non_blocking=True)

@@ -1,0 +1,361 @@
+"""The ``Trainer``: named build steps, then ``train()``, the loop of step -> log -> checkpoint.
+
+Every consumer of the model takes ``model_parts`` (one part without pipeline parallelism):
+optimizers, LR schedules, checkpoint, clipping, metrics. The batch runner moves batches through
+them; the trainer decides what a step is. Debugging modes (``dry_run.py``) use the same public
+build steps instead of adding branches here.
+"""
+
+import functools
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchtitan.batch_runner import Batch, BatchRunner
+from torchtitan.components.checkpoint import CheckpointManager, build_checkpoint_states
+from torchtitan.components.dataloader import build_dataloader
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.components.train_state import StepResult, TrainState
+from torchtitan.config import JobConfig
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.manager import save_resolved, to_toml
+from torchtitan.distributed import ParallelDims, local_tensor
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.models.spec import ParallelizeContext, get_model_spec
+from torchtitan.tools import comm_trace, profiling
+from torchtitan.tools.gc import gc_every
+from torchtitan.tools.logging import logger
+from torchtitan.tools.memory_estimate import held_mib
+from torchtitan.tools.paths import resolve_path
+from torchtitan.tools.watchdog import StepWatchdog
+
+
+class NonFiniteError(RuntimeError):
+    """A step produced a NaN or infinite gradient norm."""
+
+
+class Trainer:
+    """Builds everything a run needs from a ``JobConfig``, then ``train()`` runs the loop.
+
+    ``on_meta=True`` stops after building and parallelizing the model on the meta device,
+    with no data and no checkpoint: enough to check shapes, placements and memory (the dry run
+    of ``COMM_MODE=fake_backend`` on a model too large for this host), not to train.
+    """
+
+    def __init__(self, config: JobConfig, *, on_meta: bool = False):
+        self.config = config
+        self.on_meta = on_meta
+        self.init_distributed()
+        self.model_spec = get_model_spec(config.model.name)
+        self.model_args = self.model_spec.args_for(
+            config.model.flavor, seq_len=config.training.seq_len
+        )
+        self.tokenizer, self.dataloader = (None, None) if on_meta else self.build_data()
+        self.parallelize_context = ParallelizeContext.from_config(config, self.parallel_dims)
+        self.model_parts = self.build_model_parts(self.model_args, self.parallelize_context)
+        n_params = sum(p.numel() for part in self.model_parts for p in part.parameters())
+        logger.info(f"Model {config.model.name} {config.model.flavor}: {n_params:,} parameters")
+        if not on_meta:
+            self.init_weights()
+        self.runner = BatchRunner(self.model_parts, self.parallelize_context, self.device)
+        self.optimizers = build_optimizers(self.model_parts, config.optimizer, self.device)
+        self.lr_schedulers = build_lr_schedulers(
+            self.optimizers, config.lr_scheduler, training_steps=config.training.steps
+        )
+        self.metrics = self.build_metrics()
+        if self.rank == 0 and (saved := save_resolved(config)) is not None:
+            logger.info(f"Resolved config written to {saved}")
+        self.train_state = TrainState()
+        self.skipped_steps = 0
+        # A hang needs real collectives (or a dataloader) to wait on.
+        self.watchdog = (
+            None
+            if dist_utils.fake_collectives()
+            else StepWatchdog(config.job.dump_folder, self.rank)
+        )
+        self.checkpointer = None if on_meta else self.build_checkpointer()
+        if self.checkpointer is not None and config.checkpoint.enable:
+            self.checkpointer.load()
+
+    # ---- build steps -----------------------------------------------------------------------
+
+    def init_distributed(self) -> None:
+        """Device, process group, parallel degrees and meshes, shared seed."""
+        config, t = self.config, self.config.training
+        self.device = dist_utils.local_device()
+        world_size = dist_utils.init_distributed(
+            device=self.device,
+            init_timeout_seconds=config.comm.init_timeout_seconds,
+            trace_buf_size=config.comm.trace_buf_size,
+            comm_mode=config.comm.mode,
+        )
+        self.rank = int(os.environ.get("RANK", "0"))
+        dims = self.parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
+        self.grad_accum_steps = dims.grad_accum_steps(t.local_batch_size, t.global_batch_size)
+        self.global_batch_size = dims.global_batch_size(t.local_batch_size, t.global_batch_size)
+        if world_size > 1:
+            dims.build_mesh(self.device.type)
+        # Ranks whose tokens make up one loss (gradients are averaged over the same ranks).
+        self.loss_mesh = dims.mesh("dp_cp") if dims.meshes_built else None
+        self.pp_mesh = dims.mesh("pp") if dims.meshes_built and dims.pp_enabled else None
+        # This rank's place among the ranks that read different data.
+        self.dp_rank = dims.mesh("dp").get_local_rank() if dims.meshes_built else 0
+        logger.info(f"{dims} on {self.device}, gradient accumulation {self.grad_accum_steps}")
+        self.seed = self._shared_seed(config.debug.seed)
+        dist_utils.set_determinism(
+            self.seed,
+            deterministic=config.debug.deterministic,
+            warn_only=config.debug.deterministic_warn_only,
+        )
+
+    def build_data(self) -> tuple[Any, Any]:
+        """Tokenizer and this data-parallel rank's dataloader."""
+        t, m = self.config.training, self.config.model
+        tokenizer = build_tokenizer(resolve_path(m.tokenizer_path))
+        if tokenizer.vocab_size > self.model_args.vocab_size:
+            raise ConfigError(
+                f"tokenizer {m.tokenizer_path} has {tokenizer.vocab_size} tokens but "
+                f"--model.flavor {m.flavor} has vocab_size {self.model_args.vocab_size}; "
+                "pick a matching --model.tokenizer_path or flavor"
+            )
+        loader = functools.partial(
+            build_dataloader,
+            dataset=t.dataset,
+            dataset_path=t.dataset_path,
+            tokenizer=tokenizer,
+            seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size,
+            dp_world_size=self.parallel_dims.dp_degree,
+            num_workers=t.num_workers,
+            sharding=t.data_sharding,
+        )
+        dataloader = local_tensor.dataloader_for_rank(
+            lambda dp_rank: loader(dp_rank=dp_rank), self.dp_rank, self.parallel_dims.dp_degree
+        )
+        return tokenizer, dataloader
+
+    def build_model_parts(self, args: Any, context: ParallelizeContext) -> list[nn.Module]:
+        """The model for ``args`` on the meta device, parallelized by the model's plans: one
+        part without pipeline parallelism."""
+        with torch.device("meta"):
+            model = self.model_spec.build_model(args)
+        return [self.model_spec.parallelize(model, context)]
+
+    def init_weights(self) -> None:
+        """Materialise the model parts on the device with the seed's one-process weights."""
+        build_full = functools.partial(self.model_spec.build_model, self.model_args)
+        dist_utils.init_model_weights(
+            self.model_parts, build_full, seed=self.seed, device=self.device
+        )
+        for part in self.model_parts:
+            part.train()
+
+    def build_metrics(self) -> MetricsProcessor:
+        c = self.config
+        return MetricsProcessor(
+            c.metrics,
+            dump_folder=c.job.dump_folder,
+            device=self.device,
+            flops_per_token=self.model_spec.flops_per_token(self.model_args, c.training.seq_len),
+            rank=self.rank,
+            save_rank=self.rank == 0 or c.metrics.save_for_all_ranks,
+        )
+
+    def build_checkpointer(self) -> CheckpointManager | None:
+        c = self.config.checkpoint
+        if not (c.enable or c.create_seed_checkpoint):
+            return None
+        states = build_checkpoint_states(
+            model_parts=self.model_parts,
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            dataloader=self.dataloader,
+            train_state=self.train_state,
+            dp_rank=self.dp_rank,
+            dp_world_size=self.parallel_dims.dp_degree,
+        )
+        return CheckpointManager(
+            c,
+            dump_folder=self.config.job.dump_folder,
+            states=states,
+            device_type=self.device.type,
+            run_config=to_toml(self.config),
+        )
+
+    # ---- runs ------------------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return self.train_state.step
+
+    def create_seed_checkpoint(self) -> None:
+        """Save the initial weights as ``step-0`` (model only): every later run, at any
+        parallelism, that finds it starts from exactly these weights."""
+        if self.parallel_dims.meshes_built:
+            raise ConfigError(
+                "--checkpoint.create_seed_checkpoint runs on one process with every degree 1; "
+                "launch it with NGPU=1"
+            )
+        self.checkpointer.save(0, model_only=True)
+
+    def train(self, *, until: int | None = None) -> None:
+        """Run up to ``training.steps`` optimizer steps; ``until`` stops earlier (the run is
+        not over then: no final save)."""
+        t = self.config.training
+        stop = t.steps if until is None else min(until, t.steps)
+        logger.info(
+            f"Training {t.steps} steps: global batch {self.global_batch_size} x {t.seq_len} tokens "
+            f"({self.grad_accum_steps} accumulation batch(es) of {t.local_batch_size} per rank)"
+        )
+        data_iter = iter(self.dataloader)
+        first_step = self.step
+        where = dict(dump_folder=self.config.job.dump_folder, rank=self.rank, first_step=first_step)
+        with (
+            gc_every(t.gc_freq) as gc_tick,
+            profiling.maybe_enable_profiling(self.config.profiling, **where) as profiler,
+            profiling.maybe_enable_memory_snapshot(self.config.profiling, **where) as snapshots,
+        ):
+            while self.step < stop:
+                self.train_state.step += 1
+                gc_tick(self.step)
+                self._watch_step(first_step)
+                start = time.perf_counter()
+                batches = [next(data_iter) for _ in range(self.grad_accum_steps)]
+                data_seconds = time.perf_counter() - start
+                trace = dict(dump_folder=where["dump_folder"], rank=self.rank)
+                with comm_trace.maybe_trace_collectives(self.step, self.config.debug, **trace):
+                    result = self.train_step(batches)
+                # Ranks of one data-parallel group share their tokens (TP, CP, PP).
+                tokens = sum(labels.numel() for _, labels in batches)
+                self.metrics.record_step(
+                    tokens=tokens // self.parallel_dims.non_data_parallel_size,
+                    data_seconds=data_seconds,
+                )
+                self.train_state.tokens_seen += result.global_tokens
+                if self.metrics.should_log(self.step, stop):
+                    self._log(result)
+                if self.watchdog is not None:
+                    self.watchdog.stop()
+                if profiler is not None:
+                    profiler.step()
+                if snapshots is not None:
+                    snapshots.step()
+                if self.checkpointer is not None:
+                    self.checkpointer.poll()
+                    last = self.step == t.steps
+                    if self.checkpointer.should_save(self.step, last=last):
+                        self.checkpointer.save(self.step, last=last)
+        logger.info("Training finished")
+
+    def train_step(self, batches: Sequence[Batch]) -> StepResult:
+        """Forward and backward over this rank's accumulation batches (host tensors), clip,
+        then one optimizer step.
+
+        The loss is the mean over every valid token of the global batch, whatever the split
+        into ranks and accumulation batches: each batch's summed loss is divided by the global
+        token count, times the data-parallel size because gradient reduction averages ranks.
+        """
+        self.optimizers.zero_grad()
+        # Counted on the host copies: no device sync. The sum over ranks travels on gloo.
+        local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in batches)
+        global_tokens = int(dist_utils.dist_reduce(local_tokens, "sum", self.loss_mesh))
+        dp_size = self.loss_mesh.size() if self.loss_mesh is not None else 1
+        loss_sum = self.runner.forward_backward(batches, scale=dp_size / max(global_tokens, 1))
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for part in self.model_parts for p in part.parameters()],
+            self.config.training.max_norm,
+            pp_mesh=self.pp_mesh,
+        )
+        lr = self.lr_schedulers.get_last_lr()[0]
+        result = StepResult(loss_sum, local_tokens, global_tokens, grad_norm, lr)
+        if self.checkpointer is not None:  # a pinned-memory save may still read the weights
+            self.checkpointer.wait_for_staging()
+        # The norm is global, so every rank takes the same branch.
+        if not dist_utils.values_are_real() or bool(torch.isfinite(grad_norm)):
+            self.optimizers.step()
+        else:
+            self._skip_nonfinite_step(result)
+        self.lr_schedulers.step()
+        return result
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        self.metrics.close()
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _skip_nonfinite_step(self, result: StepResult) -> None:
+        """Stop the run on a non-finite gradient norm, or skip the update when asked to."""
+        local_loss, grad_norm = self._own(result.local_loss), result.grad_norm
+        if self.config.debug.skip_nonfinite_steps:
+            self.optimizers.zero_grad()
+            self.skipped_steps += 1
+            logger.warning(
+                f"Step {self.step}: gradient norm {grad_norm.item()}, this rank's loss "
+                f"{local_loss}; update skipped ({self.skipped_steps} so far)"
+            )
+            return
+        last = self.checkpointer.last_complete() if self.checkpointer is not None else None
+        raise NonFiniteError(
+            f"step {self.step}: the gradient norm is {grad_norm.item()} (rank {self.rank}: "
+            f"its own loss is {local_loss}); last good checkpoint: "
+            f"{last if last is not None else 'none'}. Lower --optimizer.lr, check the data, "
+            "or pass --debug.skip_nonfinite_steps to skip such updates"
+        )
+
+    def _watch_step(self, first_step: int) -> None:
+        """Arm the hang watchdog; after the first step collectives get the train timeout."""
+        if self.watchdog is None:
+            return
+        comm = self.config.comm
+        first = self.step == first_step + 1
+        if self.step == first_step + 2 and self.device.type == "cuda":
+            # NCCL dumps its flight recorder when a collective times out. On gloo the
+            # watchdog enforces the timeout (a gloo timeout error would leave no dump).
+            dist_utils.set_pg_timeouts(comm.train_timeout_seconds)
+        timeout = comm.init_timeout_seconds if first else comm.train_timeout_seconds
+        self.watchdog.start(self.step, timeout)
+
+    def _shared_seed(self, seed: int | None) -> int:
+        """Every rank must initialise replicated state alike: without ``--debug.seed``, rank 0
+        draws a seed and shares it."""
+        if seed is not None:
+            return seed
+        drawn = torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
+        if self.parallel_dims.meshes_built:
+            torch.distributed.broadcast(drawn, src=0)
+        return int(drawn)
+
+    def _log(self, result: StepResult) -> None:
+        local_loss = self._own(result.local_loss)
+        loss = dist_utils.dist_reduce(result.loss_sum, "sum", self.loss_mesh) / max(
+            result.global_tokens, 1
+        )
+        loss_max = dist_utils.dist_reduce(result.local_loss, "max", self.loss_mesh)
+        extra = {"loss_local": local_loss, "skipped_steps": self.skipped_steps}
+        if self.step == 1:
+            parameters = (p for part in self.model_parts for p in part.parameters())
+            extra |= held_mib(parameters, self.optimizers.state_tensors())
+        self.metrics.log(
+            self.step,
+            loss=loss,
+            loss_max=loss_max,
+            grad_norm=result.grad_norm.item(),
+            lr=result.lr,
+            extra=extra,
+        )
+
+    def _own(self, t: torch.Tensor) -> float:
+        """This rank's value of a per-rank scalar (rank ``RANK``'s when ranks are simulated)."""
+        return local_tensor.value_on_rank(t, self.rank).item()
