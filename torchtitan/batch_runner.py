@@ -19,12 +19,14 @@ import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.loss import cross_entropy_sum
-from torchtitan.distributed import ParallelDims, tensor_parallel
+from torchtitan.distributed import ParallelDims, pipeline_parallel, tensor_parallel
 from torchtitan.models.spec import ParallelizeContext
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
@@ -60,22 +62,43 @@ class ScaledLoss:
         return total
 
 
+def _policy_casts(parallel_dims: ParallelDims) -> bool:
+    """Whether data parallelism's mixed-precision policy (FSDP, HSDP, replicate) casts the
+    parameters to the compute dtype."""
+    return parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled
+
+
 def autocast_context(
     parallel_dims: ParallelDims, mixed_precision_param: str, device_type: str
 ) -> contextlib.AbstractContextManager:
-    """bf16 compute through autocast, unless data parallelism's mixed-precision policy
-    (FSDP, HSDP, replicate) already casts the parameters."""
-    policy_casts = parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled
-    if mixed_precision_param == "float32" or policy_casts:
+    """bf16 compute through autocast, unless the data-parallel policy already casts."""
+    if mixed_precision_param == "float32" or _policy_casts(parallel_dims):
         return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=torch.bfloat16)
 
 
+def pipeline_dtypes(
+    parallel_dims: ParallelDims, mixed_precision_param: str
+) -> tuple[torch.dtype, torch.dtype]:
+    """What pipeline stages send each other and what the last one outputs, under the compute
+    dtype above: with a casting policy everything is bf16; under autocast the residual stream
+    stays float32 (embeddings and residual adds are not autocast) and the logits are bf16."""
+    if mixed_precision_param == "float32":
+        return torch.float32, torch.float32
+    hidden = torch.bfloat16 if _policy_casts(parallel_dims) else torch.float32
+    return hidden, torch.bfloat16
+
+
 class BatchRunner:
-    """Runs this rank's batches through ``model_parts`` (one part without pipelining)."""
+    """Runs this rank's batches through ``model_parts``: one part without pipelining, else this
+    rank's pipeline ``stages`` (one per part) under the configured schedule."""
 
     def __init__(
-        self, model_parts: Sequence[nn.Module], context: ParallelizeContext, device: torch.device
+        self,
+        model_parts: Sequence[nn.Module],
+        context: ParallelizeContext,
+        device: torch.device,
+        stages: Sequence[PipelineStage] = (),
     ):
         self.model_parts = list(model_parts)
         self.device = device
@@ -88,6 +111,19 @@ class BatchRunner:
         if c.enable and "loss" in c.components and not self.loss_parallel:
             loss_fn = torch.compile(cross_entropy_sum, backend=c.backend)
         self.loss_fn = ScaledLoss(loss_fn)
+        self.schedule = None
+        if stages:
+            p = context.parallelism
+            self.schedule = pipeline_parallel.build_schedule(
+                list(stages),
+                schedule=p.pipeline_parallel_schedule,
+                n_microbatches=context.training.local_batch_size
+                // p.pipeline_parallel_microbatch_size,
+                loss_fn=self.loss_fn,
+            )
+            self._first_stage = any(stage.is_first for stage in stages)
+            self._last_stage = any(stage.is_last for stage in stages)
+            self._pp_group = dims.mesh("pp").get_group()
 
     def forward_backward(self, batches: Sequence[Batch], *, scale: float) -> torch.Tensor:
         """Forward and backward over a step's accumulation batches (host tensors), each
@@ -96,19 +132,37 @@ class BatchRunner:
         (float64, detached)."""
         self.loss_fn.scale = scale
         for i, batch in enumerate(batches):
-            self._reduce_gradients(i == len(batches) - 1)
             inputs, labels = self._to_device(batch)
+            if self.schedule is not None:
+                # The stages reduce gradients after their last micro-batch themselves.
+                with self._context():
+                    self._pipeline_step(inputs["input"], labels)
+                continue
+            self._reduce_gradients(i == len(batches) - 1)
             with self._context():
                 logits = self._model(inputs["input"])
                 loss = self.loss_fn(logits, labels)
                 del logits
                 loss.backward()
-        return self.loss_fn.take_sum(self.device)
+        total = self.loss_fn.take_sum(self.device)
+        if self.schedule is not None:
+            # Only the ranks holding the last stage computed the loss: every rank logs it.
+            dist.all_reduce(total, group=self._pp_group)
+        return total
+
+    def _pipeline_step(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
+        """One accumulation batch through the schedule: tokens enter the first stage, labels
+        meet the output at the last; the schedule runs forward and backward per micro-batch."""
+        inputs = (tokens,) if self._first_stage else ()
+        target = labels if self._last_stage else None
+        self.schedule.step(*inputs, target=target, losses=[], return_outputs=False)
 
     @torch.no_grad()
     def loss(self, batch: Batch) -> torch.Tensor:
         """Forward only: the summed token loss of one batch (float64), for validation. Leaves
         no gradients and no state behind."""
+        if self.schedule is not None:
+            raise NotImplementedError("a forward-only loss under pipeline parallelism")
         inputs, labels = self._to_device(batch)
         self.loss_fn.scale = 1.0
         with self._context():

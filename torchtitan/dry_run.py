@@ -94,7 +94,7 @@ def _probe_step(trainer: Trainer, depth: int | None) -> tuple[dict[str, int], fl
     context = dataclasses.replace(
         trainer.parallelize_context, compile=dataclasses.replace(config.compile, enable=False)
     )
-    model_parts = trainer.build_model_parts(args, context)
+    model_parts, _ = trainer.build_model_parts(args, context)  # no PP in dry runs yet
     t = config.training
     with memory_estimate.fake_tensor_mode():
         for part in model_parts:

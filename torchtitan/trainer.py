@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
-from torchtitan.batch_runner import Batch, BatchRunner
+from torchtitan.batch_runner import Batch, BatchRunner, pipeline_dtypes
 from torchtitan.components.checkpoint import CheckpointManager, build_checkpoint_states
 from torchtitan.components.dataloader import build_dataloader
 from torchtitan.components.loss import IGNORE_INDEX
@@ -27,7 +28,7 @@ from torchtitan.components.train_state import StepResult, TrainState
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import save_resolved, to_toml
-from torchtitan.distributed import ParallelDims, local_tensor
+from torchtitan.distributed import ParallelDims, local_tensor, pipeline_parallel, pipeline_split
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.models.spec import ParallelizeContext, get_model_spec
 from torchtitan.tools import comm_trace, profiling
@@ -60,12 +61,14 @@ class Trainer:
         )
         self.tokenizer, self.dataloader = (None, None) if on_meta else self.build_data()
         self.parallelize_context = ParallelizeContext.from_config(config, self.parallel_dims)
-        self.model_parts = self.build_model_parts(self.model_args, self.parallelize_context)
+        self.model_parts, stages = self.build_model_parts(self.model_args, self.parallelize_context)
         n_params = sum(p.numel() for part in self.model_parts for p in part.parameters())
         logger.info(f"Model {config.model.name} {config.model.flavor}: {n_params:,} parameters")
         if not on_meta:
             self.init_weights()
-        self.runner = BatchRunner(self.model_parts, self.parallelize_context, self.device)
+        self.runner = BatchRunner(
+            self.model_parts, self.parallelize_context, self.device, stages=stages
+        )
         self.optimizers = build_optimizers(self.model_parts, config.optimizer, self.device)
         self.lr_schedulers = build_lr_schedulers(
             self.optimizers, config.lr_scheduler, training_steps=config.training.steps
@@ -110,8 +113,11 @@ class Trainer:
         self.dp_rank = dims.mesh("dp").get_local_rank() if dims.meshes_built else 0
         logger.info(f"{dims} on {self.device}, gradient accumulation {self.grad_accum_steps}")
         self.seed = self._shared_seed(config.debug.seed)
+        # Pipeline stages draw distinct random numbers (reproducibly); the initial weights
+        # still come from ``self.seed`` alone (init_weights).
+        pp_rank = self.pp_mesh.get_local_rank() if self.pp_mesh is not None else 0
         dist_utils.set_determinism(
-            self.seed,
+            self.seed + pp_rank,
             deterministic=config.debug.deterministic,
             warn_only=config.debug.deterministic_warn_only,
         )
@@ -142,12 +148,38 @@ class Trainer:
         )
         return tokenizer, dataloader
 
-    def build_model_parts(self, args: Any, context: ParallelizeContext) -> list[nn.Module]:
+    def build_model_parts(
+        self, args: Any, context: ParallelizeContext
+    ) -> tuple[list[nn.Module], list[PipelineStage]]:
         """The model for ``args`` on the meta device, parallelized by the model's plans: one
-        part without pipeline parallelism."""
+        part without pipeline parallelism; else this rank's stages, cut by the model's
+        pipeline split, each parallelized, and their ``PipelineStage`` wrappers."""
         with torch.device("meta"):
             model = self.model_spec.build_model(args)
-        return [self.model_spec.parallelize(model, context)]
+        dims, p, t = context.parallel_dims, context.parallelism, context.training
+        if not dims.pp_enabled:
+            return [self.model_spec.parallelize(model, context)], []
+        per_rank = pipeline_split.stages_per_rank(
+            p.pipeline_parallel_schedule,
+            n_layers=args.n_layers,
+            pp=dims.pp,
+            layers_per_stage=p.pipeline_parallel_layers_per_stage,
+        )
+        names = self.model_spec.pipeline(args, dims.pp * per_rank, p)
+        hidden_dtype, output_dtype = pipeline_dtypes(dims, t.mixed_precision_param)
+        stages, parts = pipeline_parallel.build_stages(
+            model,
+            names,
+            schedule=p.pipeline_parallel_schedule,
+            pp_mesh=dims.mesh("pp"),
+            parallelize=lambda part: self.model_spec.parallelize(part, context),
+            device=self.device,
+            microbatch_size=p.pipeline_parallel_microbatch_size,
+            seq_len=t.seq_len,
+            hidden_dtype=hidden_dtype,
+            output_dtype=output_dtype,
+        )
+        return parts, stages
 
     def init_weights(self) -> None:
         """Materialise the model parts on the device with the seed's one-process weights."""

@@ -67,10 +67,14 @@ def run_case(out_dir: Path, name: str, flags: list[str], *, trainer_data: bool =
         trainer.dataloader = GlobalBatchSlices(trainer, trainer.config.training.steps)
     trainer.train()
     weights = {}
-    (model,) = trainer.model_parts
-    for param_name, param in model.named_parameters():
-        full = param.full_tensor() if isinstance(param, DTensor) else param
-        weights[_clean(param_name)] = full.detach().clone()
+    for part in trainer.model_parts:
+        for param_name, param in part.named_parameters():
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            weights[_clean(param_name)] = full.detach().clone()
+    if dist.is_initialized():  # pipeline stages hold different parameters: merge them
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, weights)
+        weights = {k: v for rank_weights in gathered for k, v in rank_weights.items()}
     trainer.close()
     if not dist.is_initialized() or dist.get_rank() == 0:
         lines = (dump / "metrics.jsonl").read_text().splitlines()

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchtitan.distributed.pipeline_split import SCHEDULES as PP_SCHEDULES
+
 REPO = Path(__file__).resolve().parents[2]
 HARNESS = REPO / "tests/integration_tests/numerics_harness.py"
 BASE = (
@@ -69,6 +71,40 @@ CASES = {
         "--parallelism.fsdp_impl simple",
     ),
     "hsdp2x2": (4, "--training.local_batch_size 2 --parallelism.data_parallel_replicate_degree 2"),
+    # Pipeline: 4 micro-batches of 2; multi-stage schedules hold 2 stages per rank (4 stages).
+    **{
+        f"pp2_{schedule.lower()}": (
+            2,
+            "--training.local_batch_size 8 --parallelism.pipeline_parallel_degree 2 "
+            f"--parallelism.pipeline_parallel_microbatch_size 2 "
+            f"--parallelism.pipeline_parallel_schedule {schedule}",
+        )
+        for schedule in PP_SCHEDULES
+    },
+    # Two accumulation batches of 4, each cut into 2 pipeline micro-batches of 2.
+    "pp2_accumulation": (
+        2,
+        "--training.local_batch_size 4 --training.global_batch_size 8 "
+        "--parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_microbatch_size 2",
+    ),
+    "pp2_ddp2": (
+        4,
+        "--training.local_batch_size 4 --parallelism.pipeline_parallel_degree 2 "
+        "--parallelism.pipeline_parallel_microbatch_size 2 "
+        "--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1",
+    ),
+    "pp2_fsdp2": (
+        4,
+        "--training.local_batch_size 4 --parallelism.pipeline_parallel_degree 2 "
+        "--parallelism.pipeline_parallel_microbatch_size 2",
+    ),
+    # Zero-bubble under FSDP: exact only because default resharding becomes never.
+    "pp2_fsdp2_zbv": (
+        4,
+        "--training.local_batch_size 4 --parallelism.pipeline_parallel_degree 2 "
+        "--parallelism.pipeline_parallel_microbatch_size 1 "
+        "--parallelism.pipeline_parallel_schedule ZBVZeroBubble",
+    ),
     "compile": (1, "--training.local_batch_size 8 --compile.enable"),
 }
 

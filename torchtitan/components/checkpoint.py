@@ -79,8 +79,9 @@ class ModelState(Stateful):
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Each part takes its own names; with one part every name must be there.
-        options = StateDictOptions(strict=len(self.model_parts) == 1)
+        # Each part takes its own names from the merged dict (a pipeline stage holds a few);
+        # the manager has checked the names and shapes against the whole model's before.
+        options = StateDictOptions(strict=False)
         for part in self.model_parts:
             set_model_state_dict(part, state_dict, options=options)
 
@@ -231,6 +232,11 @@ class CheckpointManager:
     def _check_model_fits(self, path: Path, *, flag: str) -> None:
         """Names and shapes of the saved model tensors against this model's, before loading."""
         shapes = {k: tuple(v.shape) for k, v in self.states["model"].state_dict().items()}
+        if dist.is_initialized():
+            # Pipeline stages hold different parts: compare the whole model's names.
+            every_rank: list[dict] = [{}] * dist.get_world_size()
+            dist.all_gather_object(every_rank, shapes)
+            shapes = {k: v for rank_shapes in every_rank for k, v in rank_shapes.items()}
         problem = model_mismatch(path, shapes)
         if problem is None:
             return

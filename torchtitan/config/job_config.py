@@ -168,10 +168,21 @@ class Parallelism:
     """Overlap TP communication with compute (CUDA + torch.compile only)."""
 
     pipeline_parallel_degree: int = 1
-    """Pipeline stages. (not implemented yet)"""
+    """Ranks the model's layers are split over (pipeline parallelism)."""
 
     pipeline_parallel_schedule: str = "1F1B"
-    """Pipeline schedule name from ``torch.distributed.pipelining``."""
+    """Schedule from ``torch.distributed.pipelining``: GPipe, 1F1B (one stage per rank),
+    Interleaved1F1B, LoopedBFS, InterleavedZeroBubble (several stages per rank), ZBVZeroBubble,
+    DualPipeV (two stages per rank in a V)."""
+
+    pipeline_parallel_layers_per_stage: int | None = None
+    """Transformer blocks per stage (embeddings and output not counted); for the multi-stage
+    schedules this also sets the stages per rank. ``None``: an even split, counting the
+    embeddings and the output as one block each, 2 stages per rank for multi-stage schedules."""
+
+    module_fqns_per_model_part: list[str] = field(default_factory=list)
+    """Explicit split: one comma-separated list of module names per stage, in model order,
+    e.g. ``"tok_embeddings,layers.0" "layers.1,norm,output"``. Overrides the even split."""
 
     pipeline_parallel_microbatch_size: int = 1
     """Sequences per pipeline micro-batch (a split of one accumulation batch inside the

@@ -12,6 +12,7 @@ import os
 
 from torchtitan.config.errors import ConfigError, did_you_mean
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed import pipeline_split
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.spec import ModelSpec, get_model_spec
 
@@ -113,6 +114,8 @@ def validate(config: JobConfig) -> None:
             f"{did_you_mean(config.model.flavor, spec.flavors)}; available: "
             f"{', '.join(spec.flavors)}"
         )
+    if p.pipeline_parallel_degree > 1:
+        _validate_pipeline(config, spec)
 
     world_size = os.environ.get("WORLD_SIZE")
     if world_size is not None:
@@ -135,7 +138,6 @@ def _unimplemented_checks(config: JobConfig) -> list[tuple[bool, str]]:
     """Features whose config fields exist but whose implementation lands later."""
     p = config.parallelism
     requested = {
-        "--parallelism.pipeline_parallel_degree > 1": p.pipeline_parallel_degree > 1,
         "--parallelism.context_parallel_degree > 1": p.context_parallel_degree > 1,
         "--parallelism.expert_parallel_degree > 1": p.expert_parallel_degree > 1,
         "--float8.enable": config.float8.enable,
@@ -145,6 +147,102 @@ def _unimplemented_checks(config: JobConfig) -> list[tuple[bool, str]]:
         (not asked, f"{flag} is not implemented yet; remove the flag to train without it")
         for flag, asked in requested.items()
     ]
+
+
+def _validate_pipeline(config: JobConfig, spec: ModelSpec) -> None:
+    """A pipeline layout that the schedule and the model can run (``--parallelism.pipeline_*``)."""
+    p, t = config.parallelism, config.training
+    flag = "--parallelism.pipeline_parallel_schedule"
+    schedule, pp = p.pipeline_parallel_schedule, p.pipeline_parallel_degree
+    if schedule not in pipeline_split.SCHEDULES:
+        same_letters = [s for s in pipeline_split.SCHEDULES if s.lower() == schedule.lower()]
+        hint = f" (did you mean {same_letters[0]}?)" if same_letters else ""
+        raise ConfigError(
+            f"{flag} {schedule} is not a schedule"
+            f"{hint or did_you_mean(schedule, pipeline_split.SCHEDULES)}; available: "
+            f"{', '.join(pipeline_split.SCHEDULES)}"
+        )
+    if spec.pipeline is None:
+        raise ConfigError(
+            f"--parallelism.pipeline_parallel_degree {pp}: model {spec.name} has no pipeline "
+            "split (ModelSpec.pipeline); train it without pipeline parallelism"
+        )
+    mbs = p.pipeline_parallel_microbatch_size
+    if mbs < 1 or t.local_batch_size % mbs:
+        raise ConfigError(
+            f"--training.local_batch_size={t.local_batch_size} is not a multiple of "
+            f"--parallelism.pipeline_parallel_microbatch_size={mbs}: each accumulation batch "
+            "is cut into pipeline micro-batches of that size"
+        )
+    n_mb = t.local_batch_size // mbs
+    args = spec.flavors[config.model.flavor]
+    per_rank = pipeline_split.stages_per_rank(
+        schedule,
+        n_layers=args.n_layers,
+        pp=pp,
+        layers_per_stage=p.pipeline_parallel_layers_per_stage,
+    )
+    num_stages = pp * per_rank
+    if p.pipeline_parallel_layers_per_stage is not None and schedule in pipeline_split.SINGLE_STAGE:
+        pipeline_split.split_blocks(
+            args.n_layers, num_stages, layers_per_stage=p.pipeline_parallel_layers_per_stage
+        )
+    names = spec.pipeline(args, num_stages, p)
+    if len(names) != num_stages:
+        raise ConfigError(
+            f"--parallelism.module_fqns_per_model_part lists {len(names)} stages, but {schedule} "
+            f"on {pp} pipeline ranks runs {num_stages}: give one list per stage"
+        )
+    needs = {
+        "1F1B": num_stages,
+        "DualPipeV": num_stages,
+    }.get(schedule, 1)
+    rounds = max(1, n_mb // pp)
+    if n_mb < needs or (schedule.startswith("Interleaved") and n_mb % rounds):
+        raise ConfigError(
+            f"{flag} {schedule} with {num_stages} stages cannot run {n_mb} micro-batches "
+            f"(--training.local_batch_size {t.local_batch_size} / "
+            f"--parallelism.pipeline_parallel_microbatch_size {mbs}): use at least {needs}"
+            + (f" and a multiple of {rounds}" if schedule.startswith("Interleaved") else "")
+        )
+    split_backward = schedule in pipeline_split.SPLIT_BACKWARD
+    ac = config.activation_checkpoint
+    rules = [
+        (
+            not (split_backward and ac.mode == "selective" and ac.selective_ac_option == "op"),
+            f"{flag} {schedule} splits backward into input and weight passes, which per-op "
+            "selective activation checkpointing cannot replay; use --activation_checkpoint.mode "
+            "full or selective with a block interval",
+        ),
+        (
+            not (split_backward and config.compile.enable),
+            f"{flag} {schedule} refuses compiled stage modules (torch 2.13); drop --compile.enable "
+            "or use 1F1B / Interleaved1F1B",
+        ),
+        (
+            not (split_backward and p.fsdp_reshard_after_forward == "always"),
+            f"{flag} {schedule} with --parallelism.fsdp_reshard_after_forward always gives wrong "
+            "gradients on torch 2.13; use default (never under this schedule) or never",
+        ),
+        (
+            p.tensor_parallel_degree == 1,
+            "--parallelism.pipeline_parallel_degree with --parallelism.tensor_parallel_degree is "
+            "not implemented yet; use one of them",
+        ),
+        (
+            config.comm.mode == "default",
+            f"--parallelism.pipeline_parallel_degree cannot run under COMM_MODE={config.comm.mode} "
+            "yet; run it with real ranks",
+        ),
+        (
+            not t.enable_cpu_offload,
+            "--parallelism.pipeline_parallel_degree with --training.enable_cpu_offload is not "
+            "supported yet; drop one",
+        ),
+    ]
+    for ok, message in rules:
+        if not ok:
+            raise ConfigError(message)
 
 
 def _activation_checkpoint_checks(config: JobConfig) -> list[tuple[bool, str]]:
@@ -232,7 +330,16 @@ def validate_parallelism(config: JobConfig, spec: ModelSpec, world_size: int) ->
 def resolve_auto(config: JobConfig) -> None:
     """Replace ``auto`` choices by what they mean for this run, so the resolved config (printed
     and saved) says what actually ran."""
-    config.parallelism.fsdp_impl = _fsdp_impl(config)
+    p = config.parallelism
+    p.fsdp_impl = _fsdp_impl(config)
+    split_backward = p.pipeline_parallel_schedule in pipeline_split.SPLIT_BACKWARD
+    if (
+        p.pipeline_parallel_degree > 1
+        and split_backward
+        and p.fsdp_reshard_after_forward == "default"
+    ):
+        # Resharding after forward gives these schedules wrong gradients (torch 2.13).
+        p.fsdp_reshard_after_forward = "never"
 
 
 def _fsdp_impl(config: JobConfig) -> str:

@@ -189,25 +189,23 @@ def init_model_weights(
     if dist.is_initialized() and device.type == "cpu" and not fake_collectives():
         # DTensor random ops on CPU draw the same numbers on every shard (no offset-based
         # RNG as on CUDA), which would duplicate heads and hidden units. Use the values a
-        # one-process init gives instead: rank 0 builds them, every rank takes its part.
-        load_full_init_from_rank0(model_parts, build_full, seed)
+        # one-process init gives instead: every rank builds them and takes its part.
+        load_full_init(model_parts, build_full, seed)
 
 
-def load_full_init_from_rank0(
+def load_full_init(
     model_parts: Sequence[nn.Module], build_full: Callable[[], nn.Module], seed: int
 ) -> None:
-    """Overwrite a parallelized model's parameters with a one-process initialisation.
+    """Overwrite parallelized model parts with a one-process initialisation.
 
-    Rank 0 builds the full model on the host with ``seed`` and calls its ``init_weights``; every
-    rank receives its shards (any DTensor placement) via ``set_model_state_dict``. Meant for
-    small models (CPU runs): the full model must fit in rank 0's host memory.
+    Every rank builds the full model on the host with ``seed`` (the same values everywhere)
+    and each part keeps its own parameters, cut into its placements (``set_model_state_dict``
+    with a full state dict). Works for any split and sharding, pipeline stages included; meant
+    for small models (CPU runs): the full model must fit in each rank's host memory.
     """
-    full_state: dict[str, torch.Tensor] = {}
-    if dist.get_rank() == 0:
-        full_state = build_full_init(build_full, seed).state_dict()
-    options = StateDictOptions(
-        full_state_dict=True, broadcast_from_rank0=True, strict=len(model_parts) == 1
-    )
+    full_state = build_full_init(build_full, seed).state_dict()
+    # A part (pipeline stage) takes its own names from the whole model's state.
+    options = StateDictOptions(full_state_dict=True, strict=False)
     for part in model_parts:
         set_model_state_dict(part, full_state, options=options)
 

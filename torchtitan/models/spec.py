@@ -92,8 +92,11 @@ class ModelSpec:
     validate: Callable[[JobConfig, ParallelDims], None] | None = None
     """Torch-free checks of a config against the model's dims (e.g. heads divisible by TP),
     raising ``ConfigError``; run by the pre-flight before any rank starts."""
-    pipeline: Callable[..., Any] | None = None
-    """Splits the model into pipeline stages; ``None`` until pipeline parallelism exists."""
+    pipeline: Callable[[Any, int, Parallelism], list[list[str]]] | None = None
+    """``pipeline(args, num_stages, parallelism)``: the module names of each pipeline stage, in
+    model order (torch-free: the pre-flight checks it). The model's top-level modules not named
+    are removed from a stage (set to ``None``: its ``forward`` must skip them), and so are the
+    entries of a ``ModuleDict`` of blocks. ``None``: the family cannot be pipelined."""
     state_dict_adapter: Callable[..., Any] | None = None
     """Maps state dicts to and from the Hugging Face layout; ``None`` until that exists."""
 

@@ -626,8 +626,8 @@ def test_compiling_tensor_parallel_blocks_is_refused() -> None:
         (None, "--validation.enable", "--validation.enable is not implemented yet"),
         (
             "2",
-            "--parallelism.pipeline_parallel_degree 2",
-            "--parallelism.pipeline_parallel_degree > 1 is not implemented yet",
+            "--parallelism.context_parallel_degree 2",
+            "--parallelism.context_parallel_degree > 1 is not implemented yet",
         ),
         (
             "2",

@@ -2,8 +2,10 @@
 pre-flight can list and validate configs quickly; the model and its plans load when a run
 builds them."""
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.models.llama3 import config_registry
 from torchtitan.models.llama3.args import Llama3Args, check_parallel_degrees, flavors
+from torchtitan.models.llama3.pipeline import pipeline_llama3
 from torchtitan.models.spec import ModelSpec, lazy
 
 __all__ = ["Llama3Args", "config_registry", "flavors", "model_spec"]
@@ -11,6 +13,13 @@ __all__ = ["Llama3Args", "config_registry", "flavors", "model_spec"]
 
 def validate(config, parallel_dims) -> None:
     """Model-specific checks of a config against its parallel degrees (no torch import)."""
+    args = flavors[config.model.flavor]
+    if parallel_dims.pp > 1 and args.tie_word_embeddings:
+        raise ConfigError(
+            f"--model.flavor {config.model.flavor} ties the output to the embeddings, which "
+            "pipeline parallelism puts on different stages; use "
+            "--parallelism.pipeline_parallel_degree 1 or an untied flavor"
+        )
     check_parallel_degrees(
         flavors[config.model.flavor],
         flavor=config.model.flavor,
@@ -28,4 +37,5 @@ model_spec = ModelSpec(
     parallelize=lazy("torchtitan.models.llama3.parallelize:parallelize_llama3"),
     flops_per_token=Llama3Args.flops_per_token,
     validate=validate,
+    pipeline=pipeline_llama3,
 )

@@ -151,7 +151,8 @@ class Transformer(nn.Module):
         """Initialise every parameter and buffer in place (after ``to_empty``)."""
         with torch.device(buffer_device or self.rope_cis.device):
             self.rope_cis = self._rope_cis()
-        if self.args.tie_word_embeddings and self.output.weight is not self.tok_embeddings.weight:
+        tied = self.args.tie_word_embeddings and None not in (self.output, self.tok_embeddings)
+        if tied and self.output.weight is not self.tok_embeddings.weight:
             # to_empty() gives each module its own new Parameter: tie them again.
             self.output.weight = self.tok_embeddings.weight
         final_std = self.args.dim**-0.5

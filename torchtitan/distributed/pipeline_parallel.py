@@ -1,0 +1,146 @@
+"""Pipeline parallelism: cut a model into stages, wrap this rank's as ``PipelineStage``s, and
+build the schedule that runs them (``torch.distributed.pipelining``).
+
+Which module goes to which stage is the model's plan (``ModelSpec.pipeline``); which stage
+goes to which rank is ``pipeline_split``. Each stage is a standalone copy of the model with the
+other stages' modules removed, so the model's own ``parallelize`` (TP -> AC -> compile -> FSDP)
+wraps it like a whole model and its parameters keep their names (``layers.3`` stays
+``layers.3``): checkpoints of any split load into any other.
+
+Every stage is given the shapes and dtypes of what it receives and sends: without them torch
+infers them by running one extra forward and backward per stage on the first step, which would
+add to the gradients, the logged loss and the RNG state.
+"""
+
+import copy
+import inspect
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    _PipelineSchedule,
+    get_schedule_class,
+)
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.distributed.pipeline_split import stage_ids
+
+_STATIC_GRADS = "input_grads" in inspect.signature(PipelineStage.__init__).parameters
+
+
+def cut_model(model: nn.Module, names: Sequence[str]) -> nn.Module:
+    """A copy of ``model`` holding only the modules ``names``: top-level children not named are
+    set to ``None``, entries of a ``ModuleDict`` child (the blocks) not named are deleted."""
+    part = copy.deepcopy(model)
+    keep = set(names)
+    for child_name, child in list(part.named_children()):
+        if child_name in keep:
+            continue
+        if isinstance(child, nn.ModuleDict):
+            for key in list(child.keys()):
+                if f"{child_name}.{key}" not in keep:
+                    del child[key]
+        else:
+            setattr(part, child_name, None)
+    return part
+
+
+def check_split(model: nn.Module, names_per_stage: Sequence[Sequence[str]]) -> None:
+    """Every module of ``model`` is on exactly one stage, and every name is a module."""
+    units = []
+    for child_name, child in model.named_children():
+        if isinstance(child, nn.ModuleDict):
+            units += [f"{child_name}.{key}" for key in child.keys()]
+        else:
+            units.append(child_name)
+    named = [n for stage in names_per_stage for n in stage]
+    unknown = sorted(set(named) - set(units))
+    missing = [u for u in units if u not in named]
+    repeated = sorted({n for n in named if named.count(n) > 1})
+    for what, found in (("not modules of the model", unknown), ("on no stage", missing)):
+        if found:
+            raise ConfigError(
+                f"--parallelism.module_fqns_per_model_part: {', '.join(found)} {what}; list "
+                f"each of {', '.join(units)} once, in model order"
+            )
+    if repeated:
+        raise ConfigError(
+            f"--parallelism.module_fqns_per_model_part: {', '.join(repeated)} on several stages"
+        )
+
+
+def build_stages(
+    model: nn.Module,
+    names_per_stage: Sequence[Sequence[str]],
+    *,
+    schedule: str,
+    pp_mesh: DeviceMesh,
+    parallelize: Callable[[nn.Module], nn.Module],
+    device: torch.device,
+    microbatch_size: int,
+    seq_len: int,
+    hidden_dtype: torch.dtype,
+    output_dtype: torch.dtype,
+) -> tuple[list[PipelineStage], list[nn.Module]]:
+    """This rank's stages of ``model`` (built on meta), each cut, parallelized and wrapped.
+
+    ``hidden_dtype`` is what travels between stages, ``output_dtype`` the last stage's logits.
+    """
+    check_split(model, names_per_stage)
+    num_stages, pp = len(names_per_stage), pp_mesh.size()
+    mine = stage_ids(schedule, pp_mesh.get_local_rank(), pp, num_stages // pp)
+    stages, parts = [], []
+    example = torch.empty(microbatch_size, seq_len, dtype=torch.long, device="meta")
+    meta_input = example
+    for index, names in enumerate(names_per_stage):
+        part = cut_model(model, names)
+        # Shapes from a forward on the meta device (no memory, no compute), in the parameters'
+        # dtype; what travels is then given the dtype of the real run.
+        with torch.no_grad():
+            meta_input = part(meta_input)
+        last = index == num_stages - 1
+        # requires_grad marks what gradients flow back through: the next stage's input.
+        output = torch.empty_like(
+            meta_input, dtype=output_dtype if last else hidden_dtype, requires_grad=True
+        )
+        if index in mine:
+            part = parallelize(part)
+            grads = {}
+            if _STATIC_GRADS:
+                grads = dict(
+                    input_grads=(None if index == 0 else example,),
+                    output_grads=(None if last else output,),
+                )
+            stages.append(
+                PipelineStage(
+                    part,
+                    index,
+                    num_stages,
+                    device,
+                    input_args=(example,),
+                    output_args=(output,),
+                    group=pp_mesh.get_group(),
+                    **grads,
+                )
+            )
+            parts.append(part)
+        example = output
+    return stages, parts
+
+
+def build_schedule(
+    stages: list[PipelineStage],
+    *,
+    schedule: str,
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> _PipelineSchedule:
+    """The schedule ``schedule`` over this rank's stages. ``loss_fn`` returns the scaled loss
+    (gradients are not scaled again by the schedule)."""
+    cls = get_schedule_class(schedule)
+    held = stages[0] if issubclass(cls, PipelineScheduleSingle) else stages
+    return cls(held, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -1,0 +1,21 @@
+"""How Llama 3 is split into pipeline stages: module names per stage. A plan only, no torch:
+the config pre-flight checks it, ``torchtitan.distributed.pipeline_parallel`` cuts the model."""
+
+from torchtitan.config.job_config import Parallelism
+from torchtitan.distributed.pipeline_split import parse_module_names, split_blocks
+from torchtitan.models.llama3.args import Llama3Args
+
+
+def pipeline_llama3(args: Llama3Args, num_stages: int, parallelism: Parallelism) -> list[list[str]]:
+    """Embeddings on the first stage, final norm and output on the last, the blocks in order
+    between them (``--parallelism.pipeline_parallel_layers_per_stage`` or an even split), or
+    the explicit ``--parallelism.module_fqns_per_model_part``."""
+    if parallelism.module_fqns_per_model_part:
+        return parse_module_names(parallelism.module_fqns_per_model_part)
+    return split_blocks(
+        args.n_layers,
+        num_stages,
+        layers_per_stage=parallelism.pipeline_parallel_layers_per_stage,
+        first=("tok_embeddings",),
+        last=("norm", "output"),
+    )
