@@ -120,6 +120,7 @@ class BatchRunner:
                 n_microbatches=context.training.local_batch_size
                 // p.pipeline_parallel_microbatch_size,
                 loss_fn=self.loss_fn,
+                csv_path=p.pipeline_parallel_schedule_csv,
             )
             self._first_stage = any(stage.is_first for stage in stages)
             self._last_stage = any(stage.is_last for stage in stages)

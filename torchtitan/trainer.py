@@ -159,19 +159,15 @@ class Trainer:
         dims, p, t = context.parallel_dims, context.parallelism, context.training
         if not dims.pp_enabled:
             return [self.model_spec.parallelize(model, context)], []
-        per_rank = pipeline_split.stages_per_rank(
-            p.pipeline_parallel_schedule,
-            n_layers=args.n_layers,
-            pp=dims.pp,
-            layers_per_stage=p.pipeline_parallel_layers_per_stage,
-        )
-        names = self.model_spec.pipeline(args, dims.pp * per_rank, p)
+        layout = pipeline_split.pipeline_layout(p, args.n_layers)
+        pp_mesh = dims.mesh("pp")
+        names = self.model_spec.pipeline(args, layout.num_stages, p)
         hidden_dtype, output_dtype = pipeline_dtypes(dims, t.mixed_precision_param)
         stages, parts = pipeline_parallel.build_stages(
             model,
             names,
-            schedule=p.pipeline_parallel_schedule,
-            pp_mesh=dims.mesh("pp"),
+            local_stages=layout.stages_by_rank[pp_mesh.get_local_rank()],
+            pp_mesh=pp_mesh,
             parallelize=lambda part: self.model_spec.parallelize(part, context),
             device=self.device,
             microbatch_size=p.pipeline_parallel_microbatch_size,

@@ -81,6 +81,19 @@ CASES = {
         )
         for schedule in PP_SCHEDULES
     },
+    # Hand-written CSV schedules (tests/assets/pipeline/), plain and split backward.
+    **{
+        f"pp2_csv_{name}": (
+            2,
+            "--training.local_batch_size 8 --parallelism.pipeline_parallel_degree 2 "
+            "--parallelism.pipeline_parallel_microbatch_size 2 "
+            f"--parallelism.pipeline_parallel_schedule_csv tests/assets/pipeline/{csv}.csv",
+        )
+        for name, csv in (
+            ("looped", "looped_2ranks_4stages"),
+            ("split_backward", "looped_2ranks_4stages_split_backward"),
+        )
+    },
     # Two accumulation batches of 4, each cut into 2 pipeline micro-batches of 2.
     "pp2_accumulation": (
         2,

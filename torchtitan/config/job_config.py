@@ -175,6 +175,12 @@ class Parallelism:
     Interleaved1F1B, LoopedBFS, InterleavedZeroBubble (several stages per rank), ZBVZeroBubble,
     DualPipeV (two stages per rank in a V)."""
 
+    pipeline_parallel_schedule_csv: str | None = None
+    """A schedule written by hand, in torch's compute-only CSV format: one row per pipeline
+    rank, one action per cell, ``<stage>F<micro-batch>`` forward, ``B`` full backward, ``I`` /
+    ``W`` input / weight backward (e.g. ``0F0,0F1,2F0,...``). Each rank holds the stages its
+    row names. Overrides ``pipeline_parallel_schedule``."""
+
     pipeline_parallel_layers_per_stage: int | None = None
     """Transformer blocks per stage (embeddings and output not counted); for the multi-stage
     schedules this also sets the stages per rank. ``None``: an even split, counting the

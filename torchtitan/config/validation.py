@@ -176,13 +176,8 @@ def _validate_pipeline(config: JobConfig, spec: ModelSpec) -> None:
         )
     n_mb = t.local_batch_size // mbs
     args = spec.flavors[config.model.flavor]
-    per_rank = pipeline_split.stages_per_rank(
-        schedule,
-        n_layers=args.n_layers,
-        pp=pp,
-        layers_per_stage=p.pipeline_parallel_layers_per_stage,
-    )
-    num_stages = pp * per_rank
+    layout = pipeline_split.pipeline_layout(p, args.n_layers)
+    num_stages = layout.num_stages
     if p.pipeline_parallel_layers_per_stage is not None and schedule in pipeline_split.SINGLE_STAGE:
         pipeline_split.split_blocks(
             args.n_layers, num_stages, layers_per_stage=p.pipeline_parallel_layers_per_stage
@@ -193,19 +188,28 @@ def _validate_pipeline(config: JobConfig, spec: ModelSpec) -> None:
             f"--parallelism.module_fqns_per_model_part lists {len(names)} stages, but {schedule} "
             f"on {pp} pipeline ranks runs {num_stages}: give one list per stage"
         )
-    needs = {
-        "1F1B": num_stages,
-        "DualPipeV": num_stages,
-    }.get(schedule, 1)
-    rounds = max(1, n_mb // pp)
-    if n_mb < needs or (schedule.startswith("Interleaved") and n_mb % rounds):
-        raise ConfigError(
-            f"{flag} {schedule} with {num_stages} stages cannot run {n_mb} micro-batches "
-            f"(--training.local_batch_size {t.local_batch_size} / "
-            f"--parallelism.pipeline_parallel_microbatch_size {mbs}): use at least {needs}"
-            + (f" and a multiple of {rounds}" if schedule.startswith("Interleaved") else "")
-        )
-    split_backward = schedule in pipeline_split.SPLIT_BACKWARD
+    if layout.csv_microbatches is not None:
+        if layout.csv_microbatches != n_mb:
+            raise ConfigError(
+                f"--parallelism.pipeline_parallel_schedule_csv {p.pipeline_parallel_schedule_csv} "
+                f"schedules {layout.csv_microbatches} micro-batches, this run has {n_mb} "
+                f"(--training.local_batch_size {t.local_batch_size} / "
+                f"--parallelism.pipeline_parallel_microbatch_size {mbs})"
+            )
+    else:
+        needs = {"1F1B": num_stages, "DualPipeV": num_stages}.get(schedule, 1)
+        rounds = max(1, n_mb // pp)
+        if n_mb < needs or (schedule.startswith("Interleaved") and n_mb % rounds):
+            raise ConfigError(
+                f"{flag} {schedule} with {num_stages} stages cannot run {n_mb} micro-batches "
+                f"(--training.local_batch_size {t.local_batch_size} / "
+                f"--parallelism.pipeline_parallel_microbatch_size {mbs}): use at least {needs}"
+                + (f" and a multiple of {rounds}" if schedule.startswith("Interleaved") else "")
+            )
+    split_backward = layout.split_backward
+    if p.pipeline_parallel_schedule_csv:
+        schedule = p.pipeline_parallel_schedule_csv
+        flag = "--parallelism.pipeline_parallel_schedule_csv"
     ac = config.activation_checkpoint
     rules = [
         (
@@ -332,12 +336,12 @@ def resolve_auto(config: JobConfig) -> None:
     and saved) says what actually ran."""
     p = config.parallelism
     p.fsdp_impl = _fsdp_impl(config)
-    split_backward = p.pipeline_parallel_schedule in pipeline_split.SPLIT_BACKWARD
-    if (
-        p.pipeline_parallel_degree > 1
-        and split_backward
-        and p.fsdp_reshard_after_forward == "default"
-    ):
+    pp, csv_path = p.pipeline_parallel_degree, p.pipeline_parallel_schedule_csv
+    if csv_path and pp > 1:
+        split_backward = pipeline_split.read_csv_schedule(csv_path, pp)[2]
+    else:
+        split_backward = p.pipeline_parallel_schedule in pipeline_split.SPLIT_BACKWARD
+    if pp > 1 and split_backward and p.fsdp_reshard_after_forward == "default":
         # Resharding after forward gives these schedules wrong gradients (torch 2.13).
         p.fsdp_reshard_after_forward = "never"
 

@@ -23,11 +23,11 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleSingle,
     _PipelineSchedule,
+    _PipelineScheduleRuntime,
     get_schedule_class,
 )
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.distributed.pipeline_split import stage_ids
 
 _STATIC_GRADS = "input_grads" in inspect.signature(PipelineStage.__init__).parameters
 
@@ -77,7 +77,7 @@ def build_stages(
     model: nn.Module,
     names_per_stage: Sequence[Sequence[str]],
     *,
-    schedule: str,
+    local_stages: Sequence[int],
     pp_mesh: DeviceMesh,
     parallelize: Callable[[nn.Module], nn.Module],
     device: torch.device,
@@ -86,13 +86,12 @@ def build_stages(
     hidden_dtype: torch.dtype,
     output_dtype: torch.dtype,
 ) -> tuple[list[PipelineStage], list[nn.Module]]:
-    """This rank's stages of ``model`` (built on meta), each cut, parallelized and wrapped.
-
-    ``hidden_dtype`` is what travels between stages, ``output_dtype`` the last stage's logits.
+    """This rank's stages (``local_stages``) of ``model`` (built on meta), each cut,
+    parallelized and wrapped. ``hidden_dtype`` is what travels between stages,
+    ``output_dtype`` the last stage's logits.
     """
     check_split(model, names_per_stage)
-    num_stages, pp = len(names_per_stage), pp_mesh.size()
-    mine = stage_ids(schedule, pp_mesh.get_local_rank(), pp, num_stages // pp)
+    num_stages = len(names_per_stage)
     stages, parts = [], []
     example = torch.empty(microbatch_size, seq_len, dtype=torch.long, device="meta")
     meta_input = example
@@ -107,7 +106,7 @@ def build_stages(
         output = torch.empty_like(
             meta_input, dtype=output_dtype if last else hidden_dtype, requires_grad=True
         )
-        if index in mine:
+        if index in local_stages:
             part = parallelize(part)
             grads = {}
             if _STATIC_GRADS:
@@ -138,9 +137,17 @@ def build_schedule(
     schedule: str,
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    csv_path: str | None = None,
 ) -> _PipelineSchedule:
-    """The schedule ``schedule`` over this rank's stages. ``loss_fn`` returns the scaled loss
-    (gradients are not scaled again by the schedule)."""
+    """The schedule ``schedule`` (or the one written in ``csv_path``) over this rank's stages.
+    ``loss_fn`` returns the scaled loss (gradients are not scaled again by the schedule)."""
+    if csv_path:
+        # torch adds the sends, receives and gradient reductions to the compute actions.
+        runtime = _PipelineScheduleRuntime(
+            stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False
+        )
+        runtime._load_csv(csv_path, format="compute_only")
+        return runtime
     cls = get_schedule_class(schedule)
     held = stages[0] if issubclass(cls, PipelineScheduleSingle) else stages
     return cls(held, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -8,6 +8,11 @@ Stages are numbered in model order. With ``pp`` ranks and ``v`` stages per rank 
 and last stages share a rank.
 """
 
+import csv
+import dataclasses
+import re
+from pathlib import Path
+
 from torchtitan.config.errors import ConfigError
 
 SCHEDULES = (
@@ -94,3 +99,79 @@ def split_blocks(
 def parse_module_names(parts: list[str]) -> list[list[str]]:
     """``--parallelism.module_fqns_per_model_part "a,b" "c,d"`` -> ``[["a", "b"], ["c", "d"]]``."""
     return [[name.strip() for name in part.split(",") if name.strip()] for part in parts]
+
+
+_ACTION = re.compile(r"^(\d+)([A-Z]+)(\d*)$")
+_CSV_FLAG = f"{_FLAG}pipeline_parallel_schedule_csv"
+
+
+def read_csv_schedule(path: str, pp: int) -> tuple[list[list[int]], int, bool]:
+    """From a compute-only CSV schedule: the stages of each rank (in model order), the number
+    of micro-batches it schedules, and whether it splits backward (``I`` / ``W`` actions)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"{_CSV_FLAG} {path} does not exist; pass a CSV file")
+    with file.open(newline="") as f:
+        rows = [[cell.strip() for cell in row if cell.strip()] for row in csv.reader(f)]
+    rows = [row for row in rows if row]
+    if len(rows) != pp:
+        raise ConfigError(
+            f"{_CSV_FLAG} {path} has {len(rows)} rows, one per pipeline rank is needed: "
+            f"{pp} for {_FLAG}pipeline_parallel_degree {pp}"
+        )
+    stages: list[list[int]] = []
+    microbatches, kinds = set(), set()
+    for rank, row in enumerate(rows):
+        mine = set()
+        for cell in row:
+            match = _ACTION.match(cell)
+            if match is None or match.group(2) not in ("F", "B", "I", "W"):
+                raise ConfigError(
+                    f"{_CSV_FLAG} {path}: {cell!r} in row {rank} is not an action like 0F1 "
+                    "(stage, F/B/I/W, micro-batch)"
+                )
+            mine.add(int(match.group(1)))
+            kinds.add(match.group(2))
+            if match.group(3):
+                microbatches.add(int(match.group(3)))
+        stages.append(sorted(mine))
+    flat = sorted(s for row in stages for s in row)
+    if flat != list(range(len(flat))) or len({len(row) for row in stages}) != 1:
+        raise ConfigError(
+            f"{_CSV_FLAG} {path}: every stage 0..N-1 must appear on exactly one rank and every "
+            f"rank must hold as many stages; found {stages}"
+        )
+    return stages, len(microbatches), bool(kinds & {"I", "W"})
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineLayout:
+    """Which stages each pipeline rank holds, from the schedule or a CSV schedule."""
+
+    stages_by_rank: list[list[int]]
+    split_backward: bool
+    csv_microbatches: int | None = None
+    """Micro-batches a CSV schedule is written for (``None`` for a named schedule)."""
+
+    @property
+    def num_stages(self) -> int:
+        return sum(len(row) for row in self.stages_by_rank)
+
+
+def pipeline_layout(parallelism, n_layers: int) -> PipelineLayout:
+    """The layout that ``--parallelism.pipeline_parallel_*`` asks for (a ``Parallelism``)."""
+    pp = parallelism.pipeline_parallel_degree
+    if parallelism.pipeline_parallel_schedule_csv:
+        stages, microbatches, split = read_csv_schedule(
+            parallelism.pipeline_parallel_schedule_csv, pp
+        )
+        return PipelineLayout(stages, split, microbatches)
+    schedule = parallelism.pipeline_parallel_schedule
+    per_rank = stages_per_rank(
+        schedule,
+        n_layers=n_layers,
+        pp=pp,
+        layers_per_stage=parallelism.pipeline_parallel_layers_per_stage,
+    )
+    by_rank = [stage_ids(schedule, r, pp, per_rank) for r in range(pp)]
+    return PipelineLayout(by_rank, schedule in SPLIT_BACKWARD)

@@ -7,7 +7,12 @@ import torch
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.pipeline_parallel import check_split, cut_model
-from torchtitan.distributed.pipeline_split import split_blocks, stage_ids, stages_per_rank
+from torchtitan.distributed.pipeline_split import (
+    pipeline_layout,
+    split_blocks,
+    stage_ids,
+    stages_per_rank,
+)
 from torchtitan.models.llama3.args import Llama3Args
 from torchtitan.models.llama3.model import Transformer
 
@@ -153,3 +158,48 @@ def test_zero_bubble_schedules_keep_fsdp_parameters_gathered(monkeypatch):
     assert config.parallelism.fsdp_reshard_after_forward == "never"
     config = parse_args(_PP.split(), console_outputs=False)
     assert config.parallelism.fsdp_reshard_after_forward == "default"
+
+
+_CSV = "--parallelism.pipeline_parallel_schedule_csv"
+
+
+@pytest.mark.parametrize(
+    ("rows", "flags", "expected"),
+    [
+        (["0F0,0B0"], "", "has 1 rows, one per pipeline rank is needed: 2"),
+        (["0F0,0B0", "1F0,1X0"], "", "'1X0' in row 1 is not an action"),
+        (["0F0,2F0", "1F0"], "", "every stage 0..N-1 must appear on exactly one rank"),
+        (["0F0,0B0", "1F0,1B0"], "", "schedules 1 micro-batches, this run has 4"),
+        (
+            ["0F0,0I0,0W0", "1F0,1I0,1W0"],
+            "--training.local_batch_size 2 --activation_checkpoint.mode selective "
+            "--activation_checkpoint.selective_ac_option op",
+            "splits backward into input and weight passes",
+        ),
+    ],
+)
+def test_csv_schedules_are_checked_before_launch(tmp_path, monkeypatch, rows, flags, expected):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    path = tmp_path / "schedule.csv"
+    path.write_text("\n".join(rows) + "\n")
+    argv = f"{_PP} {_CSV} {path} {flags}".split()
+    with pytest.raises(ConfigError) as error:
+        parse_args(argv, console_outputs=False)
+    assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_missing_csv_schedule_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="nope.csv does not exist"):
+        parse_args(f"{_PP} {_CSV} {tmp_path / 'nope.csv'}".split(), console_outputs=False)
+
+
+def test_a_csv_schedule_places_the_stages_its_rows_name(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    csv = "tests/assets/pipeline/looped_2ranks_4stages_split_backward.csv"
+    config = parse_args(
+        f"{_PP} {_CSV} {csv} --training.local_batch_size 8".split(), console_outputs=False
+    )
+    layout = pipeline_layout(config.parallelism, n_layers=6)
+    assert layout.stages_by_rank == [[0, 2], [1, 3]] and layout.split_backward
+    assert config.parallelism.fsdp_reshard_after_forward == "never"
