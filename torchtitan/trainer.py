@@ -174,6 +174,9 @@ class Trainer:
             seq_len=t.seq_len,
             hidden_dtype=hidden_dtype,
             output_dtype=output_dtype,
+            tp_mesh=dims.mesh("tp") if dims.tp_enabled else None,
+            sequence_parallel=p.enable_sequence_parallel,
+            loss_parallel=not p.disable_loss_parallel,
         )
         return parts, stages
 

@@ -106,6 +106,17 @@ CASES = {
         "--parallelism.pipeline_parallel_microbatch_size 2 "
         "--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1",
     ),
+    "pp2_tp2": (
+        4,
+        "--training.local_batch_size 8 --parallelism.pipeline_parallel_degree 2 "
+        "--parallelism.pipeline_parallel_microbatch_size 2 --parallelism.tensor_parallel_degree 2",
+    ),
+    # The 3D layout of large-scale pretraining: 8 ranks on 2 cores, the slowest launch.
+    "pp2_fsdp2_tp2": (
+        8,
+        "--training.local_batch_size 4 --parallelism.pipeline_parallel_degree 2 "
+        "--parallelism.pipeline_parallel_microbatch_size 2 --parallelism.tensor_parallel_degree 2",
+    ),
     "pp2_fsdp2": (
         4,
         "--training.local_batch_size 4 --parallelism.pipeline_parallel_degree 2 "

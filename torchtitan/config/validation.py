@@ -229,11 +229,6 @@ def _validate_pipeline(config: JobConfig, spec: ModelSpec) -> None:
             "gradients on torch 2.13; use default (never under this schedule) or never",
         ),
         (
-            p.tensor_parallel_degree == 1,
-            "--parallelism.pipeline_parallel_degree with --parallelism.tensor_parallel_degree is "
-            "not implemented yet; use one of them",
-        ),
-        (
             config.comm.mode == "default",
             f"--parallelism.pipeline_parallel_degree cannot run under COMM_MODE={config.comm.mode} "
             "yet; run it with real ranks",

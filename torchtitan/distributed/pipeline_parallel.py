@@ -26,6 +26,7 @@ from torch.distributed.pipelining.schedules import (
     _PipelineScheduleRuntime,
     get_schedule_class,
 )
+from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.config.errors import ConfigError
 
@@ -85,10 +86,18 @@ def build_stages(
     seq_len: int,
     hidden_dtype: torch.dtype,
     output_dtype: torch.dtype,
+    tp_mesh: DeviceMesh | None = None,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
 ) -> tuple[list[PipelineStage], list[nn.Module]]:
     """This rank's stages (``local_stages``) of ``model`` (built on meta), each cut,
     parallelized and wrapped. ``hidden_dtype`` is what travels between stages,
     ``output_dtype`` the last stage's logits.
+
+    Under tensor parallelism (``tp_mesh``) the stage boundaries follow the layout every TP plan
+    here uses between blocks: the residual stream is a plain local tensor, sharded along the
+    sequence (dim 1) with ``sequence_parallel`` and whole otherwise; the logits are a
+    vocabulary-sharded DTensor with ``loss_parallel``, else a whole plain tensor.
     """
     check_split(model, names_per_stage)
     num_stages = len(names_per_stage)
@@ -102,9 +111,14 @@ def build_stages(
         with torch.no_grad():
             meta_input = part(meta_input)
         last = index == num_stages - 1
-        # requires_grad marks what gradients flow back through: the next stage's input.
-        output = torch.empty_like(
-            meta_input, dtype=output_dtype if last else hidden_dtype, requires_grad=True
+        output = _boundary(
+            meta_input,
+            dtype=output_dtype if last else hidden_dtype,
+            tp_mesh=tp_mesh,
+            sharded_dim=(-1 if loss_parallel else None)
+            if last
+            else (1 if sequence_parallel else None),
+            as_dtensor=last and loss_parallel,
         )
         if index in local_stages:
             part = parallelize(part)
@@ -129,6 +143,26 @@ def build_stages(
             parts.append(part)
         example = output
     return stages, parts
+
+
+def _boundary(
+    full: torch.Tensor,
+    *,
+    dtype: torch.dtype,
+    tp_mesh: DeviceMesh | None,
+    sharded_dim: int | None,
+    as_dtensor: bool,
+) -> torch.Tensor:
+    """What a stage sends (or outputs), on meta, from its unsharded shape ``full``.
+    ``requires_grad`` marks what gradients flow back through."""
+    shape = list(full.shape)
+    if tp_mesh is not None and sharded_dim is not None:
+        shape[sharded_dim] //= tp_mesh.size()
+    local = torch.empty(shape, dtype=dtype, device="meta")
+    if tp_mesh is not None and as_dtensor:
+        dtensor = DTensor.from_local(local, tp_mesh, [Shard(sharded_dim)], run_check=False)
+        return dtensor.requires_grad_(True)
+    return local.requires_grad_(True)
 
 
 def build_schedule(

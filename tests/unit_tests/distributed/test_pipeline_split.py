@@ -128,10 +128,6 @@ _PP = "--parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_
             "--parallelism.fsdp_reshard_after_forward always",
             "gives wrong gradients",
         ),
-        (
-            f"{_PP} --parallelism.tensor_parallel_degree 2",
-            "with --parallelism.tensor_parallel_degree is not",
-        ),
         (f"{_PP} --comm.mode fake_backend", "cannot run under COMM_MODE=fake_backend yet"),
         (f"{_PP} --model.flavor 1B", "ties the output to the embeddings"),
         (

@@ -95,6 +95,8 @@ def apply_tp(
     }
     if sequence_parallel:
         top_plan["norm"] = SequenceParallel()
+    # A pipeline stage has only some of these modules (the others are None).
+    top_plan = {name: style for name, style in top_plan.items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, top_plan)
 
     for block in model.layers.values():
