@@ -12,12 +12,11 @@ bubble is the share of the timeline a rank has nothing to do.
 """
 
 import argparse
-import contextlib
-import io
 from pathlib import Path
 
+from torchtitan.distributed.pipeline_timeline import action_lists, bubble, simulate
+
 REPO = Path(__file__).resolve().parents[1]
-COST = {"F": 1, "B": 2, "I": 1, "W": 1}
 COLOURS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
 SCHEDULES = {  # name: stages per rank
     "GPipe": 1,
@@ -28,97 +27,6 @@ SCHEDULES = {  # name: stages per rank
     "ZBVZeroBubble": 2,
     "DualPipeV": 2,
 }
-
-Action = tuple[int, str, int]  # (stage, kind, micro-batch)
-
-
-def action_lists(schedule: str, pp: int, m: int) -> list[list[Action]]:
-    """The compute actions of every rank, in the order the rank runs them."""
-    if schedule == "GPipe":
-        return [
-            [(r, "F", i) for i in range(m)] + [(r, "B", i) for i in range(m)] for r in range(pp)
-        ]
-    if schedule == "1F1B":
-        lists = []
-        for r in range(pp):
-            warmup = min(m, pp - 1 - r)
-            order = [(r, "F", i) for i in range(warmup)]
-            for i in range(m - warmup):
-                order += [(r, "F", warmup + i), (r, "B", i)]
-            order += [(r, "B", i) for i in range(m - warmup, m)]
-            lists.append(order)
-        return lists
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-
-    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
-    with contextlib.redirect_stdout(io.StringIO()):  # the lowering prints its progress
-        ops = get_schedule_ops(schedule, pp, m, num_stages_per_rank=SCHEDULES[schedule])
-    lists = []
-    for rank_ops in ops:
-        order = []
-        for op in rank_ops:
-            # DualPipeV overlaps a forward and a backward in one action: run them in turn.
-            for sub in (getattr(op, "sub_actions", None) or [op]) if op is not None else []:
-                kind = kinds.get(sub.computation_type.name)
-                if kind is not None:
-                    order.append((sub.stage_index, kind, sub.microbatch_index))
-        lists.append(order)
-    return lists
-
-
-def simulate(lists: list[list[Action]], num_stages: int) -> list[list[tuple[float, float, Action]]]:
-    """Start and end of every action: a rank runs its list in order, an action waits for its
-    inputs (the previous stage's forward, the next stage's backward, its own forward)."""
-    done: dict[Action, float] = {}
-    timeline: list[list[tuple[float, float, Action]]] = [[] for _ in lists]
-    position = [0] * len(lists)
-    free = [0.0] * len(lists)
-
-    def ready(action: Action) -> float | None:
-        stage, kind, mb = action
-        needs = []
-        if kind == "F" and stage > 0:
-            needs.append((stage - 1, "F", mb))
-        if kind in "BI":
-            needs.append((stage, "F", mb))
-            if stage < num_stages - 1:
-                after = (
-                    (stage + 1, "B", mb)
-                    if (stage + 1, "B", mb) in planned
-                    else (stage + 1, "I", mb)
-                )
-                needs.append(after)
-        if kind == "W":
-            needs.append((stage, "I", mb))
-        if any(n not in done for n in needs):
-            return None
-        return max((done[n] for n in needs), default=0.0)
-
-    planned = {a for order in lists for a in order}
-    while any(p < len(order) for p, order in zip(position, lists, strict=True)):
-        progressed = False
-        for r, order in enumerate(lists):
-            while position[r] < len(order):
-                action = order[position[r]]
-                at = ready(action)
-                if at is None:
-                    break
-                start = max(at, free[r])
-                end = start + COST[action[1]]
-                done[action] = free[r] = end
-                timeline[r].append((start, end, action))
-                position[r] += 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("the action lists wait on each other (deadlock)")
-    return timeline
-
-
-def bubble(timeline: list[list[tuple[float, float, Action]]]) -> float:
-    """Idle share of the timeline, averaged over ranks."""
-    span = max(end for row in timeline for _, end, _ in row)
-    busy = sum(end - start for row in timeline for start, end, _ in row)
-    return 1 - busy / (span * len(timeline))
 
 
 def plot(schedule: str, timeline, path: Path, m: int) -> None:
@@ -179,7 +87,9 @@ def main() -> None:
         cells = []
         for i, m in enumerate(args.microbatches):
             try:
-                timeline = simulate(action_lists(schedule, args.pp, m), args.pp * per_rank)
+                timeline = simulate(
+                    action_lists(schedule, args.pp, m, per_rank), args.pp * per_rank
+                )
             except Exception as e:  # torch's lowering does not cover every (P, m)
                 cells.append(f"{'n/a':>7}")
                 print(f"  {schedule} m={m}: {type(e).__name__}: {str(e)[:80]}")

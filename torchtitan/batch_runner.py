@@ -16,6 +16,7 @@ accumulation batch further inside a pipeline schedule.
 """
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -122,6 +123,7 @@ class BatchRunner:
                 loss_fn=self.loss_fn,
                 csv_path=p.pipeline_parallel_schedule_csv,
             )
+            self._pipeline_seconds = [0.0, 0.0]  # wall, process CPU, since the last reading
             self._first_stage = any(stage.is_first for stage in stages)
             self._last_stage = any(stage.is_last for stage in stages)
             self._pp_group = dims.mesh("pp").get_group()
@@ -156,7 +158,20 @@ class BatchRunner:
         meet the output at the last; the schedule runs forward and backward per micro-batch."""
         inputs = (tokens,) if self._first_stage else ()
         target = labels if self._last_stage else None
+        wall, cpu = time.perf_counter(), time.process_time()
         self.schedule.step(*inputs, target=target, losses=[], return_outputs=False)
+        self._pipeline_seconds[0] += time.perf_counter() - wall
+        self._pipeline_seconds[1] += time.process_time() - cpu
+
+    def take_pipeline_idle(self) -> float | None:
+        """The share of the pipeline steps since the last call this rank spent waiting (its
+        bubble), measured on CPU as 1 - process CPU time / (wall time x threads); ``None``
+        without pipelining or on an accelerator (its kernels run asynchronously). Other
+        threads' work (gloo, a checkpoint writer) counts as busy: a lower bound."""
+        if self.schedule is None or self.device.type != "cpu":
+            return None
+        (wall, cpu), self._pipeline_seconds = self._pipeline_seconds, [0.0, 0.0]
+        return max(0.0, 1 - cpu / max(wall * torch.get_num_threads(), 1e-9))
 
     @torch.no_grad()
     def loss(self, batch: Batch) -> torch.Tensor:

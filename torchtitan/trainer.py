@@ -28,7 +28,13 @@ from torchtitan.components.train_state import StepResult, TrainState
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import save_resolved, to_toml
-from torchtitan.distributed import ParallelDims, local_tensor, pipeline_parallel, pipeline_split
+from torchtitan.distributed import (
+    ParallelDims,
+    local_tensor,
+    pipeline_parallel,
+    pipeline_split,
+    pipeline_timeline,
+)
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.models.spec import ParallelizeContext, get_model_spec
 from torchtitan.tools import comm_trace, profiling
@@ -161,6 +167,15 @@ class Trainer:
             return [self.model_spec.parallelize(model, context)], []
         layout = pipeline_split.pipeline_layout(p, args.n_layers)
         pp_mesh = dims.mesh("pp")
+        self.pipeline_bubble = pipeline_timeline.ideal_bubble(
+            pipeline_split.action_lists(layout, p, t.local_batch_size)
+        )
+        logger.info(
+            f"Pipeline: {layout.num_stages} stages on {dims.pp} ranks, "
+            f"{t.local_batch_size // p.pipeline_parallel_microbatch_size} micro-batches per "
+            f"accumulation batch; ideal bubble {self.pipeline_bubble:.1%} (unit-cost timeline "
+            "of the schedule's actions: scripts/plot_pipeline_schedules.py draws it)"
+        )
         names = self.model_spec.pipeline(args, layout.num_stages, p)
         hidden_dtype, output_dtype = pipeline_dtypes(dims, t.mixed_precision_param)
         stages, parts = pipeline_parallel.build_stages(
@@ -375,6 +390,9 @@ class Trainer:
         )
         loss_max = dist_utils.dist_reduce(result.local_loss, "max", self.loss_mesh)
         extra = {"loss_local": local_loss, "skipped_steps": self.skipped_steps}
+        idle = self.runner.take_pipeline_idle()
+        if idle is not None:
+            extra |= {"pp_idle_pct": 100 * idle, "pp_bubble_ideal_pct": 100 * self.pipeline_bubble}
         if self.step == 1:
             parameters = (p for part in self.model_parts for p in part.parameters())
             extra |= held_mib(parameters, self.optimizers.state_tensors())

@@ -38,6 +38,10 @@ def test_pipeline_checkpoints_resume_and_move_between_layouts(tmp_path):
     interleaved = [*PP, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
     pp = _run(tmp_path / "pp", *interleaved, ngpu=2)
     one = _run(tmp_path / "one", ngpu=1)
+    # Rank 0 logs its measured bubble next to the schedule's ideal (4 stages, 4 micro-batches).
+    for record in records(tmp_path / "pp"):
+        assert record["pp_bubble_ideal_pct"] == pytest.approx(100 / 9)
+        assert 0 <= record["pp_idle_pct"] < 100
     assert len(pp) == 6 and pp == pytest.approx(one, rel=1e-5)
 
     # PP 2 resumes bitwise; its step-3 continues in one process.

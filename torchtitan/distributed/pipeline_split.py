@@ -175,3 +175,18 @@ def pipeline_layout(parallelism, n_layers: int) -> PipelineLayout:
     )
     by_rank = [stage_ids(schedule, r, pp, per_rank) for r in range(pp)]
     return PipelineLayout(by_rank, schedule in SPLIT_BACKWARD)
+
+
+def action_lists(layout: PipelineLayout, parallelism, local_batch_size: int) -> list:
+    """Every rank's compute actions of one accumulation batch under this layout (for the
+    timeline model of ``pipeline_timeline``; imports torch for the named multi-stage ones)."""
+    from torchtitan.distributed import pipeline_timeline
+
+    if parallelism.pipeline_parallel_schedule_csv:
+        return pipeline_timeline.csv_action_lists(parallelism.pipeline_parallel_schedule_csv)
+    return pipeline_timeline.action_lists(
+        parallelism.pipeline_parallel_schedule,
+        parallelism.pipeline_parallel_degree,
+        local_batch_size // parallelism.pipeline_parallel_microbatch_size,
+        len(layout.stages_by_rank[0]),
+    )
