@@ -61,6 +61,28 @@ def test_fsdp_two_ranks_match_one_process_with_accumulation_bitwise(tmp_path):
         assert steps == [1, 2, 3, 4, 5]
 
 
+def test_pipeline_two_ranks_match_one_process_with_accumulation_bitwise(tmp_path):
+    # 4 pipeline micro-batches of 2 sequences vs 1 process accumulating 4 batches of 2: the same
+    # kernels on the same rows, gradients added in the same order, loaded from a seed checkpoint.
+    pp = (
+        "--parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_microbatch_size 2"
+    )
+    result = subprocess.run(
+        [
+            sys.executable, str(SCRIPT),
+            "--baseline", "NGPU=1 --training.local_batch_size 2 --training.global_batch_size 8",
+            "--test", f"NGPU=2 --training.local_batch_size 8 {pp}",
+            "--common", "--training.steps 5 --training.seq_len 64",
+            "--metrics", "loss,grad_norm", "--assert-equal", "--output-folder", str(tmp_path),
+        ],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
+    assert "loss       bitwise equal at 5/5 steps" in out
+    assert "grad_norm  bitwise equal at 5/5 steps" in out
+
+
 # ---- comparing existing runs: no training ---------------------------------------------------
 
 BASELINE = [8.125, 7.5, 7.0]
