@@ -94,6 +94,12 @@ CASES = {
             ("split_backward", "looped_2ranks_4stages_split_backward"),
         )
     },
+    "pp2_1f1b_compile_ac": (
+        2,
+        "--training.local_batch_size 8 --parallelism.pipeline_parallel_degree 2 "
+        "--parallelism.pipeline_parallel_microbatch_size 2 --compile.enable "
+        "--activation_checkpoint.mode full",
+    ),
     # Two accumulation batches of 4, each cut into 2 pipeline micro-batches of 2.
     "pp2_accumulation": (
         2,
