@@ -49,7 +49,10 @@ def build_trainer(config: JobConfig) -> Trainer:
         logger.warning("Checkpointing is off under COMM_MODE=fake_backend (no real values)")
         off = dataclasses.replace(c, enable=False, create_seed_checkpoint=False)
         config = dataclasses.replace(config, checkpoint=off)
-    return Trainer(config, on_meta=wants_fake_compute(config))
+    # Pipeline stages exchange metadata before their first step, which the fake process group
+    # cannot carry: a pipelined dry run builds, places and counts, but does not step.
+    pipelined = config.parallelism.pipeline_parallel_degree > 1
+    return Trainer(config, on_meta=pipelined or wants_fake_compute(config))
 
 
 def banner(trainer: Trainer) -> str:
@@ -128,6 +131,8 @@ def _probe_step(trainer: Trainer, depth: int | None) -> tuple[dict[str, int], fl
 def run(trainer: Trainer) -> None:
     """Banner, memory estimate, then ``--comm.dry_run_steps`` steps."""
     logger.warning(banner(trainer))
+    if trainer.parallel_dims.pp_enabled:
+        return _report_pipeline_state(trainer)
     estimate = estimate_memory(trainer)
     dims = trainer.parallel_dims
     logger.info(
@@ -148,6 +153,30 @@ def run(trainer: Trainer) -> None:
         return
     trainer.train(until=steps)
     logger.info(f"Dry run finished: {trainer.step} real step(s) on no-op collectives")
+
+
+def _report_pipeline_state(trainer: Trainer) -> None:
+    """Under pipeline parallelism: this rank's stages and their exact state bytes. The peak of
+    a step (activations of the micro-batches in flight) is not estimated yet."""
+    parameters = [p for part in trainer.model_parts for p in part.parameters()]
+    params = memory_estimate.local_bytes(parameters)
+    ratio = 2.0 if trainer.config.optimizer.name in ("AdamW", "Adam") else 0.0  # two moments
+    stages = ", ".join(
+        f"{n} blocks" if n != 1 else "1 block"
+        for n in (len(part.layers) for part in trainer.model_parts)
+    )
+    state = params * (2 + ratio)
+    dims = trainer.parallel_dims
+    size = memory_estimate.format_bytes
+    logger.info(
+        f"Dry run finished: rank {trainer.rank} of {dims.world_size} ({dims}) holds "
+        f"{len(trainer.model_parts)} pipeline stage(s) ({stages}): parameters "
+        f"{size(params).strip()}, gradients {size(params).strip()}, optimizer state "
+        f"{size(int(ratio * params)).strip()} (Adam's two moments), {size(int(state)).strip()} "
+        "in all. The peak of "
+        "a step (activations of the micro-batches in flight) is not estimated under pipeline "
+        "parallelism yet, and no step runs (the stages' metadata exchange needs real collectives)"
+    )
 
 
 def _advice(config: JobConfig) -> str:

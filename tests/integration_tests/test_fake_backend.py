@@ -118,3 +118,22 @@ def test_memory_extrapolated_from_two_blocks_matches_a_full_depth_step(tmp_path)
         assert line, result.stderr[-3000:]
         extrapolated, measured, _ = map(int, line[0].split()[1:])
         assert extrapolated == pytest.approx(measured, rel=0.02), ac
+
+
+def test_pipelined_405b_builds_its_stages_on_one_cpu_process(tmp_path):
+    """PP 8 x FSDP 8 x TP 8: the last pipeline rank holds the last of 8 stages, its blocks and
+    the output, sharded over FSDP and TP; the pre-flight checked the micro-batches."""
+    flags = ["--parallelism.pipeline_parallel_degree", "8", "--parallelism.tensor_parallel_degree"]
+    flags += ["8", "--parallelism.pipeline_parallel_microbatch_size", "1"]
+    result = _dry_run(
+        tmp_path, "llama3_405b", 512, *flags, "--training.local_batch_size", "8", rank=511
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout + result.stderr
+    # 126 blocks + embeddings + output = 128 units, 16 per stage: the last has 15 blocks.
+    assert "rank 511 of 512" in out and "holds 1 pipeline stage(s) (15 blocks)" in out
+    # 15 blocks + final norm + output over 64 ranks, float32.
+    dim, ffn, vocab, kv = 16384, 53248, 128256, 8 * 128
+    block = 2 * dim * dim + 2 * dim * kv + 3 * dim * ffn + 2 * dim
+    expected = (15 * block + dim + vocab * dim) * 4 / 64 / GiB
+    assert _gib(out, "parameters") == pytest.approx(expected, rel=0.01)

@@ -229,8 +229,8 @@ def _validate_pipeline(config: JobConfig, spec: ModelSpec) -> None:
             "gradients on torch 2.13; use default (never under this schedule) or never",
         ),
         (
-            config.comm.mode == "default",
-            f"--parallelism.pipeline_parallel_degree cannot run under COMM_MODE={config.comm.mode} "
+            config.comm.mode != "local_tensor",
+            "--parallelism.pipeline_parallel_degree cannot run under COMM_MODE=local_tensor "
             "yet; run it with real ranks",
         ),
         (

@@ -22,7 +22,7 @@ from torchtitan.tools.logging import logger
 GiB = 2**30
 
 
-def _size(n: int) -> str:
+def format_bytes(n: int) -> str:
     """Bytes as GiB, or MiB below 1 GiB (debug models)."""
     return f"{n / GiB:9.2f} GiB" if n >= GiB else f"{n / 2**20:9.1f} MiB"
 
@@ -104,14 +104,14 @@ class MemoryEstimate:
         """Lines for the console: state, peak by category, and whether it fits (else
         ``advice``)."""
         lines = [
-            f"  parameters        {_size(self.parameters)}  (exact)",
-            f"  gradients         {_size(self.gradients)}  (exact)",
-            f"  optimizer state   {_size(self.optimizer)}",
-            f"  peak of a step    {_size(self.peak_total)}, of which:",
+            f"  parameters        {format_bytes(self.parameters)}  (exact)",
+            f"  gradients         {format_bytes(self.gradients)}  (exact)",
+            f"  optimizer state   {format_bytes(self.optimizer)}",
+            f"  peak of a step    {format_bytes(self.peak_total)}, of which:",
         ]
         for name, value in sorted(self.peak.items(), key=lambda kv: -kv[1]):
             if name != "Total" and value >= 2**20:
-                lines.append(f"    {name:<16}{_size(value)}")
+                lines.append(f"    {name:<16}{format_bytes(value)}")
         budget = device_memory_gib * GiB
         if self.peak_total <= budget:
             lines.append(

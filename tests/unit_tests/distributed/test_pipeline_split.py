@@ -128,7 +128,7 @@ _PP = "--parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_
             "--parallelism.fsdp_reshard_after_forward always",
             "gives wrong gradients",
         ),
-        (f"{_PP} --comm.mode fake_backend", "cannot run under COMM_MODE=fake_backend yet"),
+        (f"{_PP} --comm.mode local_tensor", "cannot run under COMM_MODE=local_tensor yet"),
         (f"{_PP} --model.flavor 1B", "ties the output to the embeddings"),
         (
             f"{_PP} --parallelism.pipeline_parallel_layers_per_stage 4",
