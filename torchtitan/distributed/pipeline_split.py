@@ -56,14 +56,18 @@ def split_blocks(
     layers_per_stage: int | None = None,
     first: tuple[str, ...] = (),
     last: tuple[str, ...] = (),
+    first_cost: float = 1.0,
+    last_cost: float = 1.0,
     blocks: str = "layers",
 ) -> list[list[str]]:
     """Module names of each stage: ``blocks.0 .. blocks.{n-1}`` cut in order, with ``first``
     (e.g. the embeddings) on the first stage and ``last`` (final norm, output) on the last.
 
-    An even split counts ``first`` and ``last`` as one block each (they cost about as much
-    as one: the output projection is a large matmul), and gives any remainder to the earlier
-    stages. ``layers_per_stage`` instead puts exactly that many blocks on every stage.
+    The default split balances compute: ``first`` and ``last`` cost ``first_cost`` and
+    ``last_cost`` blocks (the model knows: an embedding lookup costs almost nothing, an output
+    projection over a large vocabulary several blocks), and each stage ends where the running
+    cost is nearest to its even share. ``layers_per_stage`` instead puts exactly that many
+    blocks on every stage.
     """
     if layers_per_stage is not None:
         if layers_per_stage < 1 or layers_per_stage * num_stages != n_blocks:
@@ -74,18 +78,26 @@ def split_blocks(
             )
         counts = [layers_per_stage] * num_stages
     else:
-        units = n_blocks + (1 if first else 0) + (1 if last else 0)
-        base, extra = divmod(units, num_stages)
-        counts = [base + (1 if s < extra else 0) for s in range(num_stages)]
-        if first:
-            counts[0] -= 1
-        if last:
-            counts[-1] -= 1
-        if base < 1 or min(counts) < 0 or (num_stages > 2 and min(counts[1:-1]) < 1):
-            raise ConfigError(
-                f"{num_stages} pipeline stages need more than {n_blocks} layers; lower "
-                f"{_FLAG}pipeline_parallel_degree or use a schedule with fewer stages per rank"
-            )
+        head = first_cost if first else 0.0
+        share = (n_blocks + head + (last_cost if last else 0.0)) / num_stages
+        ends, previous = [], 0
+        for s in range(1, num_stages):
+            # Blocks before the end of stage s - 1, nearest to its share of the cost.
+            end = round(s * share - head)
+            # A stage without the first or last modules needs a block; leave one per stage after.
+            lowest = previous + (0 if s == 1 and first else 1)
+            end = min(max(end, lowest), n_blocks - (num_stages - s - (1 if last else 0)))
+            if end < lowest:
+                raise ConfigError(
+                    f"{num_stages} pipeline stages need more than {n_blocks} layers; lower "
+                    f"{_FLAG}pipeline_parallel_degree or use a schedule with fewer stages per rank"
+                )
+            ends.append(end)
+            previous = end
+        bounds = [0, *ends, n_blocks]
+        counts = [bounds[i + 1] - bounds[i] for i in range(num_stages)]
+        if not last and counts[-1] < 1:
+            raise ConfigError(f"{num_stages} pipeline stages need more than {n_blocks} layers")
     names, start = [], 0
     for s, count in enumerate(counts):
         stage = [f"{blocks}.{i}" for i in range(start, start + count)]

@@ -25,9 +25,18 @@ def test_even_split_counts_embeddings_and_output_as_one_block_each():
         ["layers.3", "layers.4"],
         ["layers.5", "norm", "output"],
     ]
-    # 6 blocks + 2 = 8 units over 3 stages: the remainder goes to the earlier stages.
-    sizes = [len(s) for s in split_blocks(6, 3, first=("e",), last=("o",))]
-    assert sizes == [3, 3, 2]
+    # 6 blocks + 2 = 8 units over 3 stages: each ends nearest its share (8/3, 16/3).
+    blocks = [
+        sum(n.startswith("layers") for n in s)
+        for s in split_blocks(6, 3, first=("e",), last=("o",))
+    ]
+    assert blocks == [2, 2, 2]
+
+
+def test_the_split_balances_what_the_first_and_last_modules_cost():
+    # Llama 3 8B: a free embedding lookup, an output projection of 2.4 blocks.
+    counts = split_blocks(32, 4, first=("e",), last=("o",), first_cost=0.0, last_cost=2.4)
+    assert [sum(n.startswith("layers") for n in s) for s in counts] == [9, 8, 9, 6]
 
 
 def test_layers_per_stage_puts_exactly_that_many_blocks_on_each():

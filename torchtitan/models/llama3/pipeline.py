@@ -8,14 +8,20 @@ from torchtitan.models.llama3.args import Llama3Args
 
 def pipeline_llama3(args: Llama3Args, num_stages: int, parallelism: Parallelism) -> list[list[str]]:
     """Embeddings on the first stage, final norm and output on the last, the blocks in order
-    between them (``--parallelism.pipeline_parallel_layers_per_stage`` or an even split), or
-    the explicit ``--parallelism.module_fqns_per_model_part``."""
+    between them (``--parallelism.pipeline_parallel_layers_per_stage``, or a split that
+    balances the matmul cost), or the explicit ``--parallelism.module_fqns_per_model_part``."""
     if parallelism.module_fqns_per_model_part:
         return parse_module_names(parallelism.module_fqns_per_model_part)
+    # Costs in blocks, from the matmul weights a token passes through: the embedding is a
+    # lookup; the output projection is vocab x dim (about 2.4 blocks for 8B, 0.7 for debug).
+    kv_dim = args.kv_heads * args.head_dim
+    block = 2 * args.dim * args.dim + 2 * args.dim * kv_dim + 3 * args.dim * args.ffn_hidden_dim
     return split_blocks(
         args.n_layers,
         num_stages,
         layers_per_stage=parallelism.pipeline_parallel_layers_per_stage,
         first=("tok_embeddings",),
         last=("norm", "output"),
+        first_cost=0.0,
+        last_cost=args.vocab_size * args.dim / block,
     )
