@@ -187,7 +187,7 @@ class BatchRunner:
 
     @property
     def _model(self) -> nn.Module:
-        (model,) = self.model_parts  # several parts need a pipeline schedule (not built yet)
+        (model,) = self.model_parts  # without a pipeline schedule there is one part
         return model
 
     def _context(self) -> contextlib.ExitStack:
