@@ -75,6 +75,7 @@ class Trainer:
         self.runner = BatchRunner(
             self.model_parts, self.parallelize_context, self.device, stages=stages
         )
+        self.pipeline_bubble = self._ideal_pipeline_bubble() if stages else None
         self.optimizers = build_optimizers(self.model_parts, config.optimizer, self.device)
         self.lr_schedulers = build_lr_schedulers(
             self.optimizers, config.lr_scheduler, training_steps=config.training.steps
@@ -167,15 +168,6 @@ class Trainer:
             return [self.model_spec.parallelize(model, context)], []
         layout = pipeline_split.pipeline_layout(p, args.n_layers)
         pp_mesh = dims.mesh("pp")
-        self.pipeline_bubble = pipeline_timeline.ideal_bubble(
-            pipeline_split.action_lists(layout, p, t.local_batch_size)
-        )
-        logger.info(
-            f"Pipeline: {layout.num_stages} stages on {dims.pp} ranks, "
-            f"{t.local_batch_size // p.pipeline_parallel_microbatch_size} micro-batches per "
-            f"accumulation batch; ideal bubble {self.pipeline_bubble:.1%} (unit-cost timeline "
-            "of the schedule's actions: scripts/plot_pipeline_schedules.py draws it)"
-        )
         names = self.model_spec.pipeline(args, layout.num_stages, p)
         hidden_dtype, output_dtype = pipeline_dtypes(dims, t.mixed_precision_param)
         stages, parts = pipeline_parallel.build_stages(
@@ -359,6 +351,21 @@ class Trainer:
             f"{last if last is not None else 'none'}. Lower --optimizer.lr, check the data, "
             "or pass --debug.skip_nonfinite_steps to skip such updates"
         )
+
+    def _ideal_pipeline_bubble(self) -> float:
+        """The bubble of this run's pipeline layout on the unit-cost timeline, logged once."""
+        p, t = self.config.parallelism, self.config.training
+        layout = pipeline_split.pipeline_layout(p, self.model_args.n_layers)
+        bubble = pipeline_timeline.ideal_bubble(
+            pipeline_split.action_lists(layout, p, t.local_batch_size)
+        )
+        logger.info(
+            f"Pipeline: {layout.num_stages} stages on {p.pipeline_parallel_degree} ranks, "
+            f"{t.local_batch_size // p.pipeline_parallel_microbatch_size} micro-batches per "
+            f"accumulation batch; ideal bubble {bubble:.1%} (unit-cost timeline of the "
+            "schedule's actions: scripts/plot_pipeline_schedules.py draws it)"
+        )
+        return bubble
 
     def _watch_step(self, first_step: int) -> None:
         """Arm the hang watchdog; after the first step collectives get the train timeout."""
