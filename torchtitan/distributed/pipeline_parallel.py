@@ -28,7 +28,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from torchtitan.config.errors import ConfigError
+from torchtitan.distributed.pipeline_split import check_module_names
 
 _STATIC_GRADS = "input_grads" in inspect.signature(PipelineStage.__init__).parameters
 
@@ -58,20 +58,7 @@ def check_split(model: nn.Module, names_per_stage: Sequence[Sequence[str]]) -> N
             units += [f"{child_name}.{key}" for key in child.keys()]
         else:
             units.append(child_name)
-    named = [n for stage in names_per_stage for n in stage]
-    unknown = sorted(set(named) - set(units))
-    missing = [u for u in units if u not in named]
-    repeated = sorted({n for n in named if named.count(n) > 1})
-    for what, found in (("not modules of the model", unknown), ("on no stage", missing)):
-        if found:
-            raise ConfigError(
-                f"--parallelism.module_fqns_per_model_part: {', '.join(found)} {what}; list "
-                f"each of {', '.join(units)} once, in model order"
-            )
-    if repeated:
-        raise ConfigError(
-            f"--parallelism.module_fqns_per_model_part: {', '.join(repeated)} on several stages"
-        )
+    check_module_names(names_per_stage, units)
 
 
 def build_stages(

@@ -13,7 +13,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-from torchtitan.config.errors import ConfigError
+from torchtitan.config.errors import ConfigError, did_you_mean
 
 SCHEDULES = (
     "GPipe",
@@ -106,6 +106,29 @@ def split_blocks(
             ([*first] if s == 0 else []) + stage + ([*last] if s == num_stages - 1 else [])
         )
     return names
+
+
+def check_module_names(names_per_stage: list[list[str]], units: list[str]) -> None:
+    """Each of the model's ``units`` (top-level modules and blocks) on exactly one stage, and
+    nothing else."""
+    named = [n for stage in names_per_stage for n in stage]
+    unknown = sorted(set(named) - set(units))
+    missing = [u for u in units if u not in named]
+    repeated = sorted({n for n in named if named.count(n) > 1})
+    every = f"list each of {', '.join(units)} once, in model order"
+    if unknown:
+        raise ConfigError(
+            f"{_FLAG}module_fqns_per_model_part: no module named {', '.join(unknown)}"
+            f"{did_you_mean(unknown[0], units)}; {every}"
+        )
+    if missing:
+        raise ConfigError(
+            f"{_FLAG}module_fqns_per_model_part: {', '.join(missing)} on no stage; {every}"
+        )
+    if repeated:
+        raise ConfigError(
+            f"{_FLAG}module_fqns_per_model_part: {', '.join(repeated)} on several stages"
+        )
 
 
 def parse_module_names(parts: list[str]) -> list[list[str]]:

@@ -94,7 +94,7 @@ def test_a_split_must_place_every_module_once():
     model = Transformer(Llama3Args(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=8))
     with pytest.raises(ConfigError, match="layers.1 on no stage"):
         check_split(model, [["tok_embeddings", "layers.0"], ["norm", "output"]])
-    with pytest.raises(ConfigError, match="layers.7 not modules of the model"):
+    with pytest.raises(ConfigError, match="no module named layers.7"):
         check_split(
             model, [["tok_embeddings", "layers.0", "layers.7"], ["layers.1", "norm", "output"]]
         )
@@ -144,7 +144,8 @@ _PP = "--parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_
             "layers_per_stage=4 x 2 stages != 6",
         ),
         (
-            f"{_PP} --parallelism.module_fqns_per_model_part tok_embeddings,layers.0",
+            f"{_PP} --parallelism.module_fqns_per_model_part "
+            + ",".join(["tok_embeddings", *(f"layers.{i}" for i in range(6)), "norm", "output"]),
             "lists 1 stages, but 1F1B",
         ),
     ],
@@ -208,3 +209,11 @@ def test_a_csv_schedule_places_the_stages_its_rows_name(monkeypatch):
     layout = pipeline_layout(config.parallelism, n_layers=6)
     assert layout.stages_by_rank == [[0, 2], [1, 3]] and layout.split_backward
     assert config.parallelism.fsdp_reshard_after_forward == "never"
+
+
+def test_a_misspelt_module_in_an_explicit_split_is_refused_before_launch(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    parts = ["tok_embeddings,layers.0,layers.1,layers.2", "layers.3,layers.4,layers.5,norm,outptu"]
+    with pytest.raises(ConfigError) as error:
+        parse_args([*_PP.split(), "--parallelism.module_fqns_per_model_part", *parts])
+    assert "no module named outptu (did you mean output?)" in str(error.value)
