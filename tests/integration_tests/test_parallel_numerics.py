@@ -123,6 +123,12 @@ CASES = {
         "--training.local_batch_size 4 --parallelism.pipeline_parallel_degree 2 "
         "--parallelism.pipeline_parallel_microbatch_size 2 --parallelism.tensor_parallel_degree 2",
     ),
+    "pp2_hsdp2x2": (
+        8,
+        "--training.local_batch_size 2 --parallelism.pipeline_parallel_degree 2 "
+        "--parallelism.pipeline_parallel_microbatch_size 1 "
+        "--parallelism.data_parallel_replicate_degree 2",
+    ),
     "pp2_fsdp2": (
         4,
         "--training.local_batch_size 4 --parallelism.pipeline_parallel_degree 2 "
