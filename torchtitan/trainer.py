@@ -352,13 +352,19 @@ class Trainer:
             "or pass --debug.skip_nonfinite_steps to skip such updates"
         )
 
-    def _ideal_pipeline_bubble(self) -> float:
-        """The bubble of this run's pipeline layout on the unit-cost timeline, logged once."""
+    def _ideal_pipeline_bubble(self) -> float | None:
+        """The bubble of this run's pipeline layout on the unit-cost timeline, logged once;
+        ``None`` where the timeline model cannot lower the schedule (it uses a private torch
+        API): the run goes on without it."""
         p, t = self.config.parallelism, self.config.training
         layout = pipeline_split.pipeline_layout(p, self.model_args.n_layers)
-        bubble = pipeline_timeline.ideal_bubble(
-            pipeline_split.action_lists(layout, p, t.local_batch_size)
-        )
+        try:
+            bubble = pipeline_timeline.ideal_bubble(
+                pipeline_split.action_lists(layout, p, t.local_batch_size)
+            )
+        except Exception as e:  # a model of the step, never a reason to stop training
+            logger.warning(f"Pipeline: ideal bubble unknown ({type(e).__name__}: {e})")
+            return None
         logger.info(
             f"Pipeline: {layout.num_stages} stages on {p.pipeline_parallel_degree} ranks, "
             f"{t.local_batch_size // p.pipeline_parallel_microbatch_size} micro-batches per "
@@ -399,7 +405,9 @@ class Trainer:
         extra = {"loss_local": local_loss, "skipped_steps": self.skipped_steps}
         idle = self.runner.take_pipeline_idle()
         if idle is not None:
-            extra |= {"pp_idle_pct": 100 * idle, "pp_bubble_ideal_pct": 100 * self.pipeline_bubble}
+            extra["pp_idle_pct"] = 100 * idle
+        if self.pipeline_bubble is not None:
+            extra["pp_bubble_ideal_pct"] = 100 * self.pipeline_bubble
         if self.step == 1:
             parameters = (p for part in self.model_parts for p in part.parameters())
             extra |= held_mib(parameters, self.optimizers.state_tensors())

@@ -139,7 +139,9 @@ class MetricsProcessor:
             line += f"{c.magenta}mfu: {r['mfu_pct']:.2f}%  "
         line += f"{c.reset}lr: {r['lr']:.3e}  data: {r['data_loading_pct']:.1f}%"
         if "pp_idle_pct" in r:
-            line += f"  bubble: {r['pp_idle_pct']:.0f}% (ideal {r['pp_bubble_ideal_pct']:.0f}%)"
+            line += f"  bubble: {r['pp_idle_pct']:.0f}%"
+            if "pp_bubble_ideal_pct" in r:
+                line += f" (ideal {r['pp_bubble_ideal_pct']:.0f}%)"
         logger.info(line)
 
     def close(self) -> None:
