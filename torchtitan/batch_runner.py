@@ -27,7 +27,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.loss import cross_entropy_sum
-from torchtitan.distributed import ParallelDims, pipeline_parallel, tensor_parallel
+from torchtitan.distributed import ParallelDims, local_tensor, pipeline_parallel, tensor_parallel
 from torchtitan.models.spec import ParallelizeContext
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
@@ -166,10 +166,11 @@ class BatchRunner:
     def take_pipeline_idle(self) -> float | None:
         """The share of the pipeline steps since the last call this rank spent waiting (its
         bubble), measured on CPU as 1 - process CPU time / (wall time x threads); ``None``
-        without pipelining or on an accelerator (its kernels run asynchronously). Other
-        threads' work (gloo, a checkpoint writer) counts as busy: a lower bound."""
-        if self.schedule is None or self.device.type != "cpu":
-            return None
+        without pipelining, on an accelerator (its kernels run asynchronously) or when ranks are
+        simulated. Other threads' work (gloo, a checkpoint writer) counts as busy: a lower
+        bound."""
+        if self.schedule is None or self.device.type != "cpu" or local_tensor.is_simulating():
+            return None  # simulated pipeline ranks take turns on one thread at a time
         (wall, cpu), self._pipeline_seconds = self._pipeline_seconds, [0.0, 0.0]
         return max(0.0, 1 - cpu / max(wall * torch.get_num_threads(), 1e-9))
 

@@ -6,11 +6,15 @@ and maps its outcome to an exit code: 0 done, 2 bad input (one line, no tracebac
 ``torchtitan.trainer``; nothing imports this module.
 """
 
+import copy
 import os
 import sys
 from collections.abc import Sequence
 
+import torch
+
 from torchtitan import dry_run
+from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
 from torchtitan.config.validation import validate_environment
@@ -23,20 +27,17 @@ from torchtitan.trainer import NonFiniteError, Trainer
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, run, shut down; return the exit code."""
     init_logger()
-    trainer = None
     try:
         config = parse_args(argv)
         validate_environment(config, dist_utils.device_type())
-        with local_tensor.simulate(config.comm.mode):
-            if config.comm.mode == "fake_backend":
-                trainer = dry_run.build_trainer(config)
-                dry_run.run(trainer)
-            elif config.checkpoint.create_seed_checkpoint:
-                trainer = Trainer(config)
-                trainer.create_seed_checkpoint()
-            else:
-                trainer = Trainer(config)
-                trainer.train()
+        if config.comm.mode == "local_tensor" and config.debug.seed is None:
+            # Simulated pipeline ranks run in threads that cannot share a drawn seed.
+            config.debug.seed = int(torch.randint(0, 2**31 - 1, ()))
+        local_tensor.run(
+            config.comm.mode,
+            config.parallelism.pipeline_parallel_degree,
+            lambda pp_rank: _run(copy.deepcopy(config) if pp_rank else config),
+        )
         return 0
     except (ConfigError, FileNotFoundError) as e:
         logger.error(str(e))
@@ -45,9 +46,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error(str(e))
         return 3
     finally:
+        dist_utils.shutdown()
+
+
+def _run(config: JobConfig) -> None:
+    """One job: a training run, a seed checkpoint or a dry run."""
+    trainer = None
+    try:
+        if config.comm.mode == "fake_backend":
+            trainer = dry_run.build_trainer(config)
+            dry_run.run(trainer)
+        elif config.checkpoint.create_seed_checkpoint:
+            trainer = Trainer(config)
+            trainer.create_seed_checkpoint()
+        else:
+            trainer = Trainer(config)
+            trainer.train()
+    finally:
         if trainer is not None:
             trainer.close()
-        dist_utils.shutdown()
 
 
 if __name__ == "__main__":

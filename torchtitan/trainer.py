@@ -7,7 +7,6 @@ build steps instead of adding branches here.
 """
 
 import functools
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -107,7 +106,7 @@ class Trainer:
             trace_buf_size=config.comm.trace_buf_size,
             comm_mode=config.comm.mode,
         )
-        self.rank = int(os.environ.get("RANK", "0"))
+        self.rank = local_tensor.own_rank()
         dims = self.parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
         self.grad_accum_steps = dims.grad_accum_steps(t.local_batch_size, t.global_batch_size)
         self.global_batch_size = dims.global_batch_size(t.local_batch_size, t.global_batch_size)
@@ -122,7 +121,7 @@ class Trainer:
         self.seed = self._shared_seed(config.debug.seed)
         # Pipeline stages draw distinct random numbers (reproducibly); the initial weights
         # still come from ``self.seed`` alone (init_weights).
-        pp_rank = self.pp_mesh.get_local_rank() if self.pp_mesh is not None else 0
+        pp_rank = self._pp_rank()
         dist_utils.set_determinism(
             self.seed + pp_rank,
             deterministic=config.debug.deterministic,
@@ -173,7 +172,7 @@ class Trainer:
         stages, parts = pipeline_parallel.build_stages(
             model,
             names,
-            local_stages=layout.stages_by_rank[pp_mesh.get_local_rank()],
+            local_stages=layout.stages_by_rank[self._pp_rank()],
             pp_mesh=pp_mesh,
             parallelize=lambda part: self.model_spec.parallelize(part, context),
             device=self.device,
@@ -385,6 +384,12 @@ class Trainer:
             dist_utils.set_pg_timeouts(comm.train_timeout_seconds)
         timeout = comm.init_timeout_seconds if first else comm.train_timeout_seconds
         self.watchdog.start(self.step, timeout)
+
+    def _pp_rank(self) -> int:
+        """This rank's pipeline coordinate (0 without pipeline parallelism)."""
+        if self.pp_mesh is None:
+            return 0
+        return local_tensor.same_int(self.pp_mesh.get_local_rank())
 
     def _shared_seed(self, seed: int | None) -> int:
         """Every rank must initialise replicated state alike: without ``--debug.seed``, rank 0

@@ -152,6 +152,42 @@ def test_local_tensor_runs_the_sixteen_rank_example(tmp_path, fsdp_tp_run):
         assert sim["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
 
 
+def test_local_tensor_simulates_pipeline_x_fsdp_x_tp(tmp_path, fsdp_tp_run):
+    """PP 2 x FSDP 2 x TP 2 on 8 simulated ranks (a thread per pipeline rank) reads the data of
+    FSDP 2 x TP 2 and trains alike: micro-batching only changes the order of sums."""
+    real, _ = fsdp_tp_run
+    flags = ["--training.steps", "2", "--parallelism.tensor_parallel_degree", "2", *LR]
+    result = _simulate(tmp_path, 8, *flags, "--parallelism.pipeline_parallel_degree", "2")
+    out = result.stdout + result.stderr
+    assert "pp=2" in out and "world_size=8" in out
+    assert out.count("Training finished") == 1  # the other pipeline rank's thread is quiet
+    simulated, reference = records(tmp_path), records(real)[:2]
+    assert [r["step"] for r in simulated] == [1, 2]
+    for sim, ref in zip(simulated, reference, strict=True):
+        assert sim["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert sim["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+        assert "pp_idle_pct" not in sim  # threads taking turns: no bubble to measure
+    # Rank 0 holds half of the first stage's parameters (FSDP 2 x TP 2 shards them 4 ways).
+    assert simulated[0]["param_mib"] < reference[0]["param_mib"]
+
+
+def test_local_tensor_simulates_a_v_shaped_schedule(tmp_path):
+    """DualPipeV (two stages per rank, V placement, split backward) simulated on 2 ranks
+    gives the losses of one process."""
+    flags = ["--training.steps", "2", *LR]
+    reference = tmp_path / "one"
+    assert _run_train(reference, *flags).returncode == 0
+    pp = ["--parallelism.pipeline_parallel_degree", "2"]
+    _simulate(
+        tmp_path / "sim", 2, *flags, *pp, "--parallelism.pipeline_parallel_schedule", "DualPipeV"
+    )
+    simulated, expected = records(tmp_path / "sim"), records(reference)
+    assert [r["step"] for r in simulated] == [1, 2]
+    for sim, ref in zip(simulated, expected, strict=True):
+        assert sim["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert sim["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+
+
 def test_memory_timeline_on_cpu(tmp_path):
     result = _run_train(
         tmp_path,

@@ -229,11 +229,6 @@ def _validate_pipeline(config: JobConfig, spec: ModelSpec) -> None:
             "gradients on torch 2.13; use default (never under this schedule) or never",
         ),
         (
-            config.comm.mode != "local_tensor",
-            "--parallelism.pipeline_parallel_degree cannot run under COMM_MODE=local_tensor "
-            "yet; run it with real ranks",
-        ),
-        (
             not t.enable_cpu_offload,
             "--parallelism.pipeline_parallel_degree with --training.enable_cpu_offload is not "
             "supported yet; drop one",
@@ -299,6 +294,12 @@ def _local_tensor_checks(config: JobConfig) -> list[tuple[bool, str]]:
             (
                 not config.training.enable_cpu_offload,
                 f"--training.enable_cpu_offload {why}; drop the flag",
+            ),
+            (
+                not (p.pipeline_parallel_degree > 1 and config.profiling.enable_profiling),
+                "--profiling.enable_profiling with --parallelism.pipeline_parallel_degree > 1 "
+                f"{why} (the simulated pipeline ranks are threads and torch's profiler is one "
+                "per process); profile a run with real ranks",
             ),
         ]
     simple = _fsdp_impl(config) == "simple"

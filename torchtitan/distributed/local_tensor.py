@@ -64,19 +64,51 @@ def local_tensor_mode(world_size: int) -> Iterator[LocalTensorMode]:
         dist.destroy_process_group()
 
 
-def simulate(comm_mode: str) -> contextlib.AbstractContextManager:
-    """The trainer's way in: under ``comm_mode="local_tensor"``, ``LocalTensorMode`` over the
-    ``WORLD_SIZE`` ranks (``NGPU`` of ``run_train.sh``) until the block ends; the process group
-    (``fake``) is made inside, by ``init_distributed``. Otherwise nothing."""
+def run(comm_mode: str, pipeline_degree: int, fn: Callable[[int], None]) -> None:
+    """The trainer's way in: ``fn(pp_rank)`` runs one whole job.
+
+    Without ``comm_mode="local_tensor"``: ``fn(0)``, once (this process is one real rank).
+    Under it: ``fn`` runs inside ``LocalTensorMode`` over the ``WORLD_SIZE`` ranks (``NGPU``
+    of ``run_train.sh``); the process group (``fake``) is made inside, by
+    ``init_distributed``. With pipeline parallelism, once per pipeline rank, each in its
+    own thread simulating that rank's share of the world (``local_pipeline``).
+    """
     if comm_mode != "local_tensor":
-        return contextlib.nullcontext()
+        fn(0)
+        return
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     logger.warning(
         f"COMM_MODE=local_tensor: Simulating {world_size} ranks in one process. Losses and "
         "gradients are those of the real run; speed and memory are not (every op runs once "
         "per rank, one after the other). The metrics show rank 0's view."
     )
-    return LocalTensorMode(world_size)
+    if pipeline_degree == 1:
+        with LocalTensorMode(world_size):
+            fn(0)
+        return
+    from torchtitan.distributed import local_pipeline
+
+    local_pipeline.run(world_size, pipeline_degree, fn)
+
+
+def same_int(value: int | torch.SymInt) -> int:
+    """``value`` as an ``int`` where it is the same on every simulated rank (e.g. a pipeline
+    thread's ``pp`` coordinate); raises ``ValueError`` where the ranks differ."""
+    if isinstance(value, torch.SymInt):
+        as_int = value.node.maybe_as_int()
+        if as_int is None:
+            raise ValueError(f"{value} differs across the simulated ranks")
+        return as_int
+    return int(value)
+
+
+def own_rank() -> int:
+    """The rank whose view this process (or, under the pipeline simulation, this thread)
+    logs and saves: ``RANK``, or the first rank the thread simulates."""
+    from torchtitan.distributed import local_pipeline
+
+    first = local_pipeline.first_rank()
+    return first if first is not None else int(os.environ.get("RANK", "0"))
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ The per-model plans (which module is colwise, rowwise, sequence parallel) live i
 """
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -13,7 +14,32 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:
     """Cross-entropy on vocab-sharded logits without gathering them (forward and backward)."""
-    return loss_parallel() if enabled else contextlib.nullcontext()
+    return _nested_loss_parallel() if enabled else contextlib.nullcontext()
+
+
+_loss_parallel_open: list[contextlib.AbstractContextManager] = []  # the one open context
+_loss_parallel_depth = 0
+
+
+@contextlib.contextmanager
+def _nested_loss_parallel() -> Iterator[None]:
+    """torch's ``loss_parallel`` registers its handlers process-wide and cannot nest: an inner
+    exit would remove them under the outer block. Simulated pipeline ranks are threads that
+    take turns inside their own blocks (``COMM_MODE=local_tensor``), so the handlers are
+    registered when the first block opens and removed when the last one closes, whichever
+    that is."""
+    global _loss_parallel_depth
+    if _loss_parallel_depth == 0:
+        context = loss_parallel()
+        context.__enter__()
+        _loss_parallel_open.append(context)
+    _loss_parallel_depth += 1
+    try:
+        yield
+    finally:
+        _loss_parallel_depth -= 1
+        if _loss_parallel_depth == 0:
+            _loss_parallel_open.pop().__exit__(None, None, None)
 
 
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:

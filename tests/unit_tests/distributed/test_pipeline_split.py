@@ -137,7 +137,10 @@ _PP = "--parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_
             "--parallelism.fsdp_reshard_after_forward always",
             "gives wrong gradients",
         ),
-        (f"{_PP} --comm.mode local_tensor", "cannot run under COMM_MODE=local_tensor yet"),
+        (
+            f"{_PP} --comm.mode local_tensor --profiling.enable_profiling",
+            "the simulated pipeline ranks are threads",
+        ),
         (f"{_PP} --model.flavor 1B", "ties the output to the embeddings"),
         (
             f"{_PP} --parallelism.pipeline_parallel_layers_per_stage 4",
