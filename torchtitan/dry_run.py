@@ -15,7 +15,7 @@ import torch
 from torchtitan.batch_runner import BatchRunner
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config import JobConfig
-from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import ParallelDims, pipeline_split, pipeline_timeline
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.models.spec import get_model_spec
 from torchtitan.tools import memory_estimate
@@ -87,7 +87,11 @@ def estimate_memory(trainer: Trainer) -> memory_estimate.MemoryEstimate:
 def _probe_step(trainer: Trainer, depth: int | None) -> tuple[dict[str, int], float]:
     """Build the model with ``depth`` blocks (all of them for ``None``), parallelized like the
     real one, and measure a step on fake tensors. Returns the peak by category and the
-    optimizer's state bytes per parameter byte."""
+    optimizer's state bytes per parameter byte.
+
+    Under pipeline parallelism the probe is one micro-batch through the whole shallow model,
+    unsplit but parallelized as each stage is (TP, AC, FSDP): what a stage holds per block
+    and micro-batch (:func:`estimate_pipeline_memory`)."""
     config = trainer.config
     args = trainer.model_args
     if depth is not None:
@@ -97,15 +101,23 @@ def _probe_step(trainer: Trainer, depth: int | None) -> tuple[dict[str, int], fl
     context = dataclasses.replace(
         trainer.parallelize_context, compile=dataclasses.replace(config.compile, enable=False)
     )
-    model_parts, _ = trainer.build_model_parts(args, context)  # no PP in dry runs yet
     t = config.training
+    batch_size = t.local_batch_size
+    if trainer.parallel_dims.pp_enabled:
+        with torch.device("meta"):
+            model_parts = [
+                trainer.model_spec.parallelize(trainer.model_spec.build_model(args), context)
+            ]
+        batch_size = config.parallelism.pipeline_parallel_microbatch_size
+    else:
+        model_parts, _ = trainer.build_model_parts(args, context)
     with memory_estimate.fake_tensor_mode():
         for part in model_parts:
             part.to_empty(device=trainer.device)
         optimizers = build_optimizers(model_parts, config.optimizer, trainer.device)
         runner = BatchRunner(model_parts, context, trainer.device)
-        inputs = torch.randint(0, args.vocab_size, (t.local_batch_size, t.seq_len))
-        labels = torch.randint(0, args.vocab_size, (t.local_batch_size, t.seq_len))
+        inputs = torch.randint(0, args.vocab_size, (batch_size, t.seq_len))
+        labels = torch.randint(0, args.vocab_size, (batch_size, t.seq_len))
         parameters = [p for part in model_parts for p in part.parameters()]
 
         def forward_backward() -> None:
@@ -128,13 +140,68 @@ def _probe_step(trainer: Trainer, depth: int | None) -> tuple[dict[str, int], fl
     return peak, ratio
 
 
+def estimate_pipeline_memory(trainer: Trainer) -> memory_estimate.MemoryEstimate:
+    """This pipeline rank's memory: exact state bytes of its stages, and the activations of
+    the micro-batches in flight at once under the schedule.
+
+    Probes of 1 and 2 blocks (one micro-batch each, :func:`_probe_step`) give the activation
+    bytes per block and those of the embeddings, output and loss (counted on the last stage,
+    where the logits are). The rank's action list of one accumulation batch (the schedule's
+    own lowering, as the bubble uses) then says how many micro-batches each of its stages
+    holds at the worst moment: ``pipeline_timeline.peak_in_flight``. Gradients are held all
+    along (they accumulate over the micro-batches), unlike without a pipeline.
+    """
+    p, t = trainer.config.parallelism, trainer.config.training
+    one, _ = _probe_step(trainer, 1)
+    two, ratio = _probe_step(trainer, 2)
+    per_block = max(0, two.get("Activation", 0) - one.get("Activation", 0))
+    ends = max(0, one.get("Activation", 0) - per_block)
+    layout = pipeline_split.pipeline_layout(p, trainer.model_args.n_layers)
+    stages = layout.stages_by_rank[trainer.pp_rank]
+    last = layout.num_stages - 1
+    weight = {
+        stage: len(part.layers) * per_block + (ends if stage == last else 0)
+        for stage, part in zip(stages, trainer.model_parts, strict=True)
+    }
+    try:
+        actions = pipeline_split.action_lists(layout, p, t.local_batch_size)[trainer.pp_rank]
+        activations = pipeline_timeline.peak_in_flight(actions, weight)
+    except Exception as e:  # the lowering is a private torch API: bound it instead
+        logger.warning(
+            f"Pipeline schedule not lowered ({type(e).__name__}: {e}); counting every "
+            "micro-batch in flight on every stage (an upper bound)"
+        )
+        activations = sum(weight.values()) * (
+            t.local_batch_size // p.pipeline_parallel_microbatch_size
+        )
+    parameters = [q for part in trainer.model_parts for q in part.parameters()]
+    params = memory_estimate.local_bytes(parameters)
+    grads = memory_estimate.local_bytes(q for q in parameters if q.requires_grad)
+    optimizer = int(params * ratio)
+    peak = {
+        "Activation": activations,
+        "Temp": max(one.get("Temp", 0), two.get("Temp", 0)),
+        "Parameter": params,
+        "Gradient": grads,
+        "Optstate": optimizer,
+    }
+    peak["Total"] = sum(peak.values())
+    return memory_estimate.MemoryEstimate(
+        n_layers=sum(len(part.layers) for part in trainer.model_parts),
+        parameters=params,
+        gradients=grads,
+        optimizer=optimizer,
+        peak=peak,
+    )
+
+
 def run(trainer: Trainer) -> None:
     """Banner, memory estimate, then ``--comm.dry_run_steps`` steps."""
     logger.warning(banner(trainer))
-    if trainer.parallel_dims.pp_enabled:
-        return _report_pipeline_state(trainer)
-    estimate = estimate_memory(trainer)
     dims = trainer.parallel_dims
+    if dims.pp_enabled:
+        return _report_pipeline(trainer)
+    estimate = estimate_memory(trainer)
     logger.info(
         f"Memory estimate for rank {trainer.rank} of {dims.world_size} ({dims}; "
         f"peak extrapolated from 1 and 2 of {estimate.n_layers} blocks):\n"
@@ -155,28 +222,32 @@ def run(trainer: Trainer) -> None:
     logger.info(f"Dry run finished: {trainer.step} real step(s) on no-op collectives")
 
 
-def _report_pipeline_state(trainer: Trainer) -> None:
-    """Under pipeline parallelism: this rank's stages and their exact state bytes. The peak of
-    a step (activations of the micro-batches in flight) is not estimated yet."""
-    parameters = [p for part in trainer.model_parts for p in part.parameters()]
-    params = memory_estimate.local_bytes(parameters)
-    ratio = 2.0 if trainer.config.optimizer.name in ("AdamW", "Adam") else 0.0  # two moments
+def _report_pipeline(trainer: Trainer) -> None:
+    """Under pipeline parallelism: this rank's stages and its memory estimate. The pipeline
+    step itself does not run: its stages exchange metadata before their first step, which
+    no-op collectives cannot carry (``COMM_MODE=local_tensor`` runs it, with real numbers)."""
+    dims, p = trainer.parallel_dims, trainer.config.parallelism
     stages = ", ".join(
         f"{n} blocks" if n != 1 else "1 block"
         for n in (len(part.layers) for part in trainer.model_parts)
     )
-    state = params * (2 + ratio)
-    dims = trainer.parallel_dims
-    size = memory_estimate.format_bytes
+    estimate = estimate_pipeline_memory(trainer)
+    m = trainer.config.training.local_batch_size // p.pipeline_parallel_microbatch_size
     logger.info(
-        f"Dry run finished: rank {trainer.rank} of {dims.world_size} ({dims}) holds "
-        f"{len(trainer.model_parts)} pipeline stage(s) ({stages}): parameters "
-        f"{size(params).strip()}, gradients {size(params).strip()}, optimizer state "
-        f"{size(int(ratio * params)).strip()} (Adam's two moments), {size(int(state)).strip()} "
-        "in all. The peak of "
-        "a step (activations of the micro-batches in flight) is not estimated under pipeline "
-        "parallelism yet, and no step runs (the stages' metadata exchange needs real collectives)"
+        f"Memory estimate for rank {trainer.rank} of {dims.world_size} ({dims}): it holds "
+        f"{len(trainer.model_parts)} pipeline stage(s) ({stages}); activations of the "
+        f"micro-batches in flight at once under {_schedule_name(p)} with {m} micro-batches "
+        f"of {p.pipeline_parallel_microbatch_size}, per block from 1 and 2 blocks:\n"
+        + estimate.report(trainer.config.debug.device_memory_gib, advice=_advice(trainer.config))
     )
+    logger.info(
+        "Dry run finished: stages built and estimated; the pipeline step does not run on "
+        "no-op collectives (COMM_MODE=local_tensor runs it)"
+    )
+
+
+def _schedule_name(p) -> str:
+    return p.pipeline_parallel_schedule_csv or p.pipeline_parallel_schedule
 
 
 def _advice(config: JobConfig) -> str:

@@ -121,7 +121,7 @@ class Trainer:
         self.seed = self._shared_seed(config.debug.seed)
         # Pipeline stages draw distinct random numbers (reproducibly); the initial weights
         # still come from ``self.seed`` alone (init_weights).
-        pp_rank = self._pp_rank()
+        pp_rank = self.pp_rank
         dist_utils.set_determinism(
             self.seed + pp_rank,
             deterministic=config.debug.deterministic,
@@ -172,7 +172,7 @@ class Trainer:
         stages, parts = pipeline_parallel.build_stages(
             model,
             names,
-            local_stages=layout.stages_by_rank[self._pp_rank()],
+            local_stages=layout.stages_by_rank[self.pp_rank],
             pp_mesh=pp_mesh,
             parallelize=lambda part: self.model_spec.parallelize(part, context),
             device=self.device,
@@ -385,7 +385,8 @@ class Trainer:
         timeout = comm.init_timeout_seconds if first else comm.train_timeout_seconds
         self.watchdog.start(self.step, timeout)
 
-    def _pp_rank(self) -> int:
+    @property
+    def pp_rank(self) -> int:
         """This rank's pipeline coordinate (0 without pipeline parallelism)."""
         if self.pp_mesh is None:
             return 0

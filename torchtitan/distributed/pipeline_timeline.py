@@ -124,3 +124,19 @@ def ideal_bubble(lists: list[list[Action]]) -> float:
     """The bubble of these action lists on the unit-cost timeline."""
     num_stages = 1 + max(stage for order in lists for stage, _, _ in order)
     return bubble(simulate(lists, num_stages))
+
+
+def peak_in_flight(actions: list[Action], weight: dict[int, int]) -> int:
+    """The most a rank holds at once of what forwards leave for their backward, running
+    ``actions`` (its list) in order: a forward of stage s adds ``weight[s]`` (e.g. the
+    activation bytes of one micro-batch through that stage); a full backward, or the weight
+    half of a split one, releases it. The input half keeps it: the weight gradients still
+    need the saved inputs of the linear layers."""
+    held = peak = 0
+    for stage, kind, _ in actions:
+        if kind == "F":
+            held += weight[stage]
+        elif kind in ("B", "W"):
+            held -= weight[stage]
+        peak = max(peak, held)
+    return peak
