@@ -25,7 +25,21 @@ except Exception:
 PY
 )
 fi
+if ! "$PYTHON" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('torch', 'tomli', 'tyro')))" 2>/dev/null; then
+  echo "error: $PYTHON lacks torchtitan's dependencies: run 'make setup' first (it makes .venv), or set PYTHON" >&2
+  exit 2
+fi
+if ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
+  echo "config error: NGPU=$NGPU must be a positive integer (ranks to start)" >&2
+  exit 2
+fi
 LOG_RANK=${LOG_RANK:-0}
+for r in ${LOG_RANK//,/ }; do
+  if ! [[ "$r" =~ ^[0-9]+$ ]] || [ "$r" -ge "$NGPU" ]; then
+    echo "config error: LOG_RANK=$LOG_RANK: $r is not a rank of NGPU=$NGPU (0..$((NGPU - 1)), comma-separated)" >&2
+    exit 2
+  fi
+done
 MODULE=${MODULE:-llama3}
 CONFIG=${CONFIG:-llama3_debugmodel}
 COMM_MODE=${COMM_MODE:-}
@@ -56,8 +70,9 @@ if [ -n "$COMM_MODE" ]; then
     --module "$MODULE" --config "$CONFIG" "${MODE_ARGS[@]}" "$@"
 fi
 
-# Overrides are passed as separate, quoted words: values with spaces survive.
-exec "$PYTHON" -m torch.distributed.run \
+# torchrun through torchtitan.launcher: a rank's refusal comes back as its one line and exit
+# code, not as torchrun's traceback. Overrides are passed as separate, quoted words.
+exec "$PYTHON" -m torchtitan.launcher \
   --nproc_per_node="$NGPU" \
   --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from torchtitan import dry_run
+from torchtitan import dry_run, launcher
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
@@ -40,13 +40,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 0
     except (ConfigError, FileNotFoundError) as e:
-        logger.error(str(e))
-        return 2
+        return _stop(2, str(e))
     except NonFiniteError as e:
-        logger.error(str(e))
-        return 3
+        return _stop(3, str(e))
     finally:
         dist_utils.shutdown()
+
+
+def _stop(code: int, message: str) -> int:
+    """One line for the user: through the launcher (which prints the first rank's) when there
+    is one, else on this rank's console."""
+    if not launcher.refuse(code, message):
+        logger.error(message)
+    return code
 
 
 def _run(config: JobConfig) -> None:

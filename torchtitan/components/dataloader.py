@@ -9,6 +9,8 @@ every document is tokenized with BOS/EOS and the token stream is cut into window
 
 import dataclasses
 import glob
+import json
+import logging
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -78,7 +80,47 @@ def load_files(path: str) -> datasets.Dataset:
     fmt = formats.pop()
     # A .txt file becomes one document per paragraph (blank-line separated).
     extra = {"sample_by": "paragraph"} if fmt == "text" else {}
-    return datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train", **extra)
+    where = f"--training.dataset_path {path}"
+    if all(f.stat().st_size == 0 for f in files):
+        raise ConfigError(f"{where}: {_names(files)} empty; point it at files with documents")
+    quiet = logging.getLogger("datasets")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # its own error line would come before ours
+    try:
+        data = datasets.load_dataset(
+            fmt, data_files=[str(f) for f in files], split="train", **extra
+        )
+    except Exception as e:  # pyarrow / pandas tracebacks: one line naming the file instead
+        raise ConfigError(f"{where}: {_unreadable(files, fmt, e)}") from None
+    finally:
+        quiet.setLevel(level)
+    if len(data) == 0:
+        raise ConfigError(f"{where}: {_names(files)} no documents")
+    return data
+
+
+def _names(files: list[Path]) -> str:
+    return f"{files[0]} is" if len(files) == 1 else f"all {len(files)} files ({files[0]}, ...) are"
+
+
+def _unreadable(files: list[Path], fmt: str, error: Exception) -> str:
+    """Why the files cannot be read: the first line that is not JSON (for JSON lines), else
+    the reader's own first line."""
+    if fmt == "json":
+        for f in files:
+            with open(f, encoding="utf-8", errors="replace") as lines:
+                for n, line in enumerate(lines, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        json.loads(line)
+                    except ValueError as bad:
+                        return f"{f}, line {n} is not valid JSON ({bad}): {line.strip()[:60]!r}"
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    cause = error.__cause__ or error.__context__
+    if cause is not None and str(cause).strip():
+        reason = str(cause).strip().splitlines()[0]
+    return f"cannot read the {fmt} files ({reason})"
 
 
 def _file_format(path: Path) -> str | None:
@@ -110,7 +152,21 @@ def open_dataset(name: str, path: str | None) -> tuple[HFDataset, str]:
     if path is None:
         raise ConfigError(f"--training.dataset {name} needs --training.dataset_path")
     logger.info(f"Opening dataset {name} from {path}")
-    return spec.loader(path), spec.text_key
+    data = spec.loader(path)
+    features = getattr(data, "features", None)
+    if features is not None:  # known before reading (files); a stream is checked per row
+        key = spec.text_key
+        if key not in features:
+            raise ConfigError(
+                f"--training.dataset_path {path}: its rows have the fields "
+                f"{sorted(features)}, no {key!r}; every row needs a {key!r} field holding text"
+            )
+        if getattr(features[key], "dtype", "string") not in ("string", "large_string"):
+            raise ConfigError(
+                f"--training.dataset_path {path}: the {key!r} field holds "
+                f"{features[key].dtype}, not text"
+            )
+    return data, spec.text_key
 
 
 class TextDataset(IterableDataset, Stateful):
@@ -174,10 +230,22 @@ class TextDataset(IterableDataset, Stateful):
         window = self._seq_len + 1
         empty_passes = 0
         while True:
-            documents = 0
+            documents = characters = 0
             for document in self._documents():
                 documents += 1
-                text = document[self._text_key]
+                text = document.get(self._text_key)
+                if not isinstance(text, str):
+                    key = self._text_key
+                    what = (
+                        f"no {key!r} field"
+                        if text is None
+                        else f"a {type(text).__name__} as {key!r}, not text"
+                    )
+                    raise ConfigError(
+                        f"dataset {self.name}: a row of {self._where} has {what} "
+                        f"({str(document)[:80]}); every row needs a {key!r} field holding text"
+                    )
+                characters += len(text)
                 self._token_buffer.extend(self._tokenizer.encode(text, add_bos=True, add_eos=True))
                 while len(self._token_buffer) >= window:
                     tokens = torch.tensor(self._token_buffer[:window], dtype=torch.long)
@@ -192,11 +260,20 @@ class TextDataset(IterableDataset, Stateful):
                     f"{self._worker_note()}: it has fewer documents or shards than readers; "
                     "use fewer ranks or --training.num_workers 0"
                 )
+            if documents and not characters:
+                raise ConfigError(
+                    f"dataset {self.name}: all {documents} documents of {self._where} are "
+                    "empty; training on them would learn only the begin/end tokens"
+                )
             if not self._infinite:
                 self._rewind(self._epoch)
                 return
             self._rewind(self._epoch + 1)
-            logger.warning(f"Dataset {self.name} is being re-looped: epoch {self._epoch}")
+            if self._epoch & (self._epoch - 1) == 0:  # epochs 1, 2, 4, 8, ...: not every pass
+                logger.warning(
+                    f"Dataset {self.name} is being re-looped: epoch {self._epoch} of "
+                    f"{self._where} (a dataset shorter than the run repeats)"
+                )
 
     def _rewind(self, epoch: int) -> None:
         """Go back to the first document, as epoch ``epoch``."""

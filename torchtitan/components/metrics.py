@@ -3,6 +3,7 @@ W&B, and a JSON-lines file in the dump folder)."""
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ class MetricsProcessor:
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops(device, config.peak_flops)
         self.memory = MemoryMonitor(device)
-        self.color = Color if config.enable_color_printing else NoColor
+        self.color = Color if config.enable_color_printing and _terminal() else NoColor
         self.rank = rank
         self._tokens = 0
         self._data_seconds = 0.0
@@ -213,3 +214,11 @@ class _WandbSink(_Sink):
         # wandb flushes and stops its service in an atexit hook, which the trainer's os._exit
         # skips: without this the offline run file can be left without its last records.
         self._wandb.teardown()
+
+
+def _terminal() -> bool:
+    """Whether the console is a terminal (colour codes in a file or a pipe are noise). Under
+    the launcher a rank writes into torchrun's pipe: the launcher says whether its own
+    console is one (``TITAN_TERMINAL``)."""
+    told = os.environ.get("TITAN_TERMINAL")
+    return told == "1" if told is not None else sys.stderr.isatty()

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import tiktoken
 
+from torchtitan.config.errors import ConfigError
+
 __all__ = [
     "DEFAULT_TOKENIZER_PATH",
     "LLAMA3_NUM_RESERVED_SPECIAL_TOKENS",
@@ -211,4 +213,10 @@ def build_tokenizer(tokenizer_path: str | os.PathLike) -> Llama3Tokenizer:
             f"{tried}); download one with `python scripts/download_hf_assets.py --assets "
             f"tokenizer` or use the bundled {DEFAULT_TOKENIZER_PATH.parent}"
         )
-    return Llama3Tokenizer(model_file)
+    try:
+        return Llama3Tokenizer(model_file)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(
+            f"--model.tokenizer_path={tokenizer_path}: {model_file} is not a tiktoken ranks file "
+            f"(the Llama 3 tokenizer.model format): {str(e).splitlines()[0][:160]}"
+        ) from None

@@ -24,7 +24,7 @@ import tyro
 
 from torchtitan.config.errors import ConfigError, did_you_mean
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.validation import resolve_auto, validate
+from torchtitan.config.validation import resolve_auto, validate, validate_launch
 from torchtitan.models.spec import get_model_spec
 
 DEFAULT_MODULE = "llama3"
@@ -315,6 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         selection = _select(argv)
         config = parse_args(argv)
+        if selection.check_only:
+            validate_launch(config)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -8,13 +8,19 @@ it parses its config. The few rules that need torch (the device) are in
 A new technique adds its rules here, next to the ones of the techniques it composes with.
 """
 
+import math
 import os
+from pathlib import Path
 
 from torchtitan.config.errors import ConfigError, did_you_mean
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed import pipeline_split
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.spec import ModelSpec, get_model_spec
+from torchtitan.tools.paths import resolve_path
+
+CHECKPOINT_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+"""What a checkpoint holds (``--checkpoint.exclude_from_loading`` names some of them)."""
 
 
 def validate(config: JobConfig) -> None:
@@ -30,11 +36,18 @@ def validate(config: JobConfig) -> None:
         (t.seq_len >= 1, f"--training.seq_len={t.seq_len} must be >= 1"),
         (t.gc_freq >= 0, f"--training.gc_freq={t.gc_freq} must be >= 0"),
         (t.num_workers >= 0, f"--training.num_workers={t.num_workers} must be >= 0"),
-        (o.lr > 0, f"--optimizer.lr={o.lr} must be > 0"),
+        (0 < o.lr < math.inf, f"--optimizer.lr={o.lr} must be > 0 and finite"),
+        (
+            math.isfinite(t.max_norm),
+            f"--training.max_norm={t.max_norm} must be finite (<= 0 turns clipping off)",
+        ),
         (0 <= o.beta1 < 1, f"--optimizer.beta1={o.beta1} must be in [0, 1)"),
         (0 <= o.beta2 < 1, f"--optimizer.beta2={o.beta2} must be in [0, 1)"),
-        (o.eps > 0, f"--optimizer.eps={o.eps} must be > 0"),
-        (o.weight_decay >= 0, f"--optimizer.weight_decay={o.weight_decay} must be >= 0"),
+        (0 < o.eps < math.inf, f"--optimizer.eps={o.eps} must be > 0 and finite"),
+        (
+            0 <= o.weight_decay < math.inf,
+            f"--optimizer.weight_decay={o.weight_decay} must be >= 0 and finite",
+        ),
         (s.warmup_steps >= 0, f"--lr_scheduler.warmup_steps={s.warmup_steps} must be >= 0"),
         (
             s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
@@ -99,6 +112,8 @@ def validate(config: JobConfig) -> None:
         checks.append(
             (not given or c.enable, f"{flag} does nothing without --checkpoint.enable; add it")
         )
+    checks += _checkpoint_checks(config)
+    checks += _path_checks(config)
     checks += _unimplemented_checks(config)
     checks += _activation_checkpoint_checks(config)
     checks += _compile_checks(config)
@@ -131,6 +146,59 @@ def validate_environment(config: JobConfig, device_type: str) -> None:
         raise ConfigError(
             "--parallelism.enable_async_tensor_parallel needs CUDA (symmetric memory); "
             "remove it on CPU"
+        )
+
+
+def _checkpoint_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    c = config.checkpoint
+    unknown = [name for name in c.exclude_from_loading if name not in CHECKPOINT_STATES]
+    hint = did_you_mean(unknown[0], CHECKPOINT_STATES) if unknown else ""
+    return [
+        (c.interval >= 1, f"--checkpoint.interval={c.interval} must be >= 1 (steps between saves)"),
+        (c.keep_latest_k >= 0, f"--checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0"),
+        (
+            not unknown,
+            f"--checkpoint.exclude_from_loading {' '.join(unknown)}: not a checkpoint part"
+            f"{hint}; choose from {', '.join(CHECKPOINT_STATES)}",
+        ),
+    ]
+
+
+def _path_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    """Folders the run writes into and files it reads, checked before anything starts (a
+    folder that is a file would otherwise be found at the first save, after the training)."""
+    dump = config.job.dump_folder
+    checks = [
+        (dump.strip() != "", "--job.dump_folder is empty; give a folder for logs and checkpoints")
+    ]
+    c = config.checkpoint
+    folders = [("--job.dump_folder", Path(os.path.normpath(dump)))] if dump.strip() else []
+    if dump.strip() and (c.enable or c.create_seed_checkpoint):
+        folders.append(("--checkpoint.folder", Path(os.path.normpath(Path(dump) / c.folder))))
+    for flag, folder in folders:
+        blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
+        checks.append(
+            (
+                blocker is None or blocker.is_dir(),
+                f"{flag}: {blocker} is a file, not a folder; choose another path",
+            )
+        )
+    return checks
+
+
+def validate_launch(config: JobConfig) -> None:
+    """What a launch needs that printing or dry-running a config does not: the tokenizer file
+    (a 405B config can be inspected, or dry-run on fake tensors, without one). The launchers'
+    pre-flight (``python -m torchtitan.config.manager --check``) runs it for real runs."""
+    if config.comm.mode == "fake_backend":
+        return
+    tokenizer = resolve_path(config.model.tokenizer_path)
+    candidates = [tokenizer / "tokenizer.model", tokenizer / "original" / "tokenizer.model"]
+    if not (tokenizer.is_file() or any(p.is_file() for p in candidates)):
+        raise ConfigError(
+            f"--model.tokenizer_path={config.model.tokenizer_path}: no tokenizer.model there "
+            f"(tried {tokenizer} and {candidates[0]}); use the bundled tests/assets/tokenizer "
+            "or download one with `python scripts/download_hf_assets.py --assets tokenizer`"
         )
 
 

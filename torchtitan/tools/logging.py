@@ -21,9 +21,12 @@ def init_logger() -> None:
     logger.propagate = False
     if logger.handlers:
         return
-    rank = os.environ.get("RANK", "0")
+    # Under the launcher torchrun prefixes every line with the rank already ("[rank0]:").
+    prefix = (
+        " " if os.environ.get("TITAN_LAUNCHER") else f"[titan rank{os.environ.get('RANK', '0')}] "
+    )
     handler = _CurrentStderrHandler()
     handler.setFormatter(
-        logging.Formatter(f"[titan rank{rank}] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+        logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     )
     logger.addHandler(handler)

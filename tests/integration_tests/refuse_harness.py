@@ -1,0 +1,29 @@
+"""A trainer whose rank ``REFUSE_RANK`` alone refuses its input while building (the others go
+on and wait for it in a collective): tests that the launcher shows that rank's line.
+
+Launched with ``python -m torchtitan.launcher`` like ``torchtitan.train``; the remaining
+arguments are trainer flags.
+"""
+
+import os
+import sys
+
+from torchtitan import train, trainer
+from torchtitan.config.errors import ConfigError
+
+REFUSE_RANK = int(os.environ["REFUSE_RANK"])
+_build_data = trainer.Trainer.build_data
+
+
+def build_data(self):
+    if self.rank == REFUSE_RANK:
+        raise ConfigError(f"only rank {REFUSE_RANK} refuses this input")
+    return _build_data(self)
+
+
+if __name__ == "__main__":
+    trainer.Trainer.build_data = build_data
+    code = train.main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,136 @@
+"""Bad input, tried as a new user would: one line naming the flag (or file) and the fix, exit
+code 2, no Python traceback; before any rank starts where the rule needs no torch, and
+whichever rank refuses when a rank finds it. docs/troubleshooting.md lists the same cases."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from launch import REPO, SMALL, clean_env, run_train
+
+pytestmark = pytest.mark.integration
+
+
+def _files(tmp: Path) -> dict[str, Path]:
+    """Bad files of every kind, made once per test."""
+    made = {
+        "empty.jsonl": "",
+        "notext.jsonl": '{"txt": "hello"}\n',
+        "nonstring.jsonl": '{"text": 5}\n{"text": "a"}\n',
+        "malformed.jsonl": '{"text": "fine"}\n{"text": "broken\n',
+        "allempty.jsonl": '{"text": ""}\n' * 20,
+        "tokenizer.json": '{"not": "a ranks file"}\n',
+        "a_file": "",
+    }
+    for name, text in made.items():
+        (tmp / name).write_text(text)
+    return {name.replace(".", "_"): tmp / name for name in made}
+
+
+# (flags, expected line, found before any rank starts)
+PREFLIGHT = [
+    (["--checkpoint.enable", "--checkpoint.interval", "0"], "--checkpoint.interval=0 must be >= 1"),
+    (["--optimizer.lr", "inf"], "--optimizer.lr=inf must be > 0 and finite"),
+    (["--training.max_norm", "nan"], "--training.max_norm=nan must be finite"),
+    (
+        ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"],
+        "must be 'op' or a positive integer",
+    ),
+    (
+        ["--checkpoint.enable", "--checkpoint.exclude_from_loading", "modle"],
+        "not a checkpoint part (did you mean model?)",
+    ),
+    (["--job.dump_folder", ""], "--job.dump_folder is empty"),
+    (["--job.dump_folder", "{a_file}"], "is a file, not a folder"),
+    (["--checkpoint.enable", "--checkpoint.folder", "{a_file}/ckpt"], "is a file, not a folder"),
+    (["--model.tokenizer_path", "{tmp}/missing"], "no tokenizer.model there"),
+    (["--training.stepz", "3"], "unknown flag --training.stepz (did you mean --training.steps?)"),
+    (["--parallelism.data_parallel_replicate_degree", "3"], "world size 2 is not divisible"),
+]  # fmt: skip
+
+IN_RANK = [
+    (["--model.tokenizer_path", "{tokenizer_json}"], "is not a tiktoken ranks file"),
+    (["--training.dataset", "files", "--training.dataset_path", "{empty_jsonl}"], "is empty"),
+    (
+        ["--training.dataset", "files", "--training.dataset_path", "{notext_jsonl}"],
+        "its rows have the fields ['txt'], no 'text'",
+    ),
+    (
+        ["--training.dataset", "files", "--training.dataset_path", "{nonstring_jsonl}"],
+        "a int as 'text', not text",
+    ),
+    (
+        ["--training.dataset", "files", "--training.dataset_path", "{malformed_jsonl}"],
+        "malformed.jsonl, line 2 is not valid JSON",
+    ),
+    (
+        ["--training.dataset", "files", "--training.dataset_path", "{allempty_jsonl}"],
+        "all 10 documents of data-parallel rank 0 of 2 are empty",
+    ),
+]  # fmt: skip
+
+
+def _run(tmp_path: Path, flags: list[str], **env: str) -> subprocess.CompletedProcess:
+    paths = {k: str(v) for k, v in _files(tmp_path).items()} | {"tmp": str(tmp_path)}
+    flags = [f.format(**paths) for f in flags]
+    dump = tmp_path / "dump"
+    return run_train(dump, *flags, ngpu=2, timeout=120, **env)
+
+
+def _assert_one_line(result: subprocess.CompletedProcess, expected: str) -> str:
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out[-3000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    errors = [line for line in out.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and expected in errors[0], out[-3000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize(("flags", "expected"), PREFLIGHT)
+def test_refused_before_any_rank_starts(tmp_path, flags, expected):
+    result = _run(tmp_path, flags)
+    line = _assert_one_line(result, expected)
+    assert line.startswith("config error:")
+    assert not (tmp_path / "dump").exists()  # nothing started, nothing written
+
+
+@pytest.mark.parametrize(("flags", "expected"), IN_RANK)
+def test_refused_by_a_rank_in_one_line(tmp_path, flags, expected):
+    line = _assert_one_line(_run(tmp_path, flags), expected)
+    assert line.startswith("[rank")
+
+
+def test_only_rank_1_refuses_and_its_line_is_shown(tmp_path):
+    """Rank 0 goes on (and waits for rank 1); LOG_RANK=0 hides rank 1's console: the
+    launcher still shows rank 1's line and exits with its code."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torchtitan.launcher", "--nproc_per_node", "2"]
+        + ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
+        + ["--local-ranks-filter", "0", "--role", "rank", "--tee", "3"]
+        + ["tests/integration_tests/refuse_harness.py", *SMALL]
+        + ["--job.dump_folder", str(tmp_path)],
+        cwd=REPO,
+        env=clean_env(REFUSE_RANK="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    line = _assert_one_line(result, "only rank 1 refuses this input")
+    assert line.startswith("[rank1] error:")
+
+
+def test_non_finite_step_exits_3_in_one_line(tmp_path):
+    result = run_train(tmp_path, "--optimizer.lr", "1e30", "--training.steps", "5", ngpu=2)
+    out = result.stdout + result.stderr
+    assert result.returncode == 3, out[-3000:]
+    assert "Traceback" not in out
+    assert "the gradient norm is" in out.splitlines()[-1]
+
+
+def test_log_rank_outside_the_world_is_refused(tmp_path):
+    result = run_train(tmp_path, ngpu=2, log_rank="5")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "config error: LOG_RANK=5: 5 is not a rank of NGPU=2 (0..1, comma-separated)"
+    )

@@ -1,0 +1,95 @@
+"""``python -m torchtitan.launcher [torchrun flags] -m torchtitan.train ...``: torchrun, with
+refusals reported as one line.
+
+A rank that refuses its input (exit code 2) or stops on a non-finite step (3) writes its one
+line to a file in a folder this launcher makes (``TITAN_FAILURE_DIR``) instead of the console.
+When the job fails, the launcher prints the line of the rank that failed first, prefixed by the
+rank, whatever ``LOG_RANK`` shows, and exits with that rank's code. torchrun's own report (a
+``ChildFailedError`` traceback naming only an exit code) is printed only for failures that are
+not refusals: crashes, kills and unexpected exceptions, whose traceback is what a user needs.
+``run_train.sh`` and ``multinode_trainer.slurm`` start ranks through it.
+
+The rank side is :func:`refuse`. This module imports torch only inside :func:`main`.
+"""
+
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+FAILURE_DIR_ENV = "TITAN_FAILURE_DIR"
+
+
+def refuse(code: int, message: str) -> bool:
+    """Record this rank's reason to stop (``code`` 2: bad input, 3: non-finite step) for the
+    launcher. Returns whether a launcher will print it (else log it yourself)."""
+    folder = os.environ.get(FAILURE_DIR_ENV)
+    if not folder or not os.path.isdir(folder):
+        return False
+    rank = int(os.environ.get("RANK", "0"))
+    record = {"rank": rank, "code": code, "message": message, "time": time.time()}
+    path = Path(folder) / f"rank{rank}.json"
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps(record))
+    partial.replace(path)  # the launcher never reads half a record
+    return True
+
+
+def first_refusal(folder: str | Path) -> dict | None:
+    """The earliest record in ``folder`` (``None`` if no rank refused)."""
+    records = []
+    for path in sorted(Path(folder).glob("rank*.json")):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return min(records, key=lambda r: (r["time"], r["rank"])) if records else None
+
+
+def format_refusal(record: dict, *, also: Sequence[int] = ()) -> str:
+    """``[rank1] error: <message>``, naming the other ranks that refused alike."""
+    plural = "s" if len(also) > 1 else ""
+    others = f" (rank{plural} {', '.join(map(str, also))} too)" if also else ""
+    return f"[rank{record['rank']}] error: {record['message']}{others}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    # torchrun's own log lines (OMP_NUM_THREADS defaults, closing signals, "failed (exitcode:
+    # 2)") are noise to a user; a failure is reported below, in full when it is a crash.
+    for name in ("torch.distributed.run", "torch.distributed.elastic"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    folder = tempfile.mkdtemp(prefix="titan-failures-")
+    os.environ[FAILURE_DIR_ENV] = folder
+    os.environ["TITAN_LAUNCHER"] = "1"  # torchrun prefixes the ranks' lines itself
+    os.environ.setdefault("TITAN_TERMINAL", "1" if sys.stderr.isatty() else "0")
+    try:
+        torchrun.run(torchrun.parse_args(list(sys.argv[1:] if argv is None else argv)))
+        return 0
+    except ChildFailedError as e:
+        record = first_refusal(folder)
+        if record is None:
+            print(e.format_msg(), file=sys.stderr)
+            return 1
+        same = [
+            int(p.stem[4:])
+            for p in Path(folder).glob("rank*.json")
+            if int(p.stem[4:]) != record["rank"]
+            and json.loads(p.read_text())["message"] == record["message"]
+        ]
+        print(format_refusal(record, also=sorted(same)), file=sys.stderr)
+        return int(record["code"])
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.stdout.flush()
+    sys.exit(main())
