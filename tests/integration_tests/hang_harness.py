@@ -4,10 +4,11 @@ Launched with torchrun like ``torchtitan.train``; the remaining arguments are tr
 """
 
 import os
-import sys
 import time
 
-from torchtitan import train, trainer
+from launch import run_trainer_and_exit
+
+from torchtitan import trainer
 
 HANG_RANK = int(os.environ["HANG_RANK"])
 HANG_STEP = int(os.environ["HANG_STEP"])
@@ -22,7 +23,4 @@ def train_step(self, batches):
 
 if __name__ == "__main__":
     trainer.Trainer.train_step = train_step
-    code = train.main(sys.argv[1:])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    run_trainer_and_exit()

@@ -35,3 +35,14 @@ def records(path: Path) -> list[dict]:
     """The metrics lines of a JSONL file (or of ``<dump>/metrics.jsonl`` for a folder)."""
     path = path / "metrics.jsonl" if path.is_dir() else path
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def run_trainer_and_exit() -> None:
+    """A harness's entry: ``torchtitan.train.main`` on this process's arguments, then exit
+    with its code without the interpreter's shutdown (see ``torchtitan/train.py``)."""
+    from torchtitan import train
+
+    code = train.main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

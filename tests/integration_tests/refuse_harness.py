@@ -6,9 +6,10 @@ arguments are trainer flags.
 """
 
 import os
-import sys
 
-from torchtitan import train, trainer
+from launch import run_trainer_and_exit
+
+from torchtitan import trainer
 from torchtitan.config.errors import ConfigError
 
 REFUSE_RANK = int(os.environ["REFUSE_RANK"])
@@ -23,7 +24,4 @@ def build_data(self):
 
 if __name__ == "__main__":
     trainer.Trainer.build_data = build_data
-    code = train.main(sys.argv[1:])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    run_trainer_and_exit()
