@@ -6,6 +6,7 @@ them; the trainer decides what a step is. Debugging modes (``dry_run.py``) use t
 build steps instead of adding branches here.
 """
 
+import dataclasses
 import functools
 import time
 from collections.abc import Sequence
@@ -17,15 +18,17 @@ from torch.distributed.pipelining import PipelineStage
 
 from torchtitan.batch_runner import Batch, BatchRunner, pipeline_dtypes
 from torchtitan.components.checkpoint import CheckpointManager, build_checkpoint_states
+from torchtitan.components.checkpoint_files import saved_config
 from torchtitan.components.dataloader import build_dataloader
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.lr_scheduler import build_lr_schedulers, resumed_schedule_note
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.components.train_state import StepResult, TrainState
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import LRScheduler as LRSchedulerConfig
 from torchtitan.config.manager import save_resolved, to_toml
 from torchtitan.distributed import (
     ParallelDims,
@@ -93,6 +96,14 @@ class Trainer:
         self.checkpointer = None if on_meta else self.build_checkpointer()
         if self.checkpointer is not None and config.checkpoint.enable:
             self.checkpointer.load()
+            self.lr_schedulers.reapply()
+            self._note_resumed_schedule()
+        if config.lr_scheduler.warmup_steps > config.training.steps:
+            logger.warning(
+                f"--lr_scheduler.warmup_steps {config.lr_scheduler.warmup_steps} is longer than "
+                f"the run (--training.steps {config.training.steps}): the LR never reaches "
+                f"--optimizer.lr {config.optimizer.lr}"
+            )
 
     # ---- build steps -----------------------------------------------------------------------
 
@@ -371,6 +382,33 @@ class Trainer:
             "schedule's actions: scripts/plot_pipeline_schedules.py draws it)"
         )
         return bubble
+
+    def _note_resumed_schedule(self) -> None:
+        """One warning when the checkpoint's run had another LR schedule (``lr_scheduler``'s
+        rule: this run's flags decide)."""
+        path = self.checkpointer.loaded_from
+        saved = saved_config(path) if path is not None else None
+        if not saved or "lr_scheduler" not in saved or "training" not in saved:
+            return
+        known = {f.name for f in dataclasses.fields(LRSchedulerConfig)}
+        # TOML has no null: the saved config spells None "None" (config.manager.to_toml).
+        old = LRSchedulerConfig(
+            **{
+                k: None if v == "None" else v
+                for k, v in saved["lr_scheduler"].items()
+                if k in known
+            }
+        )
+        note = resumed_schedule_note(
+            self.config.lr_scheduler,
+            training_steps=self.config.training.steps,
+            saved=old,
+            saved_steps=saved["training"].get("steps", self.config.training.steps),
+            step=self.step,
+            lr=self.config.optimizer.lr,
+        )
+        if note is not None:
+            logger.warning(note)
 
     def _watch_step(self, first_step: int) -> None:
         """Arm the hang watchdog; after the first step collectives get the train timeout."""

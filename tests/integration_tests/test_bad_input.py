@@ -66,7 +66,7 @@ IN_RANK = [
     ),
     (
         ["--training.dataset", "files", "--training.dataset_path", "{allempty_jsonl}"],
-        "all 10 documents of data-parallel rank 0 of 2 are empty",
+        "all 10 documents of data-parallel rank",  # either rank may stop first
     ),
 ]  # fmt: skip
 

@@ -152,6 +152,21 @@ def test_local_tensor_runs_the_sixteen_rank_example(tmp_path, fsdp_tp_run):
         assert sim["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
 
 
+def test_local_tensor_starts_from_a_seed_checkpoint(tmp_path, fsdp_tp_run):
+    """A seed checkpoint of seed 0's weights, loaded by a simulation told --debug.seed 5: it
+    trains as the real FSDP 2 x TP 2 run from seed 0 does, bitwise, and saves nothing."""
+    real, _ = fsdp_tp_run
+    seed = _run_train(tmp_path, "--checkpoint.create_seed_checkpoint", "--checkpoint.enable")
+    assert seed.returncode == 0, seed.stderr[-3000:]
+    flags = ["--training.steps", "2", "--parallelism.tensor_parallel_degree", "2", *LR]
+    result = _simulate(tmp_path, 4, *flags, "--checkpoint.enable", "--debug.seed", "5")
+    out = result.stdout + result.stderr
+    assert "Loading model weights from" in out and "never written" in out
+    simulated, reference = records(tmp_path), records(real)[:2]
+    assert [r["loss"] for r in simulated] == [r["loss"] for r in reference]
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-0"]
+
+
 def test_local_tensor_simulates_pipeline_x_fsdp_x_tp(tmp_path, fsdp_tp_run):
     """PP 2 x FSDP 2 x TP 2 on 8 simulated ranks (a thread per pipeline rank) reads the data of
     FSDP 2 x TP 2 and trains alike: micro-batching only changes the order of sums."""

@@ -17,6 +17,7 @@ other), ``lr_scheduler``, ``dataloader`` (one entry per data-parallel rank) and 
 """
 
 import dataclasses
+import errno
 import io
 import json
 import os
@@ -32,8 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -47,10 +50,12 @@ from torchtitan.components.checkpoint_files import (
     STEP_DIR,
     SafeFileSystemReader,
     complete_checkpoints,
+    manifest_entries,
     model_mismatch,
     saved_config,
     saved_ranks,
     saved_state_keys,
+    saved_tensor_metadata,
     verify,
     write_durably,
 )
@@ -59,6 +64,7 @@ from torchtitan.components.lr_scheduler import LRSchedulers
 from torchtitan.components.optimizer import Optimizers
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
+from torchtitan.distributed import local_tensor
 from torchtitan.tools.logging import logger
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -157,6 +163,13 @@ class CheckpointManager:
         self._staging: Future | None = None
         self._stager = stager_for(config.async_mode, device_type)
         self._prestage: threading.Thread | None = None
+        self.loaded_from: Path | None = None
+        """The full checkpoint this run resumed from (not a seed or initial load)."""
+        if config.enable and local_tensor.is_simulating():
+            logger.info(
+                "COMM_MODE=local_tensor: checkpoints are read (model weights: a seed "
+                "checkpoint or --checkpoint.initial_load_path), never written"
+            )
         self._remove_incomplete()
 
     # ---- loading ---------------------------------------------------------------------------
@@ -166,12 +179,14 @@ class CheckpointManager:
         c = self.config
         if c.load_step >= 0:
             path = self.folder / f"step-{c.load_step}"
-            problem = verify(path)
+            problem = self._verify(path)
             if problem:
                 raise ConfigError(f"--checkpoint.load_step={c.load_step}: {problem}")
             return self._load(path)
-        for path in reversed(complete_checkpoints(self.folder)):
-            problem = verify(path)
+        found = complete_checkpoints(self.folder)
+        damaged = []
+        for path in reversed(found):
+            problem = self._verify(path)
             if problem is None:
                 if c.initial_load_path:
                     logger.warning(
@@ -180,11 +195,29 @@ class CheckpointManager:
                     )
                 return self._load(path)
             logger.warning(f"Skipping checkpoint {path}: {problem}")
+            damaged.append(path.name)
+        if damaged:
+            # Starting over would overwrite them with new steps: the user decides.
+            raise ConfigError(
+                f"every checkpoint in {self.folder} is damaged ({', '.join(reversed(damaged))}; "
+                "the warnings above say how), so the run cannot resume; to start over, move "
+                f"the folder aside or use another --job.dump_folder; to use one of them anyway, "
+                "repair it and pass --checkpoint.load_step N"
+            )
         if c.initial_load_path:
             self._load_model_only(Path(c.initial_load_path))
         else:
             logger.info(f"No checkpoint in {self.folder}: training from step 0")
         return 0
+
+    def _verify(self, path: Path) -> str | None:
+        """``verify`` with checksums, read on rank 0 only (every file once, not once per
+        rank) and its verdict shared, so every rank picks the same checkpoint."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return verify(path)
+        verdict = [verify(path) if self.rank == 0 else None]
+        dist.broadcast_object_list(verdict, src=0)
+        return verdict[0]
 
     def _load(self, path: Path) -> int:
         keys = saved_state_keys(path)
@@ -194,6 +227,13 @@ class CheckpointManager:
                 raise ConfigError(self._weights_only_message(path))
             self._load_model_only(path)
             return 0
+        if local_tensor.is_simulating():
+            raise ConfigError(
+                f"checkpoint {path} holds training state, which COMM_MODE=local_tensor cannot "
+                "load (DCP cannot gather LocalTensors); it loads model weights only: a seed "
+                "checkpoint (step-0) or --checkpoint.initial_load_path with a weights-only save"
+            )
+        self.loaded_from = path
         wanted = {k: v for k, v in self.states.items() if k not in self.config.exclude_from_loading}
         missing = set(wanted) - keys
         if missing:
@@ -232,12 +272,13 @@ class CheckpointManager:
     def _check_model_fits(self, path: Path, *, flag: str) -> None:
         """Names and shapes of the saved model tensors against this model's, before loading."""
         shapes = {k: tuple(v.shape) for k, v in self.states["model"].state_dict().items()}
-        if dist.is_initialized():
+        if dist.is_initialized() and not local_tensor.is_simulating():
             # Pipeline stages hold different parts: compare the whole model's names.
             every_rank: list[dict] = [{}] * dist.get_world_size()
             dist.all_gather_object(every_rank, shapes)
             shapes = {k: v for rank_shapes in every_rank for k, v in rank_shapes.items()}
-        problem = model_mismatch(path, shapes)
+        # A simulated pipeline rank (a thread) sees only its own stages' names.
+        problem = model_mismatch(path, shapes, partial=local_tensor.is_simulating())
         if problem is None:
             return
         written_by = saved_config(path)
@@ -258,11 +299,18 @@ class CheckpointManager:
         )
 
     def _load_model_only(self, path: Path) -> None:
-        problem = verify(path)
+        problem = self._verify(path)
         if problem:
             raise ConfigError(f"--checkpoint.initial_load_path {path}: {problem}")
         self._check_model_fits(path, flag="--checkpoint.initial_load_path: ")
         logger.info(f"Loading model weights from {path}")
+        if local_tensor.is_simulating():
+            # DCP cannot gather LocalTensors: read the whole model on the host (as one
+            # process would), then every simulated rank copies its shards out of it.
+            full = _read_full_model(path)
+            for part in self.states["model"].model_parts:
+                local_tensor.copy_full_state_(part, full)
+            return
         dcp.load(
             {"model": self.states["model"]},
             storage_reader=SafeFileSystemReader(str(path)),
@@ -279,7 +327,7 @@ class CheckpointManager:
 
     def should_save(self, step: int, *, last: bool) -> bool:
         c = self.config
-        if not c.enable or c.load_only:
+        if not c.enable or c.load_only or local_tensor.is_simulating():
             return False
         return last or step % c.interval == 0 or (step == 1 and c.enable_first_step_checkpoint)
 
@@ -308,8 +356,11 @@ class CheckpointManager:
             self._staging = getattr(response, "staging_completion", None)
             self._pending = _Pending(step, getattr(response, "upload_completion", response))
             return
-        dcp.save(state, storage_writer=CheckpointWriter(str(tmp)), no_dist=_no_dist())
-        self._finalize(step)
+        try:
+            dcp.save(state, storage_writer=CheckpointWriter(str(tmp)), no_dist=_no_dist())
+            self._finalize(step)
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            raise self._save_failed(step, e) from None
 
     def wait_for_staging(self) -> None:
         """Block until the state of an ``async_with_pinned_mem`` save is copied to host memory.
@@ -374,8 +425,47 @@ class CheckpointManager:
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
-        pending.future.result()
-        self._finalize(pending.step)
+        try:
+            pending.future.result()
+            self._finalize(pending.step)
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            raise self._save_failed(pending.step, e) from None
+
+    def _save_failed(self, step: int, error: BaseException) -> ConfigError:
+        """One line for a save that failed (the partial ``step-N.tmp``, this run's own, is
+        removed): a full disk says so, with what the checkpoint needs, instead of torch's
+        ``enforce fail at inline_container.cc``."""
+        tmp = self.folder / f"step-{step}.tmp"
+        written = (
+            sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if tmp.is_dir() else 0
+        )
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        last = self.last_complete()
+        kept = f"the last complete checkpoint is {last}" if last else "no checkpoint is complete"
+        free = _free_bytes(self.folder)
+        if _is_disk_full(error) or (free is not None and free < 1 << 20):
+            need = max(self._state_bytes(), written)
+            return ConfigError(
+                f"no space left on device saving checkpoint step-{step} in {self.folder}: it "
+                f"needs about {_gib(need)} on this rank, {_gib(free or 0)} are free; free space "
+                f"or choose another --checkpoint.folder ({kept})"
+            )
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        return ConfigError(
+            f"cannot save checkpoint step-{step} in {self.folder}: {reason[:200]} ({kept})"
+        )
+
+    def _state_bytes(self) -> int:
+        """Bytes of this rank's tensors in the full state (what a save writes of it)."""
+        total = 0
+        for value in self.states.values():
+            state = value.state_dict() if isinstance(value, Stateful) else value
+            for t in pytree.tree_leaves(state):
+                if isinstance(t, torch.Tensor):
+                    local = t.to_local() if hasattr(t, "to_local") else t
+                    total += local.numel() * local.element_size()
+        return total
 
     def _finalize(self, step: int) -> None:
         """On rank 0, once every rank's files are written: manifest, rename, purge old."""
@@ -383,9 +473,15 @@ class CheckpointManager:
             tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
             if self.run_config is not None:
                 write_durably(tmp / CONFIG_FILE, self.run_config)
-            files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-            write_durably(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
-            shutil.rmtree(final, ignore_errors=True)
+            files, crcs = manifest_entries(tmp)
+            manifest = {"step": step, "files": files, "crc32": crcs}
+            write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1))
+            if final.exists():
+                # Another run's step-N (resumed from an earlier step, or damaged and skipped):
+                # keep it, under a name no later run loads or purges.
+                aside = _free_name(self.folder / f"step-{step}.replaced")
+                os.replace(final, aside)
+                logger.warning(f"{final} existed (not written by this run): moved to {aside}")
             os.replace(tmp, final)
             logger.info(f"Saved checkpoint {final}")
             self._purge()
@@ -395,6 +491,10 @@ class CheckpointManager:
         if k <= 0:
             return
         for old in complete_checkpoints(self.folder)[:-k]:
+            problem = verify(old, checksums=False)
+            if problem is not None:  # its data may still be what someone needs: never delete
+                logger.warning(f"Keeping damaged checkpoint {old} for inspection: {problem}")
+                continue
             shutil.rmtree(old, ignore_errors=True)
             logger.info(f"Removed old checkpoint {old} (--checkpoint.keep_latest_k {k})")
 
@@ -439,6 +539,57 @@ def match_dataloader_layout(path: Path, wanted: dict[str, Stateful]) -> None:
         "each reads the whole stream, so rank 0's position serves every rank"
     )
     wanted["dataloader"] = state.reading(0)
+
+
+def _read_full_model(path: Path) -> dict[str, torch.Tensor]:
+    """Every model tensor of a checkpoint, whole, as host tensors (one process's view)."""
+    with local_tensor.host_only():
+        state = {
+            fqn.removeprefix("model."): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+            for fqn, meta in saved_tensor_metadata(path).items()
+            if fqn.startswith("model.")
+        }
+        dcp.load(
+            {"model": state},
+            storage_reader=SafeFileSystemReader(str(path)),
+            planner=_SafeLoadPlanner(),
+            no_dist=True,
+        )
+    return state
+
+
+def _is_disk_full(error: BaseException) -> bool:
+    """ENOSPC anywhere in the error, its causes, or DCP's per-rank failures."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e):
+            return True
+        todo += [e.__cause__, e.__context__, *getattr(e, "failures", {}).values()]
+    return False
+
+
+def _free_bytes(folder: Path) -> int | None:
+    for path in (folder, *folder.parents):
+        if path.exists():
+            return shutil.disk_usage(path).free
+    return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _free_name(path: Path) -> Path:
+    """``path``, or ``path-2``, ``path-3``, ... : the first that does not exist."""
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
 
 
 def _no_dist() -> bool:

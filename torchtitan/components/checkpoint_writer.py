@@ -12,6 +12,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from torchtitan.components.checkpoint_files import record_checksum
 from torchtitan.tools.logging import logger
 
 
@@ -56,6 +57,8 @@ class UncachedFileSystem(FileSystem):
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
         with super().create_stream(path, mode) as stream:
             yield stream
+        if "w" in mode and not str(path).endswith(".tmp"):  # DCP renames .tmp files: skip
+            record_checksum(path)  # read back from the page cache, before dropping it
         if "w" in mode and hasattr(os, "posix_fadvise"):
             fd = os.open(path, os.O_RDONLY)
             try:

@@ -42,15 +42,13 @@ def lr_factor(
     return min_lr_factor + (1.0 - min_lr_factor) * shape
 
 
-def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, config: LRSchedulerConfig, *, training_steps: int
-) -> LambdaLR:
-    """A ``LambdaLR`` over ``training_steps``; its state_dict is picklable (no lambdas)."""
+def schedule(config: LRSchedulerConfig, *, training_steps: int) -> functools.partial:
+    """The LR multiplier of each (0-based) step of a ``training_steps`` run; picklable."""
     warmup = min(config.warmup_steps, training_steps)
     after_warmup = training_steps - warmup
     decay_ratio = 1.0 if config.decay_ratio is None else config.decay_ratio
     decay_steps = round(after_warmup * decay_ratio)
-    fn = functools.partial(
+    return functools.partial(
         lr_factor,
         warmup_steps=warmup,
         decay_start=training_steps - decay_steps,
@@ -58,7 +56,49 @@ def build_lr_scheduler(
         decay_type=config.decay_type,
         min_lr_factor=config.min_lr_factor,
     )
-    return LambdaLR(optimizer, fn)
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, config: LRSchedulerConfig, *, training_steps: int
+) -> LambdaLR:
+    """A ``LambdaLR`` over ``training_steps``; its state_dict is picklable (no lambdas)."""
+    return LambdaLR(optimizer, schedule(config, training_steps=training_steps))
+
+
+def describe(config: LRSchedulerConfig, *, training_steps: int) -> str:
+    """Where the schedule's phases fall, in steps (1-based), for the log."""
+    fn = schedule(config, training_steps=training_steps)
+    warmup, start = fn.keywords["warmup_steps"], fn.keywords["decay_start"]
+    decay = fn.keywords["decay_steps"]
+    phases = [f"warm-up to step {warmup}" if warmup else "no warm-up"]
+    if decay:
+        phases.append(f"{config.decay_type} decay over steps {start + 1}-{training_steps}")
+    return ", ".join(phases)
+
+
+def resumed_schedule_note(
+    config: LRSchedulerConfig,
+    *,
+    training_steps: int,
+    saved: LRSchedulerConfig,
+    saved_steps: int,
+    step: int,
+    lr: float,
+) -> str | None:
+    """The rule on resume: the schedule follows this run's flags (``--training.steps`` and
+    ``--lr_scheduler.*``), recomputed from step 1. When the checkpoint's run had others, one
+    line says so, with the LR of the next step under both; ``None`` when nothing changed."""
+    if saved == config and saved_steps == training_steps:
+        return None
+    new = lr * schedule(config, training_steps=training_steps)(step)
+    old = lr * schedule(saved, training_steps=saved_steps)(step)
+    return (
+        f"LR schedule: the checkpoint's run had --training.steps {saved_steps} "
+        f"({describe(saved, training_steps=saved_steps)}); this run follows its own flags, "
+        f"--training.steps {training_steps} ({describe(config, training_steps=training_steps)})"
+        f": step {step + 1} trains at lr {new:.3e} (the old schedule: {old:.3e}). Resume with "
+        "the old values to keep the old curve"
+    )
 
 
 class LRSchedulers(Stateful):
@@ -80,6 +120,18 @@ class LRSchedulers(Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         return self.schedulers[0].state_dict()
+
+    def reapply(self) -> None:
+        """Set every optimizer's LR from this run's curve at the loaded position: the loaded
+        optimizer state carries the LR the saving run's curve chose for the next step."""
+        for scheduler in self.schedulers:
+            lrs = [
+                base * fn(scheduler.last_epoch)
+                for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+            ]
+            for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+                group["lr"] = lr
+            scheduler._last_lr = lrs
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for scheduler in self.schedulers:

@@ -233,8 +233,10 @@ class Checkpoint:
     load_only: bool = False
     """Load checkpoints but never save."""
 
-    last_save_model_only: bool = True
-    """The final save keeps only the model weights."""
+    last_save_model_only: bool = False
+    """The final save keeps only the model weights (an export: the run cannot be extended from
+    it). Off by default: the final save is a full checkpoint, so a finished run continues with
+    a larger ``--training.steps``."""
 
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of weights in a model-only save."""

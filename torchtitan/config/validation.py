@@ -355,9 +355,9 @@ def _local_tensor_checks(config: JobConfig) -> list[tuple[bool, str]]:
             ),
             (not config.compile.enable, f"--compile.enable {why}; drop the flag"),
             (
-                not (config.checkpoint.enable or config.checkpoint.create_seed_checkpoint),
-                f"--checkpoint.enable / create_seed_checkpoint {why} (DCP cannot gather "
-                "LocalTensors); drop the checkpoint flags",
+                not config.checkpoint.create_seed_checkpoint,
+                f"--checkpoint.create_seed_checkpoint {why}: write it with NGPU=1 and no "
+                "COMM_MODE; the simulation then loads it with --checkpoint.enable",
             ),
             (
                 not config.training.enable_cpu_offload,

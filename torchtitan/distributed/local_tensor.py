@@ -242,6 +242,30 @@ def load_full_model_(model: nn.Module, full: nn.Module) -> None:
                 module._buffers[name] = full_buffers[_clean_name(prefix + name)].clone()
 
 
+@torch.no_grad()
+def copy_full_state_(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy the whole model's values ``state`` (host tensors by parameter name, e.g. read from
+    a checkpoint) into ``model``'s parameters, each simulated rank its own shards; parameters
+    missing from ``state`` are an error, buffers are taken where ``state`` has them. Copies
+    in place: the optimizer keeps its parameters."""
+    for name, param in model.named_parameters():
+        key = _clean_name(name)
+        if key not in state:
+            raise KeyError(f"{key} is in the model but not in the loaded state")
+        value = state[key].to(param.dtype)
+        if isinstance(param, DTensor):
+            value = distribute_tensor(
+                value, param.device_mesh, param.placements, src_data_rank=None
+            )
+        else:
+            value = replicate_to_ranks(value.clone())
+        param.copy_(value)
+    for name, buf in model.named_buffers():
+        key = _clean_name(name)
+        if key in state:
+            buf.copy_(replicate_to_ranks(state[key].to(buf.dtype).clone()))
+
+
 def _clean_name(name: str) -> str:
     """Parameter names without the wrappers of activation checkpointing and compile."""
     for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):

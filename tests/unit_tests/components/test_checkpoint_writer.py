@@ -5,6 +5,7 @@ previous one."""
 import os
 import threading
 import time
+import zlib
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -12,6 +13,7 @@ from torch import nn
 
 from torchtitan.components import checkpoint
 from torchtitan.components.checkpoint import CheckpointManager, ModelState
+from torchtitan.components.checkpoint_files import CHECKSUM_SUFFIX
 from torchtitan.components.checkpoint_writer import CheckpointWriter, stager_for
 from torchtitan.components.optimizer import Optimizers
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
@@ -57,11 +59,15 @@ def test_every_written_file_leaves_the_page_cache(tmp_path, monkeypatch):
     dropped = _record_fadvise(monkeypatch)
     state = {"a": torch.randn(64, 64), "b": torch.randn(10)}
     dcp.save(state, storage_writer=CheckpointWriter(str(tmp_path)), no_dist=True)
-    written = sorted(p.name for p in tmp_path.iterdir())
+    written = sorted(p.name for p in tmp_path.iterdir() if p.suffix != CHECKSUM_SUFFIX)
     # DCP writes .metadata as .metadata.tmp and renames it once complete.
     assert sorted(name.removesuffix(".tmp") for name in dropped) == written and any(
         n.endswith(".distcp") for n in written
     )
+    # Each data file leaves its CRC-32 beside it, taken before its pages were dropped.
+    for data in tmp_path.glob("*.distcp"):
+        sidecar = data.with_name(data.name + CHECKSUM_SUFFIX)
+        assert int(sidecar.read_text()) == zlib.crc32(data.read_bytes())
     loaded = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)
     assert all(torch.equal(loaded[k], state[k]) for k in state)

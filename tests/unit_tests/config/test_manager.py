@@ -569,7 +569,6 @@ def test_fsdp_impl_auto_resolves_by_comm_mode() -> None:
     [
         ("--parallelism.fsdp_impl fsdp2", "--parallelism.fsdp_impl fsdp2 cannot run under"),
         ("--compile.enable", "--compile.enable cannot run under COMM_MODE=local_tensor"),
-        ("--checkpoint.enable", "--checkpoint.enable / create_seed_checkpoint cannot run"),
         ("--checkpoint.create_seed_checkpoint", "create_seed_checkpoint cannot run under"),
         ("--training.enable_cpu_offload", "--training.enable_cpu_offload cannot run under"),
     ],

@@ -1,0 +1,127 @@
+"""Checkpoint faults on one process: nothing saved is overwritten or purged unless this run
+wrote it, corruption of the same size is caught by the checksums, a full disk says so."""
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+
+from torchtitan.components.checkpoint import CheckpointManager, ModelState
+from torchtitan.components.checkpoint_files import MANIFEST, verify
+from torchtitan.components.checkpoint_writer import CheckpointWriter
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import Checkpoint as CheckpointConfig
+
+
+class _Progress(Stateful):
+    """A training state besides the weights (a weights-only folder would be an export)."""
+
+    def __init__(self):
+        self.step = torch.zeros((), dtype=torch.int64)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step.copy_(state["step"])
+
+
+def _manager(tmp_path: Path, model: nn.Module, **config) -> CheckpointManager:
+    return CheckpointManager(
+        CheckpointConfig(enable=True, interval=1, **config),
+        dump_folder=str(tmp_path),
+        states={"model": ModelState([model]), "train_state": _Progress()},
+        device_type="cpu",
+    )
+
+
+def _saved(tmp_path: Path, steps: list[int], **config) -> tuple[nn.Module, Path]:
+    """A model saved at ``steps`` (its weights are the step number), and the folder."""
+    model = nn.Linear(4, 4)
+    manager = _manager(tmp_path, model, **config)
+    for step in steps:
+        with torch.no_grad():
+            model.weight.fill_(step)
+        manager.save(step)
+    manager.close()
+    return model, tmp_path / "checkpoint"
+
+
+def _load(tmp_path: Path, **config) -> tuple[int, nn.Module]:
+    model = nn.Linear(4, 4)
+    manager = _manager(tmp_path, model, **config)
+    try:
+        return manager.load(), model
+    finally:
+        manager.close()
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_same_size_corruption_is_caught_and_the_previous_checkpoint_used(tmp_path):
+    _, folder = _saved(tmp_path, [1, 2])
+    data = next((folder / "step-2").glob("*.distcp"))
+    _flip_a_byte(data)
+    assert "changed since it was saved" in verify(folder / "step-2")
+    assert verify(folder / "step-2", checksums=False) is None  # sizes alone miss it
+    step, model = _load(tmp_path)
+    assert step == 1 and torch.all(model.weight == 1)
+
+
+def test_every_checkpoint_damaged_is_refused_not_trained_over(tmp_path):
+    _, folder = _saved(tmp_path, [1, 2])
+    for step in (1, 2):
+        (folder / f"step-{step}" / MANIFEST).unlink()
+    with pytest.raises(ConfigError, match="every checkpoint in .* is damaged .step-1, step-2"):
+        _load(tmp_path)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-1", "step-2"]
+
+
+def test_a_step_this_run_did_not_write_is_moved_aside_not_overwritten(tmp_path):
+    """Manifest-only damage: step-2 is skipped on load; saving step 2 again keeps the old
+    folder (its data may be what someone needs) under another name."""
+    _, folder = _saved(tmp_path, [1, 2])
+    (folder / "step-2" / MANIFEST).unlink()
+    old_data = {p.name: p.read_bytes() for p in (folder / "step-2").glob("*.distcp")}
+    model = nn.Linear(4, 4)
+    manager = _manager(tmp_path, model)
+    assert manager.load() == 1
+    manager.save(2)
+    manager.close()
+    aside = folder / "step-2.replaced"
+    assert {p.name: p.read_bytes() for p in aside.glob("*.distcp")} == old_data
+    assert verify(folder / "step-2") is None
+
+
+def test_keep_latest_k_never_purges_a_damaged_checkpoint(tmp_path):
+    _, folder = _saved(tmp_path, [1, 2])
+    manifest = json.loads((folder / "step-1" / MANIFEST).read_text())
+    manifest["files"][".metadata"] += 1  # a size that no longer matches
+    (folder / "step-1" / MANIFEST).write_text(json.dumps(manifest))
+    _saved(tmp_path, [3, 4], keep_latest_k=1)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-1", "step-4"]
+
+
+def test_a_full_disk_says_so_in_one_line_and_leaves_no_partial_folder(tmp_path, monkeypatch):
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(CheckpointWriter, "write_data", full)
+    model = nn.Linear(512, 512, bias=False)  # 1 MiB of float32 weights
+    manager = _manager(tmp_path, model)
+    with pytest.raises(ConfigError) as refused:
+        manager.save(1)
+    manager.close()
+    message = str(refused.value)
+    assert message.startswith("no space left on device saving checkpoint step-1 in ")
+    assert "it needs about 1.0 MiB on this rank" in message and " are free" in message
+    assert "no checkpoint is complete" in message
+    assert not (tmp_path / "checkpoint" / "step-1.tmp").exists()
