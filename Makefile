@@ -16,10 +16,15 @@ ARGS ?=
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@echo "[1/3] creating $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	@echo "[2/3] installing $(TORCH_SPEC) (the largest download, a few minutes)"
+	$(PY) -m pip install --progress-bar on "$(TORCH_SPEC)" | grep -v "^Requirement already satisfied" || true
+	@$(PY) -c "import torch" || { echo "torch did not install: see the pip output above"; exit 1; }
+	@echo "[3/3] installing torchtitan and its dependencies"
 	$(PY) -m pip install --quiet -e ".[dev]"
+	@echo "done: $(VENV) is ready"
 	touch $(STAMP)
 
 train: $(STAMP)

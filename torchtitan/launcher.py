@@ -69,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     folder = tempfile.mkdtemp(prefix="titan-failures-")
     os.environ[FAILURE_DIR_ENV] = folder
     os.environ["TITAN_LAUNCHER"] = "1"  # torchrun prefixes the ranks' lines itself
+    os.environ.setdefault("TITAN_RUN_ID", time.strftime("%Y%m%d-%H%M%S"))  # one log folder
     os.environ.setdefault("TITAN_TERMINAL", "1" if sys.stderr.isatty() else "0")
     try:
         torchrun.run(torchrun.parse_args(list(sys.argv[1:] if argv is None else argv)))

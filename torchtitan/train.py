@@ -20,7 +20,7 @@ from torchtitan.config.manager import parse_args
 from torchtitan.config.validation import validate_environment
 from torchtitan.distributed import local_tensor
 from torchtitan.distributed import utils as dist_utils
-from torchtitan.tools.logging import init_logger, logger
+from torchtitan.tools.logging import init_logger, log_to_file, logger, quiet_known_torch_notices
 from torchtitan.trainer import NonFiniteError, Trainer
 
 
@@ -29,6 +29,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     init_logger()
     try:
         config = parse_args(argv)
+        quiet_known_torch_notices()
+        log_to_file(config.job.dump_folder)
         validate_environment(config, dist_utils.device_type())
         if config.comm.mode == "local_tensor" and config.debug.seed is None:
             # Simulated pipeline ranks run in threads that cannot share a drawn seed.

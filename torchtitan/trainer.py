@@ -265,6 +265,7 @@ class Trainer:
         )
         data_iter = iter(self.dataloader)
         first_step = self.step
+        self.metrics.start_run(first_step=first_step, last_step=stop)
         where = dict(dump_folder=self.config.job.dump_folder, rank=self.rank, first_step=first_step)
         with (
             gc_every(t.gc_freq) as gc_tick,

@@ -56,6 +56,7 @@ class MetricsProcessor:
         self._data_seconds = 0.0
         self._steps = 0
         self._last_log = time.perf_counter()
+        self._run: tuple[int, int, float] | None = None  # first step, last step, start time
         self._sinks: list[_Sink] = []
         if save_rank:
             suffix = "" if rank == 0 and not config.save_for_all_ranks else f"_rank{rank}"
@@ -69,6 +70,16 @@ class MetricsProcessor:
                 self._sinks.append(_WandbSink(dump_folder, rank))
         if self.peak_flops is None:
             logger.info("Peak FLOP/s of this device unknown: MFU is not reported")
+
+    def start_run(self, *, first_step: int, last_step: int) -> None:
+        """Steps ``first_step + 1 .. last_step`` follow: the console shows progress and ETA."""
+        self._run = (first_step, last_step, time.perf_counter())
+
+    def _eta_seconds(self, step: int) -> float | None:
+        if self._run is None or step <= self._run[0]:
+            return None
+        first, last, start = self._run
+        return (time.perf_counter() - start) / (step - first) * max(last - step, 0)
 
     def should_log(self, step: int, last_step: int) -> bool:
         return step == 1 or step % self.config.log_freq == 0 or step == last_step
@@ -117,6 +128,9 @@ class MetricsProcessor:
                 "memory_alloc_retries": mem.alloc_retries,
                 "memory_ooms": mem.ooms,
             }
+        eta = self._eta_seconds(step)
+        if eta is not None:
+            record["eta_s"] = eta
         record |= extra or {}
         self._console(record, mem.summary())
         for sink in self._sinks:
@@ -128,8 +142,13 @@ class MetricsProcessor:
 
     def _console(self, r: dict[str, Any], memory: str) -> None:
         c = self.color
+        progress = f"{r['step']:2}"
+        if self._run is not None:
+            last = self._run[1]
+            width = max(2, len(str(last)))
+            progress = f"{r['step']:{width}}/{last} ({100 * r['step'] / last:.0f}%)"
         line = (
-            f"{c.red}step: {r['step']:2}  "
+            f"{c.red}step: {progress}  "
             f"{c.green}loss: {r['loss']:7.4f}  "
             f"{c.cyan}grad_norm: {r['grad_norm']:7.4f}  "
             f"{c.yellow}memory: {memory}  "
@@ -143,6 +162,8 @@ class MetricsProcessor:
             line += f"  bubble: {r['pp_idle_pct']:.0f}%"
             if "pp_bubble_ideal_pct" in r:
                 line += f" (ideal {r['pp_bubble_ideal_pct']:.0f}%)"
+        if "eta_s" in r and r["eta_s"] > 0:
+            line += f"  eta: {_duration(r['eta_s'])}"
         logger.info(line)
 
     def close(self) -> None:
@@ -222,3 +243,13 @@ def _terminal() -> bool:
     console is one (``TITAN_TERMINAL``)."""
     told = os.environ.get("TITAN_TERMINAL")
     return told == "1" if told is not None else sys.stderr.isatty()
+
+
+def _duration(seconds: float) -> str:
+    """``1h02m``, ``3m05s`` or ``42s``."""
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"

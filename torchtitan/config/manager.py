@@ -73,7 +73,8 @@ def parse_args(
         default=config,
         use_underscores=True,
         console_outputs=console_outputs,
-        prog="python -m torchtitan.train",
+        # What users type (run_train.sh passes --help through to this parser).
+        prog="./run_train.sh",
         description=_DESCRIPTION,
     )
     validate(config)
@@ -109,12 +110,18 @@ def apply_toml(config: JobConfig, path: str | os.PathLike) -> None:
         raise ConfigError(f"--job.config_file {path} is not valid TOML: {e}") from None
     sections = {f.name: f for f in dataclasses.fields(config)}
     for section_name, values in data.items():
+        if not isinstance(values, dict):
+            # A top-level key (``foo = 1`` before any [section]) is not a section.
+            where = "a top-level key" if section_name not in sections else f"[{section_name}]"
+            raise ConfigError(
+                f"{where} {section_name!r} in {path}: fields belong in a [section] table, "
+                f"e.g. [training] steps = 10"
+                + (did_you_mean(section_name, sections) if section_name not in sections else "")
+            )
         if section_name not in sections:
             raise ConfigError(
                 f"unknown section [{section_name}] in {path}{did_you_mean(section_name, sections)}"
             )
-        if not isinstance(values, dict):
-            raise ConfigError(f"[{section_name}] in {path} must be a table of fields")
         section = getattr(config, section_name)
         hints = typing.get_type_hints(type(section))
         for key, value in values.items():

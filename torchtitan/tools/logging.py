@@ -3,6 +3,9 @@
 import logging
 import os
 import sys
+import time
+import warnings
+from pathlib import Path
 
 logger = logging.getLogger("torchtitan")
 
@@ -30,3 +33,41 @@ def init_logger() -> None:
         logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     )
     logger.addHandler(handler)
+
+
+def log_to_file(dump_folder: str) -> Path | None:
+    """Also write this rank's log lines to ``<dump_folder>/logs/<run>/rank<r>.log`` (``<run>``:
+    the launcher's start time, the same for every rank of a run); return the file, or
+    ``None`` when the folder cannot be made (the console still has everything)."""
+    run = os.environ.get("TITAN_RUN_ID") or time.strftime("%Y%m%d-%H%M%S")
+    path = Path(dump_folder) / "logs" / run / f"rank{os.environ.get('RANK', '0')}.log"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(path)
+    except OSError:
+        return None
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    logger.addHandler(handler)
+    return path
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, *starts: str):
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.starts)
+
+
+def quiet_known_torch_notices() -> None:
+    """Torch notices that mean nothing to a user of a normal run (each checked to be benign
+    here): DTensor's random-op support note on CPU meshes (our CPU init does not use DTensor
+    random ops), and the note on two sequential all-reduces when the gradient norm is reduced
+    over FSDP x TP (the norm is layout-invariant: tests/integration_tests/test_loss_compare.py)."""
+    warnings.filterwarnings(
+        "ignore", message="DTensor random operators may not have complete support"
+    )
+    logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
+        _DropMessages("While redistributing from")
+    )
