@@ -66,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # 2)") are noise to a user; a failure is reported below, in full when it is a crash.
     for name in ("torch.distributed.run", "torch.distributed.elastic"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    # torchrun copies the ranks' lines to these streams (TailLog); drop what means nothing.
+    sys.stdout, sys.stderr = _Dropping(sys.stdout), _Dropping(sys.stderr)
     folder = tempfile.mkdtemp(prefix="titan-failures-")
     os.environ[FAILURE_DIR_ENV] = folder
     os.environ["TITAN_LAUNCHER"] = "1"  # torchrun prefixes the ranks' lines itself
@@ -89,6 +91,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(record["code"])
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+class _Dropping:
+    """A text stream that passes every line except torch's C++ profiler markers (``USDT:
+    ... profiler_start``), which kineto prints on every profiled step."""
+
+    NOISE = ("USDT:",)
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        # torchrun writes one line per call, after its "[rank0]:" prefix.
+        if any(noise in text for noise in self.NOISE) and "profiler_" in text:
+            return len(text)
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 if __name__ == "__main__":
