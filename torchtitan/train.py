@@ -7,6 +7,7 @@ and maps its outcome to an exit code: 0 done, 2 bad input (one line, no tracebac
 """
 
 import copy
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -20,7 +21,13 @@ from torchtitan.config.manager import parse_args
 from torchtitan.config.validation import validate_environment
 from torchtitan.distributed import local_tensor
 from torchtitan.distributed import utils as dist_utils
-from torchtitan.tools.logging import init_logger, log_to_file, logger, quiet_known_torch_notices
+from torchtitan.tools.logging import (
+    init_logger,
+    log_to_file,
+    log_to_files_only,
+    logger,
+    quiet_known_torch_notices,
+)
 from torchtitan.trainer import NonFiniteError, Trainer
 
 
@@ -35,11 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config.comm.mode == "local_tensor" and config.debug.seed is None:
             # Simulated pipeline ranks run in threads that cannot share a drawn seed.
             config.debug.seed = int(torch.randint(0, 2**31 - 1, ()))
-        local_tensor.run(
-            config.comm.mode,
-            config.parallelism.pipeline_parallel_degree,
-            lambda pp_rank: _run(copy.deepcopy(config) if pp_rank else config),
-        )
+        pp = config.parallelism.pipeline_parallel_degree
+        # One config per simulated pipeline rank (threads), copied before any of them runs.
+        configs = [config] + [copy.deepcopy(config) for _ in range(pp - 1)]
+        local_tensor.run(config.comm.mode, pp, lambda pp_rank: _run(configs[pp_rank]))
         return 0
     except (ConfigError, FileNotFoundError) as e:
         return _stop(2, str(e))
@@ -52,7 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _stop(code: int, message: str) -> int:
     """One line for the user: through the launcher (which prints the first rank's) when there
     is one, else on this rank's console."""
-    if not launcher.refuse(code, message):
+    if launcher.refuse(code, message):
+        log_to_files_only(logging.ERROR, message)  # the launcher prints it on the console
+    else:
         logger.error(message)
     return code
 

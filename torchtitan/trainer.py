@@ -96,7 +96,7 @@ class Trainer:
         self.checkpointer = None if on_meta else self.build_checkpointer()
         if self.checkpointer is not None and config.checkpoint.enable:
             self.checkpointer.load()
-            self.lr_schedulers.reapply()
+            self.lr_schedulers.reapply(config.optimizer.lr)
             self._note_resumed_schedule()
         if config.lr_scheduler.warmup_steps > config.training.steps:
             logger.warning(
@@ -400,13 +400,15 @@ class Trainer:
                 if k in known
             }
         )
+        c = self.config
         note = resumed_schedule_note(
-            self.config.lr_scheduler,
-            training_steps=self.config.training.steps,
+            c.lr_scheduler,
+            training_steps=c.training.steps,
+            lr=c.optimizer.lr,
             saved=old,
-            saved_steps=saved["training"].get("steps", self.config.training.steps),
+            saved_steps=saved["training"].get("steps", c.training.steps),
+            saved_lr=saved.get("optimizer", {}).get("lr", c.optimizer.lr),
             step=self.step,
-            lr=self.config.optimizer.lr,
         )
         if note is not None:
             logger.warning(note)

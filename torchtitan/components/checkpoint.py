@@ -64,7 +64,7 @@ from torchtitan.components.lr_scheduler import LRSchedulers
 from torchtitan.components.optimizer import Optimizers
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
-from torchtitan.distributed import local_tensor
+from torchtitan.distributed import local_pipeline, local_tensor
 from torchtitan.tools.logging import logger
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -156,15 +156,17 @@ class CheckpointManager:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._pending: _Pending | None = None
         self._async_group = None
-        if config.async_mode != "disabled" and dist.is_initialized():
+        simulating = local_tensor.is_simulating()  # reads only: nothing to save in the background
+        if config.async_mode != "disabled" and dist.is_initialized() and not simulating:
             # Saving in the background on the training process group would interleave its
             # collectives with the training step's: give it its own gloo group.
             self._async_group = dist.new_group(backend="gloo")
         self._staging: Future | None = None
-        self._stager = stager_for(config.async_mode, device_type)
+        self._stager = None if simulating else stager_for(config.async_mode, device_type)
         self._prestage: threading.Thread | None = None
         self.loaded_from: Path | None = None
         """The full checkpoint this run resumed from (not a seed or initial load)."""
+        self._verdicts: dict[Path, str | None] = {}
         if config.enable and local_tensor.is_simulating():
             logger.info(
                 "COMM_MODE=local_tensor: checkpoints are read (model weights: a seed "
@@ -211,13 +213,21 @@ class CheckpointManager:
         return 0
 
     def _verify(self, path: Path) -> str | None:
-        """``verify`` with checksums, read on rank 0 only (every file once, not once per
-        rank) and its verdict shared, so every rank picks the same checkpoint."""
+        """``verify`` with checksums, the files' CRCs split over the ranks (each reads its
+        share once) and the verdicts gathered, so every rank picks the same checkpoint. A
+        path is verified once per run."""
+        if path in self._verdicts:
+            return self._verdicts[path]
         if not dist.is_initialized() or dist.get_world_size() == 1:
-            return verify(path)
-        verdict = [verify(path) if self.rank == 0 else None]
-        dist.broadcast_object_list(verdict, src=0)
-        return verdict[0]
+            verdict = verify(path)
+        else:
+            world = dist.get_world_size()
+            mine = verify(path, share=(self.rank, world))
+            verdicts: list[str | None] = [None] * world
+            dist.all_gather_object(verdicts, mine)
+            verdict = next((v for v in verdicts if v is not None), None)
+        self._verdicts[path] = verdict
+        return verdict
 
     def _load(self, path: Path) -> int:
         keys = saved_state_keys(path)
@@ -278,7 +288,7 @@ class CheckpointManager:
             dist.all_gather_object(every_rank, shapes)
             shapes = {k: v for rank_shapes in every_rank for k, v in rank_shapes.items()}
         # A simulated pipeline rank (a thread) sees only its own stages' names.
-        problem = model_mismatch(path, shapes, partial=local_tensor.is_simulating())
+        problem = model_mismatch(path, shapes, partial=local_pipeline.first_rank() is not None)
         if problem is None:
             return
         written_by = saved_config(path)
@@ -322,8 +332,10 @@ class CheckpointManager:
 
     def last_complete(self) -> Path | None:
         """The newest complete checkpoint on disk, if any."""
-        found = complete_checkpoints(self.folder)
-        return found[-1] if found else None
+        for path in reversed(complete_checkpoints(self.folder)):
+            if verify(path, checksums=False) is None:
+                return path
+        return None
 
     def should_save(self, step: int, *, last: bool) -> bool:
         c = self.config
@@ -431,25 +443,23 @@ class CheckpointManager:
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException
             raise self._save_failed(pending.step, e) from None
 
-    def _save_failed(self, step: int, error: BaseException) -> ConfigError:
-        """One line for a save that failed (the partial ``step-N.tmp``, this run's own, is
-        removed): a full disk says so, with what the checkpoint needs, instead of torch's
-        ``enforce fail at inline_container.cc``."""
-        tmp = self.folder / f"step-{step}.tmp"
-        written = (
-            sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if tmp.is_dir() else 0
-        )
+    def _save_failed(self, step: int, error: BaseException) -> BaseException:
+        """One line for a save the file system refused (a full disk says so, with what the
+        checkpoint needs, instead of torch's ``enforce fail at inline_container.cc``); the
+        partial ``step-N.tmp``, this run's own, is removed. Any other error is returned as it
+        is: a bug keeps its traceback."""
+        if not _is_os_error(error):
+            return error
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(self.folder / f"step-{step}.tmp", ignore_errors=True)
         last = self.last_complete()
         kept = f"the last complete checkpoint is {last}" if last else "no checkpoint is complete"
         free = _free_bytes(self.folder)
         if _is_disk_full(error) or (free is not None and free < 1 << 20):
-            need = max(self._state_bytes(), written)
             return ConfigError(
                 f"no space left on device saving checkpoint step-{step} in {self.folder}: it "
-                f"needs about {_gib(need)} on this rank, {_gib(free or 0)} are free; free space "
-                f"or choose another --checkpoint.folder ({kept})"
+                f"needs about {_gib(self._state_bytes())} on this rank, {_gib(free or 0)} are "
+                f"free; free space or choose another --checkpoint.folder ({kept})"
             )
         reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         return ConfigError(
@@ -504,7 +514,8 @@ class CheckpointManager:
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
     def _remove_incomplete(self) -> None:
-        if self.rank == 0 and self.folder.is_dir():
+        # A simulation only reads: another (live) run's step-N.tmp is not its to remove.
+        if self.rank == 0 and self.folder.is_dir() and not local_tensor.is_simulating():
             for tmp in self.folder.glob("step-*.tmp"):
                 logger.warning(f"Removing incomplete checkpoint {tmp}")
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -558,18 +569,33 @@ def _read_full_model(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _is_disk_full(error: BaseException) -> bool:
-    """ENOSPC anywhere in the error, its causes, or DCP's per-rank failures."""
-    seen, todo = set(), [error]
+def _errors_in(error: BaseException) -> list[BaseException]:
+    """The error, its causes and contexts, and DCP's per-rank failures."""
+    seen, todo, found = set(), [error], []
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e):
-            return True
-        todo += [e.__cause__, e.__context__, *getattr(e, "failures", {}).values()]
-    return False
+        found.append(e)
+        # DCP's failures are (exception, traceback summary) pairs, one per rank.
+        failures = [
+            f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()
+        ]
+        todo += [e.__cause__, e.__context__, *failures]
+    return found
+
+
+def _is_disk_full(error: BaseException) -> bool:
+    return any(
+        getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
+        for e in _errors_in(error)
+    )
+
+
+def _is_os_error(error: BaseException) -> bool:
+    """A file-system refusal (OSError anywhere in it, or torch's failed-write message)."""
+    return any(isinstance(e, OSError) or "file write failed" in str(e) for e in _errors_in(error))
 
 
 def _free_bytes(folder: Path) -> int | None:

@@ -106,16 +106,21 @@ def _names(files: list[Path]) -> str:
 def _unreadable(files: list[Path], fmt: str, error: Exception) -> str:
     """Why the files cannot be read: the first line that is not JSON (for JSON lines), else
     the reader's own first line."""
-    if fmt == "json":
-        for f in files:
-            with open(f, encoding="utf-8", errors="replace") as lines:
-                for n, line in enumerate(lines, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        json.loads(line)
-                    except ValueError as bad:
-                        return f"{f}, line {n} is not valid JSON ({bad}): {line.strip()[:60]!r}"
+    budget = 1_000_000  # lines: a first bad line is found fast; a huge corpus is not re-read
+    for f in files if fmt == "json" else []:
+        if ".jsonl" not in f.suffixes:
+            continue  # a JSON array spans lines: its reader's message says more
+        with open(f, encoding="utf-8", errors="replace") as lines:
+            for n, line in enumerate(lines, start=1):
+                budget -= 1
+                if budget < 0:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    json.loads(line)
+                except ValueError as bad:
+                    return f"{f}, line {n} is not valid JSON ({bad}): {line.strip()[:60]!r}"
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     cause = error.__cause__ or error.__context__
     if cause is not None and str(cause).strip():
@@ -205,6 +210,7 @@ class TextDataset(IterableDataset, Stateful):
         self._epoch = 0
         self._sample_idx = 0  # next document index of this shard (map-style datasets)
         self._token_buffer: list[int] = []
+        self._read_text = False  # any non-empty document seen by this reader
         # A stream reports its loaded position only once it is iterated again; until then
         # state_dict() must return the loaded position itself.
         self._loaded_stream_state: dict[str, Any] | None = None
@@ -231,6 +237,8 @@ class TextDataset(IterableDataset, Stateful):
         empty_passes = 0
         while True:
             documents = characters = 0
+            # A resumed pass may start near the end, where only empty documents are left.
+            started_at_first = self._streaming or self._sample_idx == 0
             for document in self._documents():
                 documents += 1
                 text = document.get(self._text_key)
@@ -260,7 +268,8 @@ class TextDataset(IterableDataset, Stateful):
                     f"{self._worker_note()}: it has fewer documents or shards than readers; "
                     "use fewer ranks or --training.num_workers 0"
                 )
-            if documents and not characters:
+            self._read_text = self._read_text or characters > 0
+            if documents and not characters and not self._read_text and started_at_first:
                 raise ConfigError(
                     f"dataset {self.name}: all {documents} documents of {self._where} are "
                     "empty; training on them would learn only the begin/end tokens"

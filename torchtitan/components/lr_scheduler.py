@@ -80,24 +80,27 @@ def resumed_schedule_note(
     config: LRSchedulerConfig,
     *,
     training_steps: int,
+    lr: float,
     saved: LRSchedulerConfig,
     saved_steps: int,
+    saved_lr: float,
     step: int,
-    lr: float,
 ) -> str | None:
-    """The rule on resume: the schedule follows this run's flags (``--training.steps`` and
-    ``--lr_scheduler.*``), recomputed from step 1. When the checkpoint's run had others, one
-    line says so, with the LR of the next step under both; ``None`` when nothing changed."""
-    if saved == config and saved_steps == training_steps:
+    """The rule on resume: the schedule follows this run's flags (``--optimizer.lr``,
+    ``--training.steps`` and ``--lr_scheduler.*``), recomputed from step 1. When the
+    checkpoint's run had others, one line says so, with the LR of the next step under both;
+    ``None`` when nothing changed."""
+    if saved == config and saved_steps == training_steps and saved_lr == lr:
         return None
     new = lr * schedule(config, training_steps=training_steps)(step)
-    old = lr * schedule(saved, training_steps=saved_steps)(step)
+    old = saved_lr * schedule(saved, training_steps=saved_steps)(step)
     return (
-        f"LR schedule: the checkpoint's run had --training.steps {saved_steps} "
-        f"({describe(saved, training_steps=saved_steps)}); this run follows its own flags, "
-        f"--training.steps {training_steps} ({describe(config, training_steps=training_steps)})"
-        f": step {step + 1} trains at lr {new:.3e} (the old schedule: {old:.3e}). Resume with "
-        "the old values to keep the old curve"
+        f"LR schedule: the checkpoint's run had --optimizer.lr {saved_lr:g} --training.steps "
+        f"{saved_steps} ({describe(saved, training_steps=saved_steps)}); this run follows its "
+        f"own flags, --optimizer.lr {lr:g} --training.steps {training_steps} "
+        f"({describe(config, training_steps=training_steps)}): step {step + 1} trains at lr "
+        f"{new:.3e} (the old schedule: {old:.3e}). Resume with the old values to keep the old "
+        "curve"
     )
 
 
@@ -121,15 +124,15 @@ class LRSchedulers(Stateful):
     def state_dict(self) -> dict[str, Any]:
         return self.schedulers[0].state_dict()
 
-    def reapply(self) -> None:
-        """Set every optimizer's LR from this run's curve at the loaded position: the loaded
-        optimizer state carries the LR the saving run's curve chose for the next step."""
+    def reapply(self, peak_lr: float) -> None:
+        """Set every optimizer's LR from this run's curve and ``--optimizer.lr`` at the loaded
+        position: the loaded state carries the saving run's peak LR and the LR its curve chose
+        for the next step. (Same flags: the same values, bit for bit.)"""
         for scheduler in self.schedulers:
-            lrs = [
-                base * fn(scheduler.last_epoch)
-                for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
-            ]
+            scheduler.base_lrs = [peak_lr] * len(scheduler.optimizer.param_groups)
+            lrs = [peak_lr * fn(scheduler.last_epoch) for fn in scheduler.lr_lambdas]
             for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+                group["initial_lr"] = peak_lr
                 group["lr"] = lr
             scheduler._last_lr = lrs
 

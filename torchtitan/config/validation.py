@@ -176,7 +176,7 @@ def _path_checks(config: JobConfig) -> list[tuple[bool, str]]:
     if dump.strip() and (c.enable or c.create_seed_checkpoint):
         folders.append(("--checkpoint.folder", Path(os.path.normpath(Path(dump) / c.folder))))
     for flag, folder in folders:
-        blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
+        blocker = next((p for p in (folder, *folder.parents) if _exists(p)), None)
         checks.append(
             (
                 blocker is None or blocker.is_dir(),
@@ -184,6 +184,13 @@ def _path_checks(config: JobConfig) -> list[tuple[bool, str]]:
             )
         )
     return checks
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a folder on the way that cannot be searched: found at write time
+        return False
 
 
 def validate_launch(config: JobConfig) -> None:
@@ -364,10 +371,20 @@ def _local_tensor_checks(config: JobConfig) -> list[tuple[bool, str]]:
                 f"--training.enable_cpu_offload {why}; drop the flag",
             ),
             (
-                not (p.pipeline_parallel_degree > 1 and config.profiling.enable_profiling),
-                "--profiling.enable_profiling with --parallelism.pipeline_parallel_degree > 1 "
-                f"{why} (the simulated pipeline ranks are threads and torch's profiler is one "
-                "per process); profile a run with real ranks",
+                not (
+                    p.pipeline_parallel_degree > 1
+                    and (
+                        config.profiling.enable_profiling or config.profiling.enable_memory_snapshot
+                    )
+                ),
+                "--profiling.enable_profiling / enable_memory_snapshot with "
+                f"--parallelism.pipeline_parallel_degree > 1 {why} (the simulated pipeline ranks "
+                "are threads and torch's profiler is one per process); profile real ranks",
+            ),
+            (
+                config.checkpoint.async_mode == "disabled",
+                f"--checkpoint.async_mode {config.checkpoint.async_mode} {why} (the simulation "
+                "only reads checkpoints); drop the flag",
             ),
         ]
     simple = _fsdp_impl(config) == "simple"

@@ -30,7 +30,6 @@ thread's state each time a thread resumes.
 """
 
 import collections
-import copy
 import importlib
 import logging
 import threading
@@ -46,7 +45,6 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.tools.logging import logger
 
-_T = Any
 _REPLACED = ("isend", "irecv", "send", "recv", "batch_isend_irecv", "all_reduce", "get_rank")
 
 
@@ -122,6 +120,12 @@ class PipelineSimulation:
             originals.apply(enabled=False)
         if self._failure is not None:
             raise self._failure
+        left = {key: len(q) for key, q in self._queues.items() if q}
+        if left:
+            raise PipelineSimulationError(
+                "COMM_MODE=local_tensor: the run ended with messages nobody received "
+                f"(sender -> receiver: count) {left}; the pipeline ranks' schedules disagree"
+            )
 
     def _main(self, pp_rank: int, fn: Callable[[int], None], originals: "_Patches") -> None:
         self._thread.pp_rank = pp_rank
@@ -129,6 +133,8 @@ class PipelineSimulation:
         self._thread.originals = originals
         with self._cond:  # one thread at a time: released only while waiting for a message
             try:
+                if self._failure is not None:  # another pipeline rank failed before this began
+                    raise _Stopped()
                 with lt.LocalTensorMode(frozenset(self.ranks(pp_rank))) as mode:
                     # What the mode restores when paused: the real functions, whatever
                     # another thread's mode had patched in when this one started.
@@ -258,7 +264,10 @@ class PipelineSimulation:
         self._peer_pp(group, ranks[0], None)  # a pp group, or refuse
         if any(self._thread.pending[p] for p in range(self.pp)):
             raise PipelineSimulationError("all_reduce over pp while receives are still posted")
-        mine = _per_rank(tensor, self.ranks(self.pp_rank))
+        if isinstance(tensor, DTensor):
+            tensor = tensor._local_tensor
+        # Copies: with a plain tensor every rank's value is the same object, updated below.
+        mine = {r: v.clone() for r, v in _per_rank(tensor, self.ranks(self.pp_rank)).items()}
         for peer_pp in range(self.pp):
             if peer_pp != self.pp_rank:
                 self._send_to(peer_pp, tensor)
@@ -385,12 +394,3 @@ def first_rank() -> int | None:
     if sim is None or not hasattr(sim._thread, "pp_rank"):
         return None
     return sim.ranks(sim.pp_rank)[0]
-
-
-def with_seed(config: _T, seed: int) -> _T:
-    """A copy of ``config`` for one pipeline rank's thread, with ``--debug.seed`` fixed: the
-    threads cannot broadcast a drawn seed to each other."""
-    copied = copy.deepcopy(config)
-    if copied.debug.seed is None:
-        copied.debug.seed = seed
-    return copied

@@ -41,6 +41,9 @@ def log_to_file(dump_folder: str) -> Path | None:
     ``None`` when the folder cannot be made (the console still has everything)."""
     run = os.environ.get("TITAN_RUN_ID") or time.strftime("%Y%m%d-%H%M%S")
     path = Path(dump_folder) / "logs" / run / f"rank{os.environ.get('RANK', '0')}.log"
+    for old in [h for h in logger.handlers if isinstance(h, logging.FileHandler)]:
+        logger.removeHandler(old)  # a previous run in this process
+        old.close()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(path)
@@ -71,3 +74,11 @@ def quiet_known_torch_notices() -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
         _DropMessages("While redistributing from")
     )
+
+
+def log_to_files_only(level: int, message: str) -> None:
+    """A line for the log files and not the console (which shows it another way)."""
+    record = logger.makeRecord(logger.name, level, __file__, 0, message, None, None)
+    for handler in logger.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)

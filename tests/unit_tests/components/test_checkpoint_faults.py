@@ -125,3 +125,17 @@ def test_a_full_disk_says_so_in_one_line_and_leaves_no_partial_folder(tmp_path, 
     assert "it needs about 1.0 MiB on this rank" in message and " are free" in message
     assert "no checkpoint is complete" in message
     assert not (tmp_path / "checkpoint" / "step-1.tmp").exists()
+
+
+def test_a_bug_while_saving_keeps_its_traceback(tmp_path, monkeypatch):
+    """Only the file system's refusals become one line; anything else is a bug to see."""
+
+    def broken(self, *args, **kwargs):
+        raise ValueError("a Stateful that cannot be written")
+
+    monkeypatch.setattr(CheckpointWriter, "write_data", broken)
+    manager = _manager(tmp_path, nn.Linear(4, 4))
+    with pytest.raises(BaseException, match="a Stateful that cannot be written") as raised:
+        manager.save(1)
+    manager.close()
+    assert not isinstance(raised.value, ConfigError)

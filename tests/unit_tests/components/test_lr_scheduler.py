@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -195,3 +196,18 @@ def test_state_dict_round_trip_continues_identically(tmp_path: Path) -> None:
             min_lr_factor=0.1,
         )
     )
+
+
+def test_the_resume_note_names_what_changed_and_nothing_when_nothing_did():
+    from torchtitan.components.lr_scheduler import resumed_schedule_note
+    from torchtitan.config.job_config import LRScheduler
+
+    config = LRScheduler(warmup_steps=2)
+    same = dict(training_steps=8, lr=1e-3, saved=config, saved_steps=8, saved_lr=1e-3, step=4)
+    assert resumed_schedule_note(config, **same) is None
+    note = resumed_schedule_note(config, **(same | {"saved_lr": 2e-3}))
+    assert "--optimizer.lr 0.002" in note and "--optimizer.lr 0.001" in note
+    new, old = map(
+        float, re.search(r"trains at lr (\S+) \(the old schedule: (\S+)\)", note).groups()
+    )
+    assert old == pytest.approx(2 * new)
