@@ -59,7 +59,12 @@ from torchtitan.components.checkpoint_files import (
     verify,
     write_durably,
 )
-from torchtitan.components.checkpoint_writer import CheckpointWriter, lower_priority, stager_for
+from torchtitan.components.checkpoint_writer import (
+    CheckpointWriter,
+    close_stager,
+    lower_priority,
+    stager_for,
+)
 from torchtitan.components.lr_scheduler import LRSchedulers
 from torchtitan.components.optimizer import Optimizers
 from torchtitan.config.errors import ConfigError
@@ -524,8 +529,7 @@ class CheckpointManager:
     def close(self) -> None:
         self.finish_pending()
         self._join_prestage()
-        if self._stager is not None:
-            self._stager.close()
+        close_stager(self._stager)
 
 
 def match_dataloader_layout(path: Path, wanted: dict[str, Stateful]) -> None:

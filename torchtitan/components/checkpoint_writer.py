@@ -35,7 +35,7 @@ def stager_for(async_mode: str, device_type: str) -> DefaultStager | None:
             "using plain async"
         )
         pinned = False
-    return DefaultStager(
+    stager = DefaultStager(
         StagingOptions(
             use_pinned_memory=pinned,
             use_shared_memory=False,
@@ -43,6 +43,22 @@ def stager_for(async_mode: str, device_type: str) -> DefaultStager | None:
             use_non_blocking_copy=pinned,
         )
     )
+    # torch 2.11 closes the inner state-dict stager after every stage: its buffers are freed
+    # (no reuse) and its copier table emptied, so the next save fails with KeyError. Keep it
+    # open until close_stager (torch 2.13 does not close it per stage: no change there).
+    inner = getattr(stager, "_state_dict_stager", None)
+    if inner is not None:
+        stager._titan_close_inner = inner.close
+        inner.close = lambda: None
+    return stager
+
+
+def close_stager(stager: DefaultStager | None) -> None:
+    """Close a stager from :func:`stager_for`, its host buffers included."""
+    if stager is None:
+        return
+    stager.close()
+    getattr(stager, "_titan_close_inner", lambda: None)()
 
 
 class UncachedFileSystem(FileSystem):
