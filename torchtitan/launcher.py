@@ -40,15 +40,15 @@ def refuse(code: int, message: str) -> bool:
     return True
 
 
-def first_refusal(folder: str | Path) -> dict | None:
-    """The earliest record in ``folder`` (``None`` if no rank refused)."""
+def refusals(folder: str | Path) -> list[dict]:
+    """Every rank's record in ``folder``, earliest first (empty if no rank refused)."""
     records = []
-    for path in sorted(Path(folder).glob("rank*.json")):
+    for path in Path(folder).glob("rank*.json"):
         try:
             records.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue
-    return min(records, key=lambda r: (r["time"], r["rank"])) if records else None
+    return sorted(records, key=lambda r: (r["time"], r["rank"]))
 
 
 def format_refusal(record: dict, *, also: Sequence[int] = ()) -> str:
@@ -77,18 +77,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         torchrun.run(torchrun.parse_args(list(sys.argv[1:] if argv is None else argv)))
         return 0
     except ChildFailedError as e:
-        record = first_refusal(folder)
-        if record is None:
+        records = refusals(folder)
+        if not records:
             print(e.format_msg(), file=sys.stderr)
             return 1
-        same = [
-            int(p.stem[4:])
-            for p in Path(folder).glob("rank*.json")
-            if int(p.stem[4:]) != record["rank"]
-            and json.loads(p.read_text())["message"] == record["message"]
-        ]
-        print(format_refusal(record, also=sorted(same)), file=sys.stderr)
-        return int(record["code"])
+        first, others = records[0], records[1:]
+        same = sorted(r["rank"] for r in others if r["message"] == first["message"])
+        print(format_refusal(first, also=same), file=sys.stderr)
+        return int(first["code"])
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -97,14 +93,12 @@ class _Dropping:
     """A text stream that passes every line except torch's C++ profiler markers (``USDT:
     ... profiler_start``), which kineto prints on every profiled step."""
 
-    NOISE = ("USDT:",)
-
     def __init__(self, stream):
         self._stream = stream
 
     def write(self, text: str) -> int:
         # torchrun writes one line per call, after its "[rank0]:" prefix.
-        if any(noise in text for noise in self.NOISE) and "profiler_" in text:
+        if "USDT:" in text and "profiler_" in text:
             return len(text)
         return self._stream.write(text)
 

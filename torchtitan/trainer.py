@@ -6,7 +6,7 @@ them; the trainer decides what a step is. Debugging modes (``dry_run.py``) use t
 build steps instead of adding branches here.
 """
 
-import dataclasses
+import copy
 import functools
 import time
 from collections.abc import Sequence
@@ -17,8 +17,9 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from torchtitan.batch_runner import Batch, BatchRunner, pipeline_dtypes
-from torchtitan.components.checkpoint import CheckpointManager, build_checkpoint_states
-from torchtitan.components.checkpoint_files import saved_config
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.checkpoint_files import CONFIG_FILE
+from torchtitan.components.checkpoint_states import build_checkpoint_states
 from torchtitan.components.dataloader import build_dataloader
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.lr_scheduler import build_lr_schedulers, resumed_schedule_note
@@ -28,8 +29,7 @@ from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.components.train_state import StepResult, TrainState
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
-from torchtitan.config.job_config import LRScheduler as LRSchedulerConfig
-from torchtitan.config.manager import save_resolved, to_toml
+from torchtitan.config.manager import apply_toml, save_resolved, to_toml
 from torchtitan.distributed import (
     ParallelDims,
     local_tensor,
@@ -388,26 +388,21 @@ class Trainer:
         """One warning when the checkpoint's run had another LR schedule (``lr_scheduler``'s
         rule: this run's flags decide)."""
         path = self.checkpointer.loaded_from
-        saved = saved_config(path) if path is not None else None
-        if not saved or "lr_scheduler" not in saved or "training" not in saved:
+        if path is None or not (path / CONFIG_FILE).is_file():
+            return  # older checkpoints carry no config
+        saved = copy.deepcopy(self.config)
+        try:
+            apply_toml(saved, path / CONFIG_FILE)
+        except ConfigError:  # written by another version of the config: nothing to compare
             return
-        known = {f.name for f in dataclasses.fields(LRSchedulerConfig)}
-        # TOML has no null: the saved config spells None "None" (config.manager.to_toml).
-        old = LRSchedulerConfig(
-            **{
-                k: None if v == "None" else v
-                for k, v in saved["lr_scheduler"].items()
-                if k in known
-            }
-        )
         c = self.config
         note = resumed_schedule_note(
             c.lr_scheduler,
             training_steps=c.training.steps,
             lr=c.optimizer.lr,
-            saved=old,
-            saved_steps=saved["training"].get("steps", c.training.steps),
-            saved_lr=saved.get("optimizer", {}).get("lr", c.optimizer.lr),
+            saved=saved.lr_scheduler,
+            saved_steps=saved.training.steps,
+            saved_lr=saved.optimizer.lr,
             step=self.step,
         )
         if note is not None:

@@ -7,9 +7,10 @@ Layout under ``<job.dump_folder>/<checkpoint.folder>/``::
     step-300.tmp/        being written (or left by a crash): never loaded, removed on start
 
 Every rank writes its shards into ``step-N.tmp``; once DCP reports all ranks done, rank 0
-writes ``manifest.json`` (every file and its size) and renames the folder to ``step-N``.
-Loading checks the manifest first, so a torn checkpoint (missing or truncated file) is skipped
-with a warning when resuming from the latest, and is an error when asked for by step.
+writes ``manifest.json`` (every file, its size and CRC-32) and renames the folder to ``step-N``.
+Loading checks the manifest first, so a torn or corrupt checkpoint is skipped with a warning
+when resuming from the latest, and is an error when asked for by step. What is saved (the
+state objects) is in ``checkpoint_states``; what is on disk in ``checkpoint_files``.
 
 What is saved: ``model`` and ``optimizer`` (DCP state-dict APIs, so any sharding loads into any
 other), ``lr_scheduler``, ``dataloader`` (one entry per data-parallel rank) and ``train_state``
@@ -17,15 +18,12 @@ other), ``lr_scheduler``, ``dataloader`` (one entry per data-parallel rank) and 
 """
 
 import dataclasses
-import errno
-import io
 import json
 import os
 import shutil
 import threading
 import time
 import tomllib
-from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -34,14 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.utils._pytree as pytree
-from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.components.checkpoint_files import (
@@ -49,15 +40,22 @@ from torchtitan.components.checkpoint_files import (
     MANIFEST,
     STEP_DIR,
     SafeFileSystemReader,
+    SafeLoadPlanner,
     complete_checkpoints,
+    free_bytes,
+    free_name,
+    is_disk_full,
+    is_os_error,
     manifest_entries,
     model_mismatch,
     saved_config,
-    saved_ranks,
     saved_state_keys,
     saved_tensor_metadata,
     verify,
     write_durably,
+)
+from torchtitan.components.checkpoint_states import (
+    match_dataloader_layout,
 )
 from torchtitan.components.checkpoint_writer import (
     CheckpointWriter,
@@ -65,75 +63,14 @@ from torchtitan.components.checkpoint_writer import (
     lower_priority,
     stager_for,
 )
-from torchtitan.components.lr_scheduler import LRSchedulers
 from torchtitan.components.optimizer import Optimizers
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.distributed import local_pipeline, local_tensor
 from torchtitan.tools.logging import logger
+from torchtitan.tools.memory_estimate import format_bytes, local_bytes
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelState(Stateful):
-    """The parameters of this rank's model parts as DCP sees them (sharded DTensors stay
-    sharded), under the names of the whole model: the parts' names do not overlap, so a
-    checkpoint saved with one split (pipeline stages) loads into any other."""
-
-    def __init__(self, model_parts: Sequence[nn.Module]):
-        self.model_parts = list(model_parts)
-
-    def state_dict(self) -> dict[str, Any]:
-        merged: dict[str, Any] = {}
-        for part in self.model_parts:
-            merged.update(get_model_state_dict(part))
-        return merged
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Each part takes its own names from the merged dict (a pipeline stage holds a few);
-        # the manager has checked the names and shapes against the whole model's before.
-        options = StateDictOptions(strict=False)
-        for part in self.model_parts:
-            set_model_state_dict(part, state_dict, options=options)
-
-
-class PerRankState(Stateful):
-    """State kept per data-parallel rank (the dataloader), stored as one serialized item per
-    rank (its size varies, so not a tensor) and read back with ``weights_only=True``.
-
-    ``replicated`` says every rank's item is the same (``by_row`` data), so a run with another
-    number of ranks can load any of them; ``reading(rank)`` is the view that loads that one.
-    """
-
-    def __init__(self, inner: Stateful, *, rank: int, world_size: int, replicated: bool = False):
-        self.inner, self.rank, self.world_size = inner, rank, world_size
-        self.replicated = replicated
-
-    def reading(self, rank: int) -> "PerRankState":
-        return PerRankState(self.inner, rank=rank, world_size=self.world_size, replicated=True)
-
-    def state_dict(self) -> dict[str, Any]:
-        buffer = io.BytesIO()
-        torch.save(self.inner.state_dict(), buffer)
-        return {f"rank_{self.rank}": buffer.getvalue()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        data = state_dict[f"rank_{self.rank}"]
-        self.inner.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
-
-
-class _SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner unpickles non-tensor values with ``weights_only=False``."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        fqn = read_item.dest_index.fqn
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
-
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj
 
 
 @dataclasses.dataclass
@@ -263,7 +200,7 @@ class CheckpointManager:
         dcp.load(
             wanted,
             storage_reader=SafeFileSystemReader(str(path)),
-            planner=_SafeLoadPlanner(),
+            planner=SafeLoadPlanner(),
             no_dist=_no_dist(),
         )
         return int(STEP_DIR.match(path.name).group(1))
@@ -329,7 +266,7 @@ class CheckpointManager:
         dcp.load(
             {"model": self.states["model"]},
             storage_reader=SafeFileSystemReader(str(path)),
-            planner=_SafeLoadPlanner(),
+            planner=SafeLoadPlanner(),
             no_dist=_no_dist(),
         )
 
@@ -453,17 +390,17 @@ class CheckpointManager:
         checkpoint needs, instead of torch's ``enforce fail at inline_container.cc``); the
         partial ``step-N.tmp``, this run's own, is removed. Any other error is returned as it
         is: a bug keeps its traceback."""
-        if not _is_os_error(error):
+        if not is_os_error(error):
             return error
         if self.rank == 0:
             shutil.rmtree(self.folder / f"step-{step}.tmp", ignore_errors=True)
         last = self.last_complete()
         kept = f"the last complete checkpoint is {last}" if last else "no checkpoint is complete"
-        free = _free_bytes(self.folder)
-        if _is_disk_full(error) or (free is not None and free < 1 << 20):
+        free = free_bytes(self.folder)
+        if is_disk_full(error) or (free is not None and free < 1 << 20):
             return ConfigError(
                 f"no space left on device saving checkpoint step-{step} in {self.folder}: it "
-                f"needs about {_gib(self._state_bytes())} on this rank, {_gib(free or 0)} are "
+                f"needs about {format_bytes(self._state_bytes()).strip()} on this rank, {format_bytes(free or 0).strip()} are "
                 f"free; free space or choose another --checkpoint.folder ({kept})"
             )
         reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
@@ -473,14 +410,14 @@ class CheckpointManager:
 
     def _state_bytes(self) -> int:
         """Bytes of this rank's tensors in the full state (what a save writes of it)."""
-        total = 0
-        for value in self.states.values():
-            state = value.state_dict() if isinstance(value, Stateful) else value
-            for t in pytree.tree_leaves(state):
-                if isinstance(t, torch.Tensor):
-                    local = t.to_local() if hasattr(t, "to_local") else t
-                    total += local.numel() * local.element_size()
-        return total
+        return local_bytes(
+            pytree.tree_leaves(
+                {
+                    k: v.state_dict() if isinstance(v, Stateful) else v
+                    for k, v in self.states.items()
+                }
+            )
+        )
 
     def _finalize(self, step: int) -> None:
         """On rank 0, once every rank's files are written: manifest, rename, purge old."""
@@ -494,7 +431,7 @@ class CheckpointManager:
             if final.exists():
                 # Another run's step-N (resumed from an earlier step, or damaged and skipped):
                 # keep it, under a name no later run loads or purges.
-                aside = _free_name(self.folder / f"step-{step}.replaced")
+                aside = free_name(self.folder / f"step-{step}.replaced")
                 os.replace(final, aside)
                 logger.warning(f"{final} existed (not written by this run): moved to {aside}")
             os.replace(tmp, final)
@@ -532,30 +469,6 @@ class CheckpointManager:
         close_stager(self._stager)
 
 
-def match_dataloader_layout(path: Path, wanted: dict[str, Stateful]) -> None:
-    """Refuse per-rank dataloader state saved under another DP degree, unless every rank
-    reads the whole stream (``by_row``, or one rank): then all ranks here read rank 0's."""
-    state = wanted.get("dataloader")
-    if not isinstance(state, PerRankState):
-        return
-    saved = saved_ranks(path, "dataloader")
-    if saved == state.world_size:
-        return
-    if not state.replicated:
-        raise ConfigError(
-            f"checkpoint {path} holds dataloader state for {saved} data-parallel ranks, "
-            f"this run has {state.world_size}: their shards do not line up; resume with "
-            f"{saved} data-parallel ranks, or pass --checkpoint.exclude_from_loading "
-            "dataloader to restart the data from its beginning (runs that change the "
-            "degree keep their place with --training.data_sharding by_row)"
-        )
-    logger.info(
-        f"Dataloader state of {saved} data-parallel ranks continues on {state.world_size}: "
-        "each reads the whole stream, so rank 0's position serves every rank"
-    )
-    wanted["dataloader"] = state.reading(0)
-
-
 def _read_full_model(path: Path) -> dict[str, torch.Tensor]:
     """Every model tensor of a checkpoint, whole, as host tensors (one process's view)."""
     with local_tensor.host_only():
@@ -567,59 +480,10 @@ def _read_full_model(path: Path) -> dict[str, torch.Tensor]:
         dcp.load(
             {"model": state},
             storage_reader=SafeFileSystemReader(str(path)),
-            planner=_SafeLoadPlanner(),
+            planner=SafeLoadPlanner(),
             no_dist=True,
         )
     return state
-
-
-def _errors_in(error: BaseException) -> list[BaseException]:
-    """The error, its causes and contexts, and DCP's per-rank failures."""
-    seen, todo, found = set(), [error], []
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        found.append(e)
-        # DCP's failures are (exception, traceback summary) pairs, one per rank.
-        failures = [
-            f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()
-        ]
-        todo += [e.__cause__, e.__context__, *failures]
-    return found
-
-
-def _is_disk_full(error: BaseException) -> bool:
-    return any(
-        getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
-        for e in _errors_in(error)
-    )
-
-
-def _is_os_error(error: BaseException) -> bool:
-    """A file-system refusal (OSError anywhere in it, or torch's failed-write message)."""
-    return any(isinstance(e, OSError) or "file write failed" in str(e) for e in _errors_in(error))
-
-
-def _free_bytes(folder: Path) -> int | None:
-    for path in (folder, *folder.parents):
-        if path.exists():
-            return shutil.disk_usage(path).free
-    return None
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def _free_name(path: Path) -> Path:
-    """``path``, or ``path-2``, ``path-3``, ... : the first that does not exist."""
-    candidate, n = path, 1
-    while candidate.exists():
-        n += 1
-        candidate = path.with_name(f"{path.name}-{n}")
-    return candidate
 
 
 def _no_dist() -> bool:
@@ -629,27 +493,3 @@ def _no_dist() -> bool:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def build_checkpoint_states(
-    *,
-    model_parts: Sequence[nn.Module],
-    optimizers: Optimizers,
-    lr_schedulers: LRSchedulers,
-    dataloader: Stateful,
-    train_state: Stateful,
-    dp_rank: int,
-    dp_world_size: int,
-) -> dict[str, Stateful]:
-    return {
-        "model": ModelState(model_parts),
-        "optimizer": optimizers,
-        "lr_scheduler": lr_schedulers,
-        "dataloader": PerRankState(
-            dataloader,
-            rank=dp_rank,
-            world_size=dp_world_size,
-            replicated=getattr(dataloader, "replicated_state", False),
-        ),
-        "train_state": train_state,
-    }

@@ -6,11 +6,14 @@ that can only create DCP's own metadata classes, ``torch.Size``, dtypes, layouts
 formats and paths, so a crafted checkpoint cannot run code while it is inspected or loaded.
 """
 
+import errno
 import functools
+import io
 import json
 import os
 import pickle
 import re
+import shutil
 import sys
 import tomllib
 import zlib
@@ -18,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from torchtitan.config.errors import ConfigError
@@ -212,3 +215,62 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _errors_in(error: BaseException) -> list[BaseException]:
+    """The error, its causes and contexts, and DCP's per-rank failures."""
+    seen, todo, found = set(), [error], []
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        found.append(e)
+        # DCP's failures are (exception, traceback summary) pairs, one per rank.
+        failures = [
+            f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()
+        ]
+        todo += [e.__cause__, e.__context__, *failures]
+    return found
+
+
+def is_disk_full(error: BaseException) -> bool:
+    return any(
+        getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
+        for e in _errors_in(error)
+    )
+
+
+def is_os_error(error: BaseException) -> bool:
+    """A file-system refusal (OSError anywhere in it, or torch's failed-write message)."""
+    return any(isinstance(e, OSError) or "file write failed" in str(e) for e in _errors_in(error))
+
+
+def free_bytes(folder: Path) -> int | None:
+    for path in (folder, *folder.parents):
+        if path.exists():
+            return shutil.disk_usage(path).free
+    return None
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner unpickles non-tensor values with ``weights_only=False``."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element
+
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def free_name(path: Path) -> Path:
+    """``path``, or ``path-2``, ``path-3``, ... : the first that does not exist."""
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate

@@ -228,13 +228,7 @@ def load_full_model_(model: nn.Module, full: nn.Module) -> None:
             if key not in full_params:
                 raise KeyError(f"{key} is in the parallelized model but not in the full one")
             if id(param) not in replaced:
-                value = full_params[key].detach()
-                if isinstance(param, DTensor):
-                    value = distribute_tensor(
-                        value, param.device_mesh, param.placements, src_data_rank=None
-                    )
-                else:
-                    value = replicate_to_ranks(value.clone())
+                value = _placed_like(param, full_params[key].detach())
                 replaced[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
             module._parameters[name] = replaced[id(param)]
         for name, buf in list(module._buffers.items()):
@@ -252,18 +246,19 @@ def copy_full_state_(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         key = _clean_name(name)
         if key not in state:
             raise KeyError(f"{key} is in the model but not in the loaded state")
-        value = state[key].to(param.dtype)
-        if isinstance(param, DTensor):
-            value = distribute_tensor(
-                value, param.device_mesh, param.placements, src_data_rank=None
-            )
-        else:
-            value = replicate_to_ranks(value.clone())
-        param.copy_(value)
+        param.copy_(_placed_like(param, state[key].to(param.dtype)))
     for name, buf in model.named_buffers():
         key = _clean_name(name)
         if key in state:
             buf.copy_(replicate_to_ranks(state[key].to(buf.dtype).clone()))
+
+
+def _placed_like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``full`` (the whole tensor, on the host) cut as ``param`` is placed: its shards for a
+    DTensor, a copy on every simulated rank otherwise (no communication)."""
+    if isinstance(param, DTensor):
+        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    return replicate_to_ranks(full.clone())
 
 
 def _clean_name(name: str) -> str:

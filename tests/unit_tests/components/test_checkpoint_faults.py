@@ -10,8 +10,9 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.components.checkpoint import CheckpointManager, ModelState
+from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_files import MANIFEST, verify
+from torchtitan.components.checkpoint_states import ModelState
 from torchtitan.components.checkpoint_writer import CheckpointWriter
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig

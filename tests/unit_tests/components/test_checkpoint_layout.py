@@ -7,12 +7,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchtitan.components.checkpoint import (
-    PerRankState,
-    _SafeLoadPlanner,
-    match_dataloader_layout,
-)
-from torchtitan.components.checkpoint_files import model_mismatch
+from torchtitan.components.checkpoint_files import SafeLoadPlanner, model_mismatch
+from torchtitan.components.checkpoint_states import PerRankState, match_dataloader_layout
 from torchtitan.config.errors import ConfigError
 
 
@@ -55,7 +51,7 @@ def test_replicated_state_is_read_from_rank_zero_by_every_rank(tmp_path):
     position = _Position()
     wanted = {"dataloader": PerRankState(position, rank=3, world_size=4, replicated=True)}
     match_dataloader_layout(tmp_path, wanted)
-    dcp.load(wanted, checkpoint_id=str(tmp_path), planner=_SafeLoadPlanner(), no_dist=True)
+    dcp.load(wanted, checkpoint_id=str(tmp_path), planner=SafeLoadPlanner(), no_dist=True)
     assert position.value == 10
     # The run still saves under its own rank.
     assert list(PerRankState(position, rank=3, world_size=4).state_dict()) == ["rank_3"]

@@ -7,8 +7,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchtitan.components.checkpoint import _SafeLoadPlanner
-from torchtitan.components.checkpoint_files import SafeFileSystemReader, saved_state_keys
+from torchtitan.components.checkpoint_files import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    saved_state_keys,
+)
 from torchtitan.config.errors import ConfigError
 
 
@@ -24,7 +27,7 @@ def test_non_tensor_values_are_loaded_with_weights_only(tmp_path, capsys):
     target = {"train_state": {"note": None}}
     # DCP wraps the loader's UnpicklingError; its message names the refused global.
     with pytest.raises(CheckpointException, match="Unsupported global: GLOBAL print"):
-        dcp.load(target, checkpoint_id=str(tmp_path), planner=_SafeLoadPlanner(), no_dist=True)
+        dcp.load(target, checkpoint_id=str(tmp_path), planner=SafeLoadPlanner(), no_dist=True)
     assert "code ran" not in capsys.readouterr().out
 
 
@@ -32,7 +35,7 @@ def test_plain_values_still_load(tmp_path):
     saved = {"train_state": {"note": "resume me", "raw": b"\x00\xff"}}
     dcp.save(saved, checkpoint_id=str(tmp_path), no_dist=True)
     target = {"train_state": {"note": None, "raw": None}}
-    dcp.load(target, checkpoint_id=str(tmp_path), planner=_SafeLoadPlanner(), no_dist=True)
+    dcp.load(target, checkpoint_id=str(tmp_path), planner=SafeLoadPlanner(), no_dist=True)
     assert target == saved
 
 

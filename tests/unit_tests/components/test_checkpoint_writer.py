@@ -12,8 +12,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from torchtitan.components import checkpoint
-from torchtitan.components.checkpoint import CheckpointManager, ModelState
+from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_files import CHECKSUM_SUFFIX
+from torchtitan.components.checkpoint_states import ModelState
 from torchtitan.components.checkpoint_writer import CheckpointWriter, stager_for
 from torchtitan.components.optimizer import Optimizers
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig

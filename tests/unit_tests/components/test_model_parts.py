@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from torchtitan.components.checkpoint import ModelState
+from torchtitan.components.checkpoint_states import ModelState
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config.job_config import LRScheduler, Optimizer

@@ -1,0 +1,117 @@
+"""What a checkpoint holds: the model parts under the whole model's names, per-rank dataloader
+state, and the dict of states the trainer hands to ``CheckpointManager``."""
+
+import io
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from torchtitan.components.checkpoint_files import saved_ranks
+from torchtitan.components.lr_scheduler import LRSchedulers
+from torchtitan.components.optimizer import Optimizers
+from torchtitan.config.errors import ConfigError
+from torchtitan.tools.logging import logger
+
+
+class ModelState(Stateful):
+    """The parameters of this rank's model parts as DCP sees them (sharded DTensors stay
+    sharded), under the names of the whole model: the parts' names do not overlap, so a
+    checkpoint saved with one split (pipeline stages) loads into any other."""
+
+    def __init__(self, model_parts: Sequence[nn.Module]):
+        self.model_parts = list(model_parts)
+
+    def state_dict(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for part in self.model_parts:
+            merged.update(get_model_state_dict(part))
+        return merged
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Each part takes its own names from the merged dict (a pipeline stage holds a few);
+        # the manager has checked the names and shapes against the whole model's before.
+        options = StateDictOptions(strict=False)
+        for part in self.model_parts:
+            set_model_state_dict(part, state_dict, options=options)
+
+
+class PerRankState(Stateful):
+    """State kept per data-parallel rank (the dataloader), stored as one serialized item per
+    rank (its size varies, so not a tensor) and read back with ``weights_only=True``.
+
+    ``replicated`` says every rank's item is the same (``by_row`` data), so a run with another
+    number of ranks can load any of them; ``reading(rank)`` is the view that loads that one.
+    """
+
+    def __init__(self, inner: Stateful, *, rank: int, world_size: int, replicated: bool = False):
+        self.inner, self.rank, self.world_size = inner, rank, world_size
+        self.replicated = replicated
+
+    def reading(self, rank: int) -> "PerRankState":
+        return PerRankState(self.inner, rank=rank, world_size=self.world_size, replicated=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        buffer = io.BytesIO()
+        torch.save(self.inner.state_dict(), buffer)
+        return {f"rank_{self.rank}": buffer.getvalue()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        data = state_dict[f"rank_{self.rank}"]
+        self.inner.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
+
+
+def match_dataloader_layout(path: Path, wanted: dict[str, Stateful]) -> None:
+    """Refuse per-rank dataloader state saved under another DP degree, unless every rank
+    reads the whole stream (``by_row``, or one rank): then all ranks here read rank 0's."""
+    state = wanted.get("dataloader")
+    if not isinstance(state, PerRankState):
+        return
+    saved = saved_ranks(path, "dataloader")
+    if saved == state.world_size:
+        return
+    if not state.replicated:
+        raise ConfigError(
+            f"checkpoint {path} holds dataloader state for {saved} data-parallel ranks, "
+            f"this run has {state.world_size}: their shards do not line up; resume with "
+            f"{saved} data-parallel ranks, or pass --checkpoint.exclude_from_loading "
+            "dataloader to restart the data from its beginning (runs that change the "
+            "degree keep their place with --training.data_sharding by_row)"
+        )
+    logger.info(
+        f"Dataloader state of {saved} data-parallel ranks continues on {state.world_size}: "
+        "each reads the whole stream, so rank 0's position serves every rank"
+    )
+    wanted["dataloader"] = state.reading(0)
+
+
+def build_checkpoint_states(
+    *,
+    model_parts: Sequence[nn.Module],
+    optimizers: Optimizers,
+    lr_schedulers: LRSchedulers,
+    dataloader: Stateful,
+    train_state: Stateful,
+    dp_rank: int,
+    dp_world_size: int,
+) -> dict[str, Stateful]:
+    return {
+        "model": ModelState(model_parts),
+        "optimizer": optimizers,
+        "lr_scheduler": lr_schedulers,
+        "dataloader": PerRankState(
+            dataloader,
+            rank=dp_rank,
+            world_size=dp_world_size,
+            replicated=getattr(dataloader, "replicated_state", False),
+        ),
+        "train_state": train_state,
+    }
