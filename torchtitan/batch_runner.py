@@ -4,10 +4,11 @@ The ``BatchRunner`` owns everything that wraps the model's forward and backward:
 (when no data-parallel mixed-precision policy casts already), loss parallelism under tensor
 parallelism, the loss scale, and when gradients are reduced across gradient-accumulation
 batches. The scale is applied inside the loss function (:class:`ScaledLoss`), the one place a
-pipeline schedule, which calls the loss itself, can apply it too. Pipeline schedules and the
-context-parallel context land here: this is the only module that will ask whether pipeline
-parallelism is on. The trainer decides *what* a step is (token counts, clipping, the optimizer);
-the runner only runs batches.
+pipeline schedule, which calls the loss itself, can apply it too. The pipeline schedule and the
+context-parallel split of each batch (:meth:`BatchRunner.local_part`) live here: this is the
+only module that asks whether pipeline or context parallelism is on. The trainer decides *what*
+a step is (token counts over the local parts, clipping, the optimizer); the runner only runs
+batches.
 
 Batches are named by what splits them: a step's *accumulation batches* are the
 ``--training.local_batch_size`` slices a rank runs one after the other before the optimizer
@@ -27,11 +28,19 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.loss import cross_entropy_sum
-from torchtitan.distributed import ParallelDims, local_tensor, pipeline_parallel, tensor_parallel
+from torchtitan.distributed import (
+    ParallelDims,
+    context_parallel,
+    local_tensor,
+    pipeline_parallel,
+    tensor_parallel,
+)
 from torchtitan.models.spec import ParallelizeContext
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
-"""``({"input": tokens [bs, seq]}, labels [bs, seq])``, on the host until the runner moves it."""
+"""``({"input": tokens [bs, seq]}, labels [bs, seq])``, on the host until the runner moves it.
+This rank's part of a batch (:meth:`BatchRunner.local_part`) may add ``"positions"``; every
+entry but ``"input"`` goes to the model as a keyword."""
 
 
 class ScaledLoss:
@@ -112,6 +121,8 @@ class BatchRunner:
         if c.enable and "loss" in c.components and not self.loss_parallel:
             loss_fn = torch.compile(cross_entropy_sum, backend=c.backend)
         self.loss_fn = ScaledLoss(loss_fn)
+        self.cp_mesh = dims.mesh("cp") if dims.cp_enabled else None
+        self.cp_load_balance = context.parallelism.context_parallel_load_balance
         self.schedule = None
         if stages:
             p = context.parallelism
@@ -128,8 +139,16 @@ class BatchRunner:
             self._last_stage = any(stage.is_last for stage in stages)
             self._pp_group = dims.mesh("pp").get_group()
 
+    def local_part(self, batch: Batch) -> Batch:
+        """What this rank computes of a data-parallel rank's batch (host tensors): under context
+        parallelism its share of every sequence, with the tokens' ``positions``; otherwise the
+        batch itself. The runner's other methods take such parts."""
+        if self.cp_mesh is None:
+            return batch
+        return context_parallel.shard_batch(*batch, self.cp_mesh, load_balance=self.cp_load_balance)
+
     def forward_backward(self, batches: Sequence[Batch], *, scale: float) -> torch.Tensor:
-        """Forward and backward over a step's accumulation batches (host tensors), each
+        """Forward and backward over a step's accumulation batches (local parts), each
         ``loss x scale``; gradients accumulate in the parameters and are reduced across
         data-parallel ranks once, after the last batch. Returns the summed token loss
         (float64, detached)."""
@@ -139,11 +158,11 @@ class BatchRunner:
             if self.schedule is not None:
                 # The stages reduce gradients after their last micro-batch themselves.
                 with self._context():
-                    self._pipeline_step(inputs["input"], labels)
+                    self._pipeline_step(inputs, labels)
                 continue
             self._reduce_gradients(i == len(batches) - 1)
             with self._context():
-                logits = self._model(inputs["input"])
+                logits = self._model(inputs["input"], **_keywords(inputs))
                 loss = self.loss_fn(logits, labels)
                 del logits
                 loss.backward()
@@ -153,13 +172,16 @@ class BatchRunner:
             dist.all_reduce(total, group=self._pp_group)
         return total
 
-    def _pipeline_step(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
+    def _pipeline_step(self, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> None:
         """One accumulation batch through the schedule: tokens enter the first stage, labels
-        meet the output at the last; the schedule runs forward and backward per micro-batch."""
-        inputs = (tokens,) if self._first_stage else ()
+        meet the output at the last, keywords (positions) reach every stage; the schedule runs
+        forward and backward per micro-batch."""
+        tokens = (inputs["input"],) if self._first_stage else ()
         target = labels if self._last_stage else None
         wall, cpu = time.perf_counter(), time.process_time()
-        self.schedule.step(*inputs, target=target, losses=[], return_outputs=False)
+        self.schedule.step(
+            *tokens, target=target, losses=[], return_outputs=False, **_keywords(inputs)
+        )
         self._pipeline_seconds[0] += time.perf_counter() - wall
         self._pipeline_seconds[1] += time.process_time() - cpu
 
@@ -176,14 +198,14 @@ class BatchRunner:
 
     @torch.no_grad()
     def loss(self, batch: Batch) -> torch.Tensor:
-        """Forward only: the summed token loss of one batch (float64), for validation. Leaves
-        no gradients and no state behind."""
+        """Forward only: the summed token loss of one batch (a local part, float64), for
+        validation. Leaves no gradients and no state behind."""
         if self.schedule is not None:
             raise NotImplementedError("a forward-only loss under pipeline parallelism")
         inputs, labels = self._to_device(batch)
         self.loss_fn.scale = 1.0
         with self._context():
-            self.loss_fn(self._model(inputs["input"]), labels)
+            self.loss_fn(self._model(inputs["input"], **_keywords(inputs)), labels)
         return self.loss_fn.take_sum(self.device)
 
     @property
@@ -206,3 +228,8 @@ class BatchRunner:
         inputs, labels = batch
         moved = {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()}
         return moved, labels.to(self.device, non_blocking=True)
+
+
+def _keywords(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A batch's model inputs besides the tokens (``positions`` under context parallelism)."""
+    return {name: t for name, t in inputs.items() if name != "input"}

@@ -66,12 +66,14 @@ def banner(trainer: Trainer) -> str:
 
 
 def estimate_memory(trainer: Trainer) -> memory_estimate.MemoryEstimate:
-    """This rank's memory: exact state bytes from the built model, peak from shallow copies."""
+    """This rank's memory: exact state bytes from the built model, peak from shallow copies
+    (the larger of the extrapolated step peak and end of forward)."""
     n_layers = trainer.model_args.n_layers
-    peaks, ratio = [], 0.0
-    for depth in (1, 2):
-        peak, ratio = _probe_step(trainer, depth)
-        peaks.append(peak)
+    (one, _), (two, ratio) = _probe_step(trainer, 1), _probe_step(trainer, 2)
+    peak = max(
+        (memory_estimate.extrapolate(one[m], two[m], n_layers) for m in one),
+        key=lambda categories: categories["Total"],
+    )
     parameters = [p for part in trainer.model_parts for p in part.parameters()]
     params = memory_estimate.local_bytes(parameters)
     grads = memory_estimate.local_bytes(p for p in parameters if p.requires_grad)
@@ -80,14 +82,15 @@ def estimate_memory(trainer: Trainer) -> memory_estimate.MemoryEstimate:
         parameters=params,
         gradients=grads,
         optimizer=int(params * ratio),
-        peak=memory_estimate.extrapolate(*peaks, n_layers),
+        peak=peak,
     )
 
 
-def _probe_step(trainer: Trainer, depth: int | None) -> tuple[dict[str, int], float]:
+def _probe_step(trainer: Trainer, depth: int | None) -> tuple[dict[str, dict[str, int]], float]:
     """Build the model with ``depth`` blocks (all of them for ``None``), parallelized like the
-    real one, and measure a step on fake tensors. Returns the peak by category and the
-    optimizer's state bytes per parameter byte.
+    real one, and measure a step on fake tensors. Returns the bytes by category at the peak
+    and at the end of forward (``memory_estimate.peak_by_category``) and the optimizer's state
+    bytes per parameter byte.
 
     Under pipeline parallelism the probe is one micro-batch through the whole shallow model,
     unsplit but parallelized as each stage is (TP, AC, FSDP): what a stage holds per block
@@ -120,15 +123,17 @@ def _probe_step(trainer: Trainer, depth: int | None) -> tuple[dict[str, int], fl
         labels = torch.randint(0, args.vocab_size, (batch_size, t.seq_len))
         parameters = [p for part in model_parts for p in part.parameters()]
 
+        batch = runner.local_part(({"input": inputs}, labels))  # a CP rank's share
+
         def forward_backward() -> None:
-            runner.forward_backward([({"input": inputs}, labels)], scale=1.0)
+            runner.forward_backward([batch], scale=1.0)
             dist_utils.clip_grad_norm_(parameters, t.max_norm, pp_mesh=trainer.pp_mesh)
 
         def optimizer_step() -> None:
             optimizers.step()
             optimizers.zero_grad()
 
-        peak = memory_estimate.peak_by_category(
+        moments = memory_estimate.peak_by_category(
             model_parts,
             optimizers.optimizers,
             forward_backward=forward_backward,
@@ -137,7 +142,7 @@ def _probe_step(trainer: Trainer, depth: int | None) -> tuple[dict[str, int], fl
         ratio = memory_estimate.local_bytes(optimizers.state_tensors()) / max(
             memory_estimate.local_bytes(parameters), 1
         )
-    return peak, ratio
+    return moments, ratio
 
 
 def estimate_pipeline_memory(trainer: Trainer) -> memory_estimate.MemoryEstimate:
@@ -152,8 +157,8 @@ def estimate_pipeline_memory(trainer: Trainer) -> memory_estimate.MemoryEstimate
     along (they accumulate over the micro-batches), unlike without a pipeline.
     """
     p, t = trainer.config.parallelism, trainer.config.training
-    one, _ = _probe_step(trainer, 1)
-    two, ratio = _probe_step(trainer, 2)
+    (one, _), (two, ratio) = _probe_step(trainer, 1), _probe_step(trainer, 2)
+    one, two = one["peak"], two["peak"]
     per_block = max(0, two.get("Activation", 0) - one.get("Activation", 0))
     ends = max(0, one.get("Activation", 0) - per_block)
     layout = pipeline_split.pipeline_layout(p, trainer.model_args.n_layers)

@@ -32,6 +32,7 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import apply_toml, save_resolved, to_toml
 from torchtitan.distributed import (
     ParallelDims,
+    context_parallel,
     local_tensor,
     pipeline_parallel,
     pipeline_split,
@@ -129,6 +130,17 @@ class Trainer:
         # This rank's place among the ranks that read different data.
         self.dp_rank = dims.mesh("dp").get_local_rank() if dims.meshes_built else 0
         logger.info(f"{dims} on {self.device}, gradient accumulation {self.grad_accum_steps}")
+        if dims.cp_enabled:
+            p = config.parallelism
+            work = context_parallel.attention_work(
+                t.seq_len, dims.cp, p.context_parallel_load_balance
+            )
+            logger.info(
+                f"Context parallel: {t.seq_len // dims.cp} of {t.seq_len} tokens per rank, K/V "
+                f"rotated by {p.context_parallel_rotate_method}, load balancing "
+                f"{'on' if p.context_parallel_load_balance else 'off'}: attention work per rank "
+                + ", ".join(f"{w:.0%}" for w in work)
+            )
         self.seed = self._shared_seed(config.debug.seed)
         # Pipeline stages draw distinct random numbers (reproducibly); the initial weights
         # still come from ``self.seed`` alone (init_weights).
@@ -188,7 +200,7 @@ class Trainer:
             parallelize=lambda part: self.model_spec.parallelize(part, context),
             device=self.device,
             microbatch_size=p.pipeline_parallel_microbatch_size,
-            seq_len=t.seq_len,
+            seq_len=t.seq_len // dims.cp,
             hidden_dtype=hidden_dtype,
             output_dtype=output_dtype,
             tp_mesh=dims.mesh("tp") if dims.tp_enabled else None,
@@ -313,6 +325,7 @@ class Trainer:
         token count, times the data-parallel size because gradient reduction averages ranks.
         """
         self.optimizers.zero_grad()
+        batches = [self.runner.local_part(batch) for batch in batches]
         # Counted on the host copies: no device sync. The sum over ranks travels on gloo.
         local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in batches)
         global_tokens = int(dist_utils.dist_reduce(local_tokens, "sum", self.loss_mesh))

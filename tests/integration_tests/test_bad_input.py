@@ -47,6 +47,14 @@ PREFLIGHT = [
     (["--model.tokenizer_path", "{tmp}/missing"], "no tokenizer.model there"),
     (["--training.stepz", "3"], "unknown flag --training.stepz (did you mean --training.steps?)"),
     (["--parallelism.data_parallel_replicate_degree", "3"], "world size 2 is not divisible"),
+    (
+        ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "66"],
+        "--training.seq_len=66 must split into 2 x cp = 4 chunks",
+    ),
+    (
+        ["--parallelism.fsdp_impl", "simpel"],
+        "--parallelism.fsdp_impl=simpel is not a choice: use one of auto, fsdp2, simple (did you mean simple?)",
+    ),
 ]  # fmt: skip
 
 IN_RANK = [

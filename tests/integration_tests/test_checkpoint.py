@@ -303,6 +303,33 @@ def test_fsdp_x_tp_resume_is_bitwise_exact_from_async_and_sync_saves(tmp_path):
             assert torch.equal(final[key], tensor), (dump.name, key)
 
 
+def test_fsdp_x_cp_resume_is_bitwise_exact_and_loads_without_cp(tmp_path):
+    """FSDP 2 x CP 2 (4 ranks): a run resumed from step 4 ends bitwise like the uninterrupted
+    one; the same checkpoint loaded by plain FSDP 2 (the same data-parallel ranks, no sequence
+    split) trains on with the same losses up to the attention's summation order."""
+    cp = ["--parallelism.context_parallel_degree", "2", "--checkpoint.interval", "2"]
+    steps = ["--training.steps", "8", *BY_ROW]
+    full, resumed, without_cp = tmp_path / "full", tmp_path / "resumed", tmp_path / "no_cp"
+    result = _run_train(full, *cp, *steps, ngpu=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _steps(full) == ["step-2", "step-4", "step-6", "step-8"]
+    for dump in (resumed, without_cp):
+        _copy_step(full, 4, dump)
+    result = _run_train(resumed, *cp, *steps, ngpu=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = _run_train(without_cp, *steps, ngpu=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    want, got = _losses(full), _losses(resumed)
+    assert sorted(got) == [5, 6, 7, 8]
+    assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]
+    final, reference = (_weights(d / "checkpoint" / "step-8") for d in (resumed, full))
+    assert all(torch.equal(final[k], t) for k, t in reference.items())
+    plain = _losses(without_cp)
+    assert [plain[s] for s in range(5, 9)] == pytest.approx(
+        [want[s] for s in range(5, 9)], rel=1e-5
+    )
+
+
 def test_killed_rank_resumes_from_the_last_complete_checkpoint(tmp_path):
     # Bigger steps so the kill lands mid-run.
     flags = [
@@ -358,7 +385,7 @@ def test_killed_rank_resumes_from_the_last_complete_checkpoint(tmp_path):
 
 def test_fsdp_checkpoint_reshards_onto_other_layouts(tmp_path, fsdp_uninterrupted):
     """An FSDP 2 checkpoint (model, optimizer and by_row dataloader) loads under FSDP 4,
-    FSDP 2 x TP 2, TP 2 and one process; each then trains step 6 on the same global batch of 16
+    FSDP 2 x TP 2, TP 2, CP 2, FSDP 2 x CP 2 and one process; each then trains step 6 on the same global batch of 16
     rows as the uninterrupted run: same loss as that run, same weights in every layout."""
     _copy_step(fsdp_uninterrupted, 5, tmp_path / "source")
     load = (
@@ -367,10 +394,14 @@ def test_fsdp_checkpoint_reshards_onto_other_layouts(tmp_path, fsdp_uninterrupte
     )
     layouts = {
         1: {"one_process": "--training.local_batch_size 16"},
-        2: {"tp2": "--training.local_batch_size 16 --parallelism.tensor_parallel_degree 2"},
+        2: {
+            "tp2": "--training.local_batch_size 16 --parallelism.tensor_parallel_degree 2",
+            "cp2": "--training.local_batch_size 16 --parallelism.context_parallel_degree 2",
+        },
         4: {
             "fsdp4": "--training.local_batch_size 4",
             "fsdp2_tp2": "--training.local_batch_size 8 --parallelism.tensor_parallel_degree 2",
+            "fsdp2_cp2": "--training.local_batch_size 8 --parallelism.context_parallel_degree 2",
         },
     }
     out = tmp_path / "out"
@@ -388,7 +419,7 @@ def test_fsdp_checkpoint_reshards_onto_other_layouts(tmp_path, fsdp_uninterrupte
         assert run.returncode == 0, run.stderr[-3000:]
     want = _losses(fsdp_uninterrupted)[6]
     ref = torch.load(out / "one_process.pt", weights_only=True)
-    for name in ("one_process", "tp2", "fsdp4", "fsdp2_tp2"):
+    for name in ("one_process", "tp2", "cp2", "fsdp4", "fsdp2_tp2", "fsdp2_cp2"):
         run = torch.load(out / f"{name}.pt", weights_only=True)
         assert [r["step"] for r in run["records"]] == [6], name  # resumed at 5, one step
         assert run["records"][0]["loss"] == pytest.approx(want, rel=1e-5), name

@@ -186,6 +186,23 @@ def test_local_tensor_simulates_pipeline_x_fsdp_x_tp(tmp_path, fsdp_tp_run):
     assert simulated[0]["param_mib"] < reference[0]["param_mib"]
 
 
+def test_local_tensor_simulates_fsdp_x_cp_x_tp(tmp_path, fsdp_tp_run):
+    """FSDP 2 x CP 2 x TP 2 on 8 simulated ranks reads the data of FSDP 2 x TP 2 (the same
+    data-parallel ranks) and trains alike: splitting the sequences only changes the order of
+    the attention's sums. The simulation's attention gathers K/V instead of passing them
+    around a ring."""
+    real, _ = fsdp_tp_run
+    flags = ["--training.steps", "2", "--parallelism.tensor_parallel_degree", "2", *LR]
+    flags += ["--parallelism.context_parallel_degree", "2"]
+    result = _simulate(tmp_path, 8, *flags, "--parallelism.data_parallel_shard_degree", "2")
+    assert "cp=2" in result.stdout + result.stderr
+    simulated, reference = records(tmp_path), records(real)[:2]
+    assert [r["step"] for r in simulated] == [1, 2]
+    for sim, ref in zip(simulated, reference, strict=True):
+        assert sim["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert sim["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+
+
 def test_local_tensor_simulates_a_v_shaped_schedule(tmp_path):
     """DualPipeV (two stages per rank, V placement, split backward) simulated on 2 ranks
     gives the losses of one process."""

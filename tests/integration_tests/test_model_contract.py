@@ -29,9 +29,16 @@ def test_out_of_tree_family_trains_with_fsdp_2(tmp_path):
     assert steps[0]["param_mib"] == pytest.approx(full_mib / 2, rel=0.02)
 
 
-def test_family_rules_run_before_any_rank_starts(tmp_path):
-    result = run_train(tmp_path, "--parallelism.tensor_parallel_degree", "2", ngpu=2, **TOY)
+@pytest.mark.parametrize(
+    ("flag", "expected"),
+    [
+        ("tensor_parallel_degree", "the toy family has no tensor-parallel plan"),
+        ("context_parallel_degree", "model toy_family does not support context parallelism"),
+    ],
+)
+def test_family_rules_run_before_any_rank_starts(tmp_path, flag, expected):
+    result = run_train(tmp_path, f"--parallelism.{flag}", "2", ngpu=2, **TOY)
     assert result.returncode == 2
-    assert "the toy family has no tensor-parallel plan" in result.stderr
+    assert expected in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "metrics.jsonl").exists()  # no rank ever started

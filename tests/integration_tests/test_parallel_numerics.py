@@ -142,6 +142,36 @@ CASES = {
         "--parallelism.pipeline_parallel_schedule ZBVZeroBubble",
     ),
     "compile": (1, "--training.local_batch_size 8 --compile.enable"),
+    # Context parallel: every sequence split over the cp ranks, ring attention between them.
+    "cp2": (2, "--training.local_batch_size 8 --parallelism.context_parallel_degree 2"),
+    "cp2_alltoall_unbalanced": (
+        2,
+        "--training.local_batch_size 8 --parallelism.context_parallel_degree 2 "
+        "--parallelism.context_parallel_rotate_method alltoall "
+        "--parallelism.no_context_parallel_load_balance",
+    ),
+    "cp2_compile_ac": (
+        2,
+        "--training.local_batch_size 8 --parallelism.context_parallel_degree 2 "
+        "--compile.enable --activation_checkpoint.mode full",
+    ),
+    "cp4": (4, "--training.local_batch_size 8 --parallelism.context_parallel_degree 4"),
+    "fsdp2_cp2": (4, "--training.local_batch_size 4 --parallelism.context_parallel_degree 2"),
+    "tp2_cp2": (
+        4,
+        "--training.local_batch_size 8 --parallelism.context_parallel_degree 2 "
+        "--parallelism.tensor_parallel_degree 2",
+    ),
+    "hsdp2_cp2": (
+        4,
+        "--training.local_batch_size 4 --parallelism.context_parallel_degree 2 "
+        "--parallelism.data_parallel_replicate_degree 2",
+    ),
+    "pp2_cp2": (
+        4,
+        "--training.local_batch_size 8 --parallelism.context_parallel_degree 2 "
+        "--parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_microbatch_size 2",
+    ),
 }
 
 pytestmark = pytest.mark.integration

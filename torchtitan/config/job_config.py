@@ -195,7 +195,19 @@ class Parallelism:
     pipeline schedule)."""
 
     context_parallel_degree: int = 1
-    """Ranks that split each sequence (CP). (not implemented yet)"""
+    """Ranks that split each sequence (CP): attention runs as ring attention over them, every
+    other layer on the local share of the tokens. ``--training.seq_len`` must be divisible by
+    2 x cp (cp without load balancing)."""
+
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
+    """How key/value shards travel around the CP ring: ``allgather`` gathers them once (one
+    collective, the whole sequence's K/V held at once), ``alltoall`` passes them on shard by
+    shard (cp - 1 exchanges, one shard held at a time)."""
+
+    context_parallel_load_balance: bool = True
+    """Give every CP rank the same causal attention work: the sequence is cut into 2 x cp
+    chunks and rank i takes chunks i and 2cp-1-i. Off: rank i takes the i-th contiguous
+    piece (the last rank then does most of the attention work)."""
 
     expert_parallel_degree: int = 1
     """Ranks that split MoE experts; borrowed from dp_shard x cp x tp. (not implemented yet)"""

@@ -135,17 +135,26 @@ def apply_toml(config: JobConfig, path: str | os.PathLike) -> None:
 
 
 def check_cli_flags(args: Sequence[str]) -> None:
-    """Reject unknown ``--section.field`` flags with a one-line did-you-mean error."""
-    known = _known_flags()
-    for arg in args:
+    """Reject unknown ``--section.field`` flags with a one-line did-you-mean error, and a value
+    outside a field's choices (a ``Literal``) with a one-line list of them."""
+    known, choices = _known_flags(), _literal_choices()
+    for i, arg in enumerate(args):
         if not arg.startswith("--") or arg in ("--help",):
             continue
-        flag = arg.split("=", 1)[0]
+        flag, has_value, value = arg.partition("=")
         normalized = "--" + flag[2:].replace("-", "_")
         if normalized not in known:
             canonical = sorted(k for k in known if ".no_" not in k)
             hint = did_you_mean(normalized, canonical)
             raise ConfigError(f"unknown flag {flag}{hint}; see --help for all flags")
+        if not has_value:
+            value = args[i + 1] if i + 1 < len(args) else None
+        allowed = choices.get(normalized)
+        if allowed is not None and value is not None and value not in allowed:
+            raise ConfigError(
+                f"{normalized}={value} is not a choice: use one of {', '.join(allowed)}"
+                f"{did_you_mean(value, allowed)}"
+            )
 
 
 def to_dict(config: JobConfig) -> dict[str, dict[str, Any]]:
@@ -241,6 +250,19 @@ def _known_flags() -> set[str]:
             if f.type is bool:
                 flags.add(f"--{section.name}.no_{f.name}")
     return flags
+
+
+def _literal_choices() -> dict[str, tuple[str, ...]]:
+    """``--section.field`` -> its allowed values, for fields typed ``Literal[...]``."""
+    choices = {}
+    for section in dataclasses.fields(JobConfig):
+        hints = typing.get_type_hints(section.type)
+        for f in dataclasses.fields(section.type):
+            if typing.get_origin(hints[f.name]) is Literal:
+                choices[f"--{section.name}.{f.name}"] = tuple(
+                    map(str, typing.get_args(hints[f.name]))
+                )
+    return choices
 
 
 def _is_registry_function(obj: Any, registry: types.ModuleType) -> bool:

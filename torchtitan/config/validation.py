@@ -131,6 +131,8 @@ def validate(config: JobConfig) -> None:
         )
     if p.pipeline_parallel_degree > 1:
         _validate_pipeline(config, spec)
+    if p.context_parallel_degree > 1:
+        _validate_context_parallel(config, spec)
 
     world_size = os.environ.get("WORLD_SIZE")
     if world_size is not None:
@@ -213,7 +215,6 @@ def _unimplemented_checks(config: JobConfig) -> list[tuple[bool, str]]:
     """Features whose config fields exist but whose implementation lands later."""
     p = config.parallelism
     requested = {
-        "--parallelism.context_parallel_degree > 1": p.context_parallel_degree > 1,
         "--parallelism.expert_parallel_degree > 1": p.expert_parallel_degree > 1,
         "--float8.enable": config.float8.enable,
         "--validation.enable": config.validation.enable,
@@ -312,6 +313,30 @@ def _validate_pipeline(config: JobConfig, spec: ModelSpec) -> None:
     for ok, message in rules:
         if not ok:
             raise ConfigError(message)
+
+
+def _validate_context_parallel(config: JobConfig, spec: ModelSpec) -> None:
+    """Sequences the ``cp`` ranks can split, on a model that can be split."""
+    p, t = config.parallelism, config.training
+    cp = p.context_parallel_degree
+    flag = f"--parallelism.context_parallel_degree={cp}"
+    if not spec.context_parallel:
+        raise ConfigError(
+            f"{flag}: model {spec.name} does not support context parallelism (its ModelSpec "
+            "has context_parallel=False); use degree 1"
+        )
+    chunks = 2 * cp if p.context_parallel_load_balance else cp
+    if t.seq_len % chunks:
+        how = (
+            f"2 x cp = {chunks} chunks (load balancing; --parallelism."
+            "no_context_parallel_load_balance needs only cp)"
+            if p.context_parallel_load_balance
+            else f"{cp} pieces"
+        )
+        raise ConfigError(
+            f"{flag}: --training.seq_len={t.seq_len} must split into {how}; pick a seq_len "
+            f"that is a multiple of {chunks}"
+        )
 
 
 def _activation_checkpoint_checks(config: JobConfig) -> list[tuple[bool, str]]:

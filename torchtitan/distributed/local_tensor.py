@@ -14,7 +14,7 @@ that is *not* a tensor op:
   the same value (after a reduction); otherwise ``.item()`` raises ``AssertionError`` and
   ``int()`` ``AttributeError``.
 - Per-rank inputs (each data-parallel rank its own batch) are built with
-  :func:`for_each_dp_rank`; one rank's own value is read with :func:`value_on_rank`.
+  :func:`for_each_coordinate` (e.g. of the ``dp`` mesh); one rank's own value is read with :func:`value_on_rank`.
 
 These helpers also work in a real multi-process run, where they act on this rank only.
 """
@@ -141,7 +141,7 @@ class PerRankBatches:
                     batches = [next(it) for it in iters]
                 except StopIteration:
                     return
-            yield for_each_dp_rank(batches.__getitem__, self.dp_rank)
+            yield for_each_coordinate(batches.__getitem__, self.dp_rank)
 
 
 def dataloader_for_rank(build: Callable[[int], Iterable], dp_rank: int, dp_degree: int) -> Iterable:
@@ -157,15 +157,16 @@ def is_simulating() -> bool:
     return enabled_local_tensor_mode() is not None
 
 
-def for_each_dp_rank(make: Callable[[int], _T], dp_rank: int | torch.SymInt) -> _T:
-    """``make(dp_rank)`` for the data-parallel rank of every (simulated) rank.
+def for_each_coordinate(make: Callable[[int], _T], coordinate: int | torch.SymInt) -> _T:
+    """``make(c)`` for every (simulated) rank's coordinate ``c`` along one mesh dimension.
 
-    ``dp_rank`` is ``parallel_dims.mesh("dp").get_local_rank()``: an ``int`` in a real run (the result is
-    ``make(dp_rank)``); under ``LocalTensorMode`` a per-rank ``SymInt``, and tensors in the
-    result become ``LocalTensor``s whose value on rank r is ``make(dp coordinate of r)``.
-    Ranks that share a dp coordinate (TP, CP peers) get equal copies. ``make`` must not run
-    collectives or have side effects other than reading its own data; tensors it returns may be
-    plain or ``LocalTensor``s equal on all ranks (anything built inside the mode).
+    ``coordinate`` is ``mesh.get_local_rank()``: an ``int`` in a real run (the result is
+    ``make(coordinate)``); under ``LocalTensorMode`` a per-rank ``SymInt``, and tensors in the
+    result become ``LocalTensor``s whose value on rank r is ``make(coordinate of r)``, e.g. each
+    data-parallel rank's batch (``dp`` mesh) or each context-parallel rank's positions (``cp``).
+    Ranks that share a coordinate get equal copies. ``make`` must not run collectives or have
+    side effects other than reading its own data; tensors it returns may be plain or
+    ``LocalTensor``s equal on all ranks (anything built inside the mode).
     """
 
     def own(t: torch.Tensor) -> torch.Tensor:
@@ -181,7 +182,7 @@ def for_each_dp_rank(make: Callable[[int], _T], dp_rank: int | torch.SymInt) -> 
         specs.append(spec)
         return [own(x) if isinstance(x, torch.Tensor) else x for x in leaves]
 
-    leaves = maybe_run_for_local_tensor(make_owned)(dp_rank)
+    leaves = maybe_run_for_local_tensor(make_owned)(coordinate)
     return pytree.tree_unflatten(list(leaves), specs[0])
 
 

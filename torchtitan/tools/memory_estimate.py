@@ -55,9 +55,15 @@ def peak_by_category(
     *,
     forward_backward: Callable[[], None],
     optimizer_step: Callable[[], None],
-) -> dict[str, int]:
-    """Bytes per category (parameters, gradients, optimizer state, activations, ...) at the
-    peak of forward + backward, in steady state.
+) -> dict[str, dict[str, int]]:
+    """Bytes per category (parameters, gradients, optimizer state, activations, ...) at two
+    moments of forward + backward, in steady state: ``"peak"``, the step's peak, and
+    ``"forward"``, the end of the last part's forward (every block's activations alive).
+
+    A shallow copy of a model may peak elsewhere than the full depth does: with the sequence
+    split (context parallelism) the output layer's gradients can outweigh two blocks'
+    activations, so its peak moves after the blocks' backward; the end of the forward is the
+    moment that grows with depth. Extrapolate both and keep the larger.
 
     A first, untracked step creates the optimizer state; torch's ``MemTracker`` then follows
     the second forward and backward with parameters and optimizer state registered. The
@@ -69,11 +75,23 @@ def peak_by_category(
     optimizer_step()
     tracker = MemTracker()
     tracker.track_external(*model_parts, *optimizers)
-    with tracker:
-        forward_backward()
+    moments = {}
+
+    def end_of_forward(*_) -> None:
+        (moments["forward"],) = tracker.get_tracker_snapshot().values()
+
+    hook = model_parts[-1].register_forward_hook(end_of_forward)
+    try:
+        with tracker:
+            forward_backward()
+    finally:
+        hook.remove()
     optimizer_step()
-    (snapshot,) = tracker.get_tracker_snapshot("peak").values()
-    return {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items()}
+    (moments["peak"],) = tracker.get_tracker_snapshot("peak").values()
+    return {
+        moment: {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items()}
+        for moment, snapshot in moments.items()
+    }
 
 
 def fake_tensor_mode() -> contextlib.AbstractContextManager:

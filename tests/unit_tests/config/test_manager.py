@@ -625,8 +625,27 @@ def test_compiling_tensor_parallel_blocks_is_refused() -> None:
         (None, "--validation.enable", "--validation.enable is not implemented yet"),
         (
             "2",
-            "--parallelism.context_parallel_degree 2",
-            "--parallelism.context_parallel_degree > 1 is not implemented yet",
+            "--parallelism.context_parallel_degree 2 --training.seq_len 102",
+            "--parallelism.context_parallel_degree=2: --training.seq_len=102 must split into 2 x "
+            "cp = 4 chunks",
+        ),
+        (
+            "2",
+            "--parallelism.context_parallel_degree 2 --training.seq_len 101 "
+            "--parallelism.no_context_parallel_load_balance",
+            "--training.seq_len=101 must split into 2 pieces",
+        ),
+        (
+            "4",
+            "--parallelism.context_parallel_degree 2 --parallelism.tensor_parallel_degree 2 "
+            "--training.seq_len 6 --parallelism.no_context_parallel_load_balance",
+            "does not divide --training.seq_len=6 / context_parallel_degree 2",
+        ),
+        (
+            None,
+            "--parallelism.context_parallel_rotate_method ring",
+            "--parallelism.context_parallel_rotate_method=ring is not a choice: use one of "
+            "allgather, alltoall",
         ),
         (
             "2",

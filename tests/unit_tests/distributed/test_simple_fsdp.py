@@ -13,7 +13,7 @@ from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_sum
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.local_tensor import (
-    for_each_dp_rank,
+    for_each_coordinate,
     load_full_model_,
     local_tensor_mode,
 )
@@ -59,8 +59,8 @@ def _train(model, batches, *, dp: int, dp_rank, loss_mesh, loss_parallel: bool):
     rows = GLOBAL_BATCH // dp
     losses, norms, first_grads = [], [], {}
     for global_inputs, global_labels in batches:
-        inputs = for_each_dp_rank(functools.partial(_rows, global_inputs, rows), dp_rank)
-        labels = for_each_dp_rank(functools.partial(_rows, global_labels, rows), dp_rank)
+        inputs = for_each_coordinate(functools.partial(_rows, global_inputs, rows), dp_rank)
+        labels = for_each_coordinate(functools.partial(_rows, global_labels, rows), dp_rank)
         optimizer.zero_grad()
         global_tokens = dist_utils.dist_reduce((labels != IGNORE_INDEX).sum(), "sum", loss_mesh)
         with loss_parallel_context(loss_parallel):

@@ -26,6 +26,7 @@ def validate(config, parallel_dims) -> None:
         tp=parallel_dims.tp,
         sequence_parallel=config.parallelism.enable_sequence_parallel,
         seq_len=config.training.seq_len,
+        cp=parallel_dims.cp,
     )
 
 
@@ -38,4 +39,5 @@ model_spec = ModelSpec(
     flops_per_token=Llama3Args.flops_per_token,
     validate=validate,
     pipeline=pipeline_llama3,
+    context_parallel=True,
 )

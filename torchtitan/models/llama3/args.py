@@ -73,9 +73,10 @@ class Llama3Args:
 
 
 def check_parallel_degrees(
-    args: Llama3Args, *, flavor: str, tp: int, sequence_parallel: bool, seq_len: int
+    args: Llama3Args, *, flavor: str, tp: int, sequence_parallel: bool, seq_len: int, cp: int = 1
 ) -> None:
-    """Reject tensor-parallel degrees that cannot split this flavor evenly."""
+    """Reject tensor-parallel degrees that cannot split this flavor evenly (``seq_len``: the
+    whole sequence, of which each context-parallel rank holds ``seq_len / cp``)."""
     flag = f"--parallelism.tensor_parallel_degree={tp}"
     dims = {
         "n_heads": args.n_heads,
@@ -86,9 +87,10 @@ def check_parallel_degrees(
     for name, value in dims.items():
         if value % tp:
             raise ConfigError(f"{flag} does not divide {name}={value} of flavor {flavor}")
-    if tp > 1 and sequence_parallel and seq_len % tp:
+    if tp > 1 and sequence_parallel and (seq_len // cp) % tp:
+        share = f" / context_parallel_degree {cp}" if cp > 1 else ""
         raise ConfigError(
-            f"{flag} does not divide --training.seq_len={seq_len} (sequence parallelism "
+            f"{flag} does not divide --training.seq_len={seq_len}{share} (sequence parallelism "
             "splits the sequence); change either, or pass --parallelism.no_enable_sequence_parallel"
         )
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.llama3.args import Llama3Args, RopeScaling
 
 
@@ -39,9 +40,12 @@ def _scale_rope_frequencies(freqs: torch.Tensor, s: RopeScaling) -> torch.Tensor
 
 
 def apply_rope(xq: torch.Tensor, xk: torch.Tensor, rope_cis: torch.Tensor):
-    """Rotate queries ``[bs, seq, h, hd]`` and keys ``[bs, seq, kv_h, hd]`` by position."""
+    """Rotate queries ``[bs, seq, h, hd]`` and keys ``[bs, seq, kv_h, hd]`` by position.
+
+    ``rope_cis`` is the table ``[>= seq, hd // 2]`` (token i at position i) or each token's own
+    rotation ``[bs, seq, hd // 2]`` (explicit positions, e.g. a context-parallel shard)."""
     seq = xq.shape[1]
-    cis = rope_cis[:seq].view(1, seq, 1, -1)
+    cis = rope_cis[:seq].view(1, seq, 1, -1) if rope_cis.dim() == 2 else rope_cis.unsqueeze(2)
     xq_c = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
     xk_c = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
     xq_out = torch.view_as_real(xq_c * cis).flatten(3)
@@ -61,6 +65,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.sdpa = ScaledDotProductAttention()
 
     def forward(self, x: torch.Tensor, rope_cis: torch.Tensor) -> torch.Tensor:
         bs, seq, _ = x.shape
@@ -69,11 +74,8 @@ class Attention(nn.Module):
         xk = self.wk(x).view(bs, seq, -1, self.head_dim)
         xv = self.wv(x).view(bs, seq, -1, self.head_dim)
         xq, xk = apply_rope(xq, xk, rope_cis)
-        # [bs, h, seq, hd] for SDPA; enable_gqa broadcasts K/V heads without copying them.
-        xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))
-        out = F.scaled_dot_product_attention(
-            xq, xk, xv, is_causal=True, enable_gqa=xq.shape[1] != xk.shape[1]
-        )
+        # [bs, h, seq, hd] for SDPA.
+        out = self.sdpa(*(t.transpose(1, 2) for t in (xq, xk, xv)))
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
 
     def init_weights(self, init_std: float) -> None:
@@ -171,9 +173,13 @@ class Transformer(nn.Module):
             cutoff = 3 * final_std
             nn.init.trunc_normal_(self.output.weight, std=final_std, a=-cutoff, b=cutoff)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``tokens`` (or, on a later pipeline stage, the hidden states ``[bs, seq, dim]``);
+        ``positions [bs, seq]`` gives each token's place in its sequence where it is not its
+        column (context parallelism hands a rank a load-balanced, non-contiguous share)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope_cis if positions is None else self.rope_cis[positions]
         for layer in self.layers.values():
-            h = layer(h, self.rope_cis)
+            h = layer(h, rope)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

@@ -1,9 +1,11 @@
 """How Llama 3 is parallelized: which modules each technique wraps. Plans only, no machinery.
 
-Order: tensor parallel -> activation checkpointing -> torch.compile -> data parallel (FSDP).
-TP first because it rewrites parameters into DTensors that the later wrappers must see; AC
-wraps the TP'd block so recomputation replays its collectives; compile traces the block with
-its checkpointing; FSDP last so it shards (and gathers) the final parameters of each unit.
+Order: tensor parallel -> context parallel -> activation checkpointing -> torch.compile -> data
+parallel (FSDP). TP first because it rewrites parameters into DTensors that the later wrappers
+must see; CP hooks the attention product inside the block, before anything wraps the block; AC
+wraps the TP'd block so recomputation replays its collectives (the CP ring included); compile
+traces the block with its checkpointing; FSDP last so it shards (and gathers) the final
+parameters of each unit, over dp_shard x cp.
 """
 
 from torch import nn
@@ -19,6 +21,7 @@ from torch.distributed.tensor.parallel import (
 
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.fsdp import apply_fsdp, apply_replicate, mixed_precision_policy
 from torchtitan.distributed.simple_fsdp import apply_simple_fsdp
 from torchtitan.distributed.tensor_parallel import enable_async_tp
@@ -38,6 +41,13 @@ def parallelize_llama3(model: nn.Module, context: ParallelizeContext) -> nn.Modu
         )
         if parallelism.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh)
+    if dims.cp_enabled:
+        apply_cp(
+            [block.attention.sdpa for block in model.layers.values()],
+            dims.mesh("cp"),
+            rotate_method=parallelism.context_parallel_rotate_method,
+            load_balance=parallelism.context_parallel_load_balance,
+        )
     apply_ac(model.layers, context.activation_checkpoint)
     if compile.enable and "model" in compile.components:
         apply_compile(model.layers, compile)
@@ -51,7 +61,7 @@ def parallelize_llama3(model: nn.Module, context: ParallelizeContext) -> nn.Modu
     dp_dims = ("dp_shard_cp",)
     if dims.dp_replicate_enabled:
         dp_dims = ("dp_replicate", "dp_shard_cp") if dims.fsdp_enabled else ("dp_replicate",)
-    if parallelism.fsdp_impl == "simple" and dims.dp_enabled:
+    if parallelism.fsdp_impl == "simple" and (dims.fsdp_enabled or dims.dp_replicate_enabled):
         return apply_simple_fsdp(
             model,
             dp_mesh=dims.mesh(*dp_dims),

@@ -1,0 +1,1 @@
+"""Building blocks that more than one model family uses (attention kernels, RoPE, MoE)."""
