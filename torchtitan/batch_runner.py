@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
+from torchtitan.components.dataloader import document_ids
 from torchtitan.components.loss import cross_entropy_sum
 from torchtitan.distributed import (
     ParallelDims,
@@ -101,7 +102,9 @@ def pipeline_dtypes(
 
 class BatchRunner:
     """Runs this rank's batches through ``model_parts``: one part without pipelining, else this
-    rank's pipeline ``stages`` (one per part) under the configured schedule."""
+    rank's pipeline ``stages`` (one per part) under the configured schedule. With
+    ``document_start`` (the begin-of-text token) the model also gets each token's
+    ``document_ids``, for block-causal attention."""
 
     def __init__(
         self,
@@ -109,6 +112,8 @@ class BatchRunner:
         context: ParallelizeContext,
         device: torch.device,
         stages: Sequence[PipelineStage] = (),
+        *,
+        document_start: int | None = None,
     ):
         self.model_parts = list(model_parts)
         self.device = device
@@ -123,6 +128,7 @@ class BatchRunner:
         self.loss_fn = ScaledLoss(loss_fn)
         self.cp_mesh = dims.mesh("cp") if dims.cp_enabled else None
         self.cp_load_balance = context.parallelism.context_parallel_load_balance
+        self.document_start = document_start
         self.schedule = None
         if stages:
             p = context.parallelism
@@ -140,12 +146,18 @@ class BatchRunner:
             self._pp_group = dims.mesh("pp").get_group()
 
     def local_part(self, batch: Batch) -> Batch:
-        """What this rank computes of a data-parallel rank's batch (host tensors): under context
-        parallelism its share of every sequence, with the tokens' ``positions``; otherwise the
-        batch itself. The runner's other methods take such parts."""
+        """What this rank computes of a data-parallel rank's batch (host tensors): the tokens'
+        ``document_ids`` for block-causal attention; under context parallelism this rank's share
+        of every sequence, with the tokens' ``positions``. The runner's other methods take such
+        parts."""
+        inputs, labels = batch
+        if self.document_start is not None:
+            inputs = inputs | {"document_ids": document_ids(inputs["input"], self.document_start)}
         if self.cp_mesh is None:
-            return batch
-        return context_parallel.shard_batch(*batch, self.cp_mesh, load_balance=self.cp_load_balance)
+            return inputs, labels
+        return context_parallel.shard_batch(
+            inputs, labels, self.cp_mesh, load_balance=self.cp_load_balance
+        )
 
     def forward_backward(self, batches: Sequence[Batch], *, scale: float) -> torch.Tensor:
         """Forward and backward over a step's accumulation batches (local parts), each

@@ -118,7 +118,9 @@ def _probe_step(trainer: Trainer, depth: int | None) -> tuple[dict[str, dict[str
         for part in model_parts:
             part.to_empty(device=trainer.device)
         optimizers = build_optimizers(model_parts, config.optimizer, trainer.device)
-        runner = BatchRunner(model_parts, context, trainer.device)
+        runner = BatchRunner(
+            model_parts, context, trainer.device, document_start=trainer.document_start
+        )
         inputs = torch.randint(0, args.vocab_size, (batch_size, t.seq_len))
         labels = torch.randint(0, args.vocab_size, (batch_size, t.seq_len))
         parameters = [p for part in model_parts for p in part.parameters()]

@@ -76,7 +76,11 @@ class Trainer:
         if not on_meta:
             self.init_weights()
         self.runner = BatchRunner(
-            self.model_parts, self.parallelize_context, self.device, stages=stages
+            self.model_parts,
+            self.parallelize_context,
+            self.device,
+            stages=stages,
+            document_start=self.document_start,
         )
         self.pipeline_bubble = self._ideal_pipeline_bubble() if stages else None
         self.optimizers = build_optimizers(self.model_parts, config.optimizer, self.device)
@@ -433,6 +437,14 @@ class Trainer:
             dist_utils.set_pg_timeouts(comm.train_timeout_seconds)
         timeout = comm.init_timeout_seconds if first else comm.train_timeout_seconds
         self.watchdog.start(self.step, timeout)
+
+    @property
+    def document_start(self) -> int | None:
+        """The token that starts a document, where attention is block-causal (``None``: causal).
+        A model built on meta has no tokenizer: any token id shapes the mask alike."""
+        if self.config.model.attn_mask != "block_causal":
+            return None
+        return self.tokenizer.bos_id if self.tokenizer is not None else 0
 
     @property
     def pp_rank(self) -> int:

@@ -30,14 +30,18 @@ def test_out_of_tree_family_trains_with_fsdp_2(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("flag", "expected"),
+    ("flags", "expected"),
     [
-        ("tensor_parallel_degree", "the toy family has no tensor-parallel plan"),
-        ("context_parallel_degree", "model toy_family does not support context parallelism"),
+        ("--parallelism.tensor_parallel_degree 2", "the toy family has no tensor-parallel plan"),
+        (
+            "--parallelism.context_parallel_degree 2",
+            "model toy_family does not support context parallelism",
+        ),
+        ("--model.attn_mask block_causal", "model toy_family does not take document_ids"),
     ],
 )
-def test_family_rules_run_before_any_rank_starts(tmp_path, flag, expected):
-    result = run_train(tmp_path, f"--parallelism.{flag}", "2", ngpu=2, **TOY)
+def test_family_rules_run_before_any_rank_starts(tmp_path, flags, expected):
+    result = run_train(tmp_path, *flags.split(), ngpu=2, **TOY)
     assert result.returncode == 2
     assert expected in result.stderr
     assert "Traceback" not in result.stderr

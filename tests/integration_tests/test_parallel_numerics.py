@@ -27,6 +27,9 @@ LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 5e-5
 
 REFERENCE = ("ref", 1, "--training.local_batch_size 8")
+# Per-document attention, on windows long enough to hold document starts (about 1 in 4 here).
+BLOCK_CAUSAL = "--model.attn_mask block_causal --training.seq_len 256"
+BLOCK_CAUSAL_REFERENCE = ("ref_block_causal", 1, f"--training.local_batch_size 8 {BLOCK_CAUSAL}")
 CASES = {
     # name: (ranks, flags); local_batch_size x data-parallel degree = 8 sequences per step
     "fsdp2": (2, "--training.local_batch_size 4"),
@@ -167,6 +170,17 @@ CASES = {
         "--training.local_batch_size 4 --parallelism.context_parallel_degree 2 "
         "--parallelism.data_parallel_replicate_degree 2",
     ),
+    # Block-causal attention: the document numbers reach every block, shard and stage.
+    "fsdp2_block_causal": (2, f"--training.local_batch_size 4 {BLOCK_CAUSAL}"),
+    "tp2_block_causal": (
+        2,
+        f"--training.local_batch_size 8 --parallelism.tensor_parallel_degree 2 {BLOCK_CAUSAL}",
+    ),
+    "pp2_block_causal": (
+        2,
+        "--training.local_batch_size 8 --parallelism.pipeline_parallel_degree 2 "
+        f"--parallelism.pipeline_parallel_microbatch_size 2 {BLOCK_CAUSAL}",
+    ),
     "pp2_cp2": (
         4,
         "--training.local_batch_size 8 --parallelism.context_parallel_degree 2 "
@@ -202,8 +216,7 @@ def _launch(out: Path, ranks: int, cases: list[tuple[str, str]]) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("numerics")
-    name, ranks, flags = REFERENCE
-    _launch(out, ranks, [(name, flags)])
+    _launch(out, 1, [(name, flags) for name, _, flags in (REFERENCE, BLOCK_CAUSAL_REFERENCE)])
     for world in sorted({ranks for ranks, _ in CASES.values()}):
         _launch(out, world, [(n, f) for n, (r, f) in CASES.items() if r == world])
     return out
@@ -215,7 +228,8 @@ def _load(out: Path, name: str) -> dict:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_layout_matches_one_process(results, case):
-    ref, run = _load(results, "ref"), _load(results, case)
+    reference = BLOCK_CAUSAL_REFERENCE[0] if case.endswith("_block_causal") else REFERENCE[0]
+    ref, run = _load(results, reference), _load(results, case)
     assert [r["step"] for r in run["records"]] == list(range(1, 11))
     for got, want in zip(run["records"], ref["records"], strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=LOSS_RTOL), got["step"]

@@ -35,6 +35,14 @@ datasets.disable_progress_bars()
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 
+def document_ids(tokens: torch.Tensor, start_token: int) -> torch.Tensor:
+    """``[bs, seq]`` int32: each token's document within its window of packed documents,
+    counting the documents that start (with ``start_token``, the begin-of-text token every
+    document is tokenized with) at or before it. The first tokens of a window, whose document
+    began in an earlier window, are document 0. What block-causal attention needs."""
+    return torch.cumsum(tokens == start_token, dim=1, dtype=torch.int32)
+
+
 class Tokenizer(Protocol):
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]: ...
 

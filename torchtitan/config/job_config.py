@@ -44,6 +44,12 @@ class Model:
     """Tokenizer file (Llama 3 ``tokenizer.model``) or a folder holding it. Relative paths are
     looked up from the working directory, then from the repository root."""
 
+    attn_mask: Literal["causal", "block_causal"] = "causal"
+    """Which tokens attention lets a token see in a training window of packed documents:
+    ``causal``, every earlier token of the window (documents see their predecessors);
+    ``block_causal``, only the earlier tokens of its own document (a document starts at each
+    begin-of-text token), as Llama 3 was trained."""
+
 
 @dataclass
 class Training:

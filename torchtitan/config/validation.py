@@ -133,6 +133,11 @@ def validate(config: JobConfig) -> None:
         _validate_pipeline(config, spec)
     if p.context_parallel_degree > 1:
         _validate_context_parallel(config, spec)
+    if config.model.attn_mask == "block_causal" and "document_ids" not in spec.forward_keywords:
+        raise ConfigError(
+            f"--model.attn_mask block_causal: model {spec.name} does not take document_ids (its "
+            "ModelSpec.forward_keywords); use --model.attn_mask causal"
+        )
 
     world_size = os.environ.get("WORLD_SIZE")
     if world_size is not None:
@@ -320,10 +325,15 @@ def _validate_context_parallel(config: JobConfig, spec: ModelSpec) -> None:
     p, t = config.parallelism, config.training
     cp = p.context_parallel_degree
     flag = f"--parallelism.context_parallel_degree={cp}"
-    if not spec.context_parallel:
+    if "positions" not in spec.forward_keywords:
         raise ConfigError(
-            f"{flag}: model {spec.name} does not support context parallelism (its ModelSpec "
-            "has context_parallel=False); use degree 1"
+            f"{flag}: model {spec.name} does not support context parallelism (its "
+            "ModelSpec.forward_keywords has no positions); use degree 1"
+        )
+    if config.model.attn_mask != "causal":
+        raise ConfigError(
+            f"{flag} runs plain causal attention only (ring attention over a block-causal mask "
+            f"is not built yet); pass --model.attn_mask causal with it"
         )
     chunks = 2 * cp if p.context_parallel_load_balance else cp
     if t.seq_len % chunks:

@@ -97,10 +97,12 @@ class ModelSpec:
     model order (torch-free: the pre-flight checks it). The model's top-level modules not named
     are removed from a stage (set to ``None``: its ``forward`` must skip them), and so are the
     entries of a ``ModuleDict`` of blocks. ``None``: the family cannot be pipelined."""
-    context_parallel: bool = False
-    """Whether the family runs under context parallelism: ``forward`` takes
-    ``positions=[bs, seq]`` (each token's place in its sequence, for RoPE) and ``parallelize``
-    hooks its attention products with ``distributed.context_parallel.apply_cp``."""
+    forward_keywords: tuple[str, ...] = ()
+    """Keyword inputs ``forward`` takes besides the tokens, each ``[bs, seq]``:
+    ``positions`` (each token's place in its sequence, for RoPE: context parallelism needs it,
+    with a ``parallelize`` that hooks the attention products by
+    ``distributed.context_parallel.apply_cp``) and ``document_ids`` (each token's document in
+    its window: block-causal attention needs it)."""
     state_dict_adapter: Callable[..., Any] | None = None
     """Maps state dicts to and from the Hugging Face layout; ``None`` until that exists."""
 

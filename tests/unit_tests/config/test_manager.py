@@ -642,6 +642,12 @@ def test_compiling_tensor_parallel_blocks_is_refused() -> None:
             "does not divide --training.seq_len=6 / context_parallel_degree 2",
         ),
         (
+            "2",
+            "--parallelism.context_parallel_degree 2 --model.attn_mask block_causal",
+            "runs plain causal attention only (ring attention over a block-causal mask is not "
+            "built yet); pass --model.attn_mask causal",
+        ),
+        (
             None,
             "--parallelism.context_parallel_rotate_method ring",
             "--parallelism.context_parallel_rotate_method=ring is not a choice: use one of "

@@ -39,5 +39,5 @@ model_spec = ModelSpec(
     flops_per_token=Llama3Args.flops_per_token,
     validate=validate,
     pipeline=pipeline_llama3,
-    context_parallel=True,
+    forward_keywords=("positions", "document_ids"),
 )

@@ -40,7 +40,12 @@ def _pretraining(
 ) -> JobConfig:
     """Shared settings of the full-size runs, on C4 with the real Llama 3 tokenizer."""
     return JobConfig(
-        model=Model(name="llama3", flavor=flavor, tokenizer_path="assets/hf/Llama-3.1-8B"),
+        model=Model(
+            name="llama3",
+            flavor=flavor,
+            tokenizer_path="assets/hf/Llama-3.1-8B",
+            attn_mask="block_causal",
+        ),
         training=Training(
             dataset="c4",
             local_batch_size=local_batch_size,

@@ -67,7 +67,11 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.sdpa = ScaledDotProductAttention()
 
-    def forward(self, x: torch.Tensor, rope_cis: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope_cis: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``documents``: ``None`` for causal attention, else each token's document number
+        (block-causal)."""
         bs, seq, _ = x.shape
         # -1 instead of the head counts so a tensor-parallel plan can shard heads.
         xq = self.wq(x).view(bs, seq, -1, self.head_dim)
@@ -75,7 +79,7 @@ class Attention(nn.Module):
         xv = self.wv(x).view(bs, seq, -1, self.head_dim)
         xq, xk = apply_rope(xq, xk, rope_cis)
         # [bs, h, seq, hd] for SDPA.
-        out = self.sdpa(*(t.transpose(1, 2) for t in (xq, xk, xv)))
+        out = self.sdpa(*(t.transpose(1, 2) for t in (xq, xk, xv)), documents)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
 
     def init_weights(self, init_std: float) -> None:
@@ -112,8 +116,10 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.init_std = 0.02 / (2 * depth) ** 0.5
 
-    def forward(self, x: torch.Tensor, rope_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cis)
+    def forward(
+        self, x: torch.Tensor, rope_cis: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cis, documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -173,13 +179,20 @@ class Transformer(nn.Module):
             cutoff = 3 * final_std
             nn.init.trunc_normal_(self.output.weight, std=final_std, a=-cutoff, b=cutoff)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``tokens`` (or, on a later pipeline stage, the hidden states ``[bs, seq, dim]``);
         ``positions [bs, seq]`` gives each token's place in its sequence where it is not its
-        column (context parallelism hands a rank a load-balanced, non-contiguous share)."""
+        column (context parallelism hands a rank a load-balanced, non-contiguous share);
+        ``document_ids [bs, seq]`` makes attention block-causal: a token sees only the earlier
+        tokens of its own document."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope_cis if positions is None else self.rope_cis[positions]
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope, document_ids)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

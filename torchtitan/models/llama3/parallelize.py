@@ -111,9 +111,10 @@ def apply_tp(
 
     for block in model.layers.values():
         plan = {
-            # The block's second input (the RoPE table) is a plain, replicated tensor.
+            # The RoPE table and the document numbers (or None) are plain, replicated tensors.
             "attention": PrepareModuleInput(
-                input_layouts=(between, None), desired_input_layouts=(Replicate(), None)
+                input_layouts=(between, None, None),
+                desired_input_layouts=(Replicate(), None, None),
             ),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),

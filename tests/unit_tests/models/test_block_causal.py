@@ -1,0 +1,103 @@
+"""Block-causal attention over packed documents: each document of a window trains as if it
+were alone (outputs and gradients), and a window of one document trains as plain causal."""
+
+import unittest.mock
+
+import torch
+
+from torchtitan.components.dataloader import document_ids
+from torchtitan.components.loss import cross_entropy_sum
+from torchtitan.models.common.attention import ScaledDotProductAttention, block_causal_mask
+from torchtitan.models.llama3.args import Llama3Args
+from torchtitan.models.llama3.model import Transformer
+
+ARGS = Llama3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=32)
+BOS = 1
+
+
+def _model() -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    model.init_weights()
+    return model
+
+
+def test_document_ids_count_the_starts_and_the_mask_stays_inside_a_document():
+    tokens = torch.tensor([[7, BOS, 5, 6, BOS, 9]])
+    documents = document_ids(tokens, BOS)
+    assert documents.tolist() == [[0, 1, 1, 1, 2, 2]]
+    mask = block_causal_mask(documents)[0, 0]
+    assert mask.shape == (6, 6)
+    assert mask[3].tolist() == [False, True, True, True, False, False]
+    assert mask[5].tolist() == [False, False, False, False, True, True]
+    assert not mask.triu(1).any()  # never a later token
+
+
+def test_packed_documents_train_as_each_document_alone():
+    """Three documents packed into one window: the logits of each document's tokens, and the
+    parameter gradients of the summed loss, equal those of the documents run one by one."""
+    g = torch.Generator().manual_seed(1)
+    lengths = (9, 6, 11)
+    docs = [
+        torch.cat([torch.tensor([BOS]), torch.randint(2, 128, (n - 1,), generator=g)])
+        for n in lengths
+    ]
+    packed = torch.cat(docs).unsqueeze(0)
+    labels = torch.randint(2, 128, packed.shape, generator=g)
+
+    model = _model()
+    logits = model(packed, document_ids=document_ids(packed, BOS))
+    cross_entropy_sum(logits, labels).backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    alone = _model()
+    start = 0
+    for doc, n in zip(docs, lengths, strict=True):
+        one = alone(doc.unsqueeze(0))
+        torch.testing.assert_close(one, logits[:, start : start + n].detach(), rtol=1e-5, atol=1e-5)
+        cross_entropy_sum(one, labels[:, start : start + n]).backward()
+        start += n
+    for name, p in alone.named_parameters():
+        torch.testing.assert_close(p.grad, packed_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_one_document_per_window_is_plain_causal():
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(2, 128, (3, 16), generator=g)
+    tokens[:, 0] = BOS
+    model = _model()
+    causal = model(tokens)
+    block = model(tokens, document_ids=document_ids(tokens, BOS))
+    torch.testing.assert_close(block, causal, rtol=1e-5, atol=1e-5)
+    # A second document in the window changes what its tokens see.
+    tokens[1, 8] = BOS
+    block = model(tokens, document_ids=document_ids(tokens, BOS))
+    assert not torch.allclose(block[1, 8:], causal[1, 8:], atol=1e-3)
+    torch.testing.assert_close(block[1, :8], causal[1, :8], rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_attention_takes_the_dense_mask_and_agrees_with_the_per_document_calls():
+    """Eager on CPU, block-causal attention is one SDPA call per document; compiled (shapes
+    must not depend on the data) it is SDPA with the dense mask: the same values."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 24, 8, generator=g)
+    k, v = (torch.randn(2, 2, 24, 8, generator=g) for _ in "kv")
+    tokens = torch.randint(2, 128, (2, 24), generator=g)
+    tokens[0, [0, 5, 17]] = BOS
+    tokens[1, 11] = BOS
+    documents = document_ids(tokens, BOS)
+    attention = ScaledDotProductAttention()
+    calls = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("attn_mask") is not None)
+        return real_sdpa(*args, **kwargs)
+
+    with unittest.mock.patch("torch.nn.functional.scaled_dot_product_attention", counting):
+        eager = attention(q, k, v, documents)
+    assert calls == [False] * 5  # 3 documents in row 0, 2 in row 1 (one begun before the window)
+    compiled = torch.compile(attention, backend="inductor", fullgraph=True)(q, k, v, documents)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    dense = real_sdpa(q, k, v, attn_mask=block_causal_mask(documents), enable_gqa=True)
+    torch.testing.assert_close(dense, eager, rtol=1e-5, atol=1e-5)
