@@ -10,6 +10,7 @@ Nothing here imports torch: resolving and validating a config takes well under a
 """
 
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -147,14 +148,17 @@ def check_cli_flags(args: Sequence[str]) -> None:
             canonical = sorted(k for k in known if ".no_" not in k)
             hint = did_you_mean(normalized, canonical)
             raise ConfigError(f"unknown flag {flag}{hint}; see --help for all flags")
-        if not has_value:
-            value = args[i + 1] if i + 1 < len(args) else None
         allowed = choices.get(normalized)
-        if allowed is not None and value is not None and value not in allowed:
-            raise ConfigError(
-                f"{normalized}={value} is not a choice: use one of {', '.join(allowed)}"
-                f"{did_you_mean(value, allowed)}"
-            )
+        if allowed is None:
+            continue
+        # --flag=value, or the words up to the next flag (several for a list field).
+        values = [value] if has_value else list(itertools.takewhile(_not_a_flag, args[i + 1 :]))
+        for value in values:
+            if value not in allowed:
+                raise ConfigError(
+                    f"{normalized}={value} is not a choice: use one of {', '.join(allowed)}"
+                    f"{did_you_mean(value, allowed)}"
+                )
 
 
 def to_dict(config: JobConfig) -> dict[str, dict[str, Any]]:
@@ -253,16 +257,22 @@ def _known_flags() -> set[str]:
 
 
 def _literal_choices() -> dict[str, tuple[str, ...]]:
-    """``--section.field`` -> its allowed values, for fields typed ``Literal[...]``."""
+    """``--section.field`` -> its allowed values, for fields typed ``Literal[...]`` or
+    ``list[Literal[...]]``."""
     choices = {}
     for section in dataclasses.fields(JobConfig):
         hints = typing.get_type_hints(section.type)
         for f in dataclasses.fields(section.type):
-            if typing.get_origin(hints[f.name]) is Literal:
-                choices[f"--{section.name}.{f.name}"] = tuple(
-                    map(str, typing.get_args(hints[f.name]))
-                )
+            hint = hints[f.name]
+            if typing.get_origin(hint) is list:
+                (hint,) = typing.get_args(hint)
+            if typing.get_origin(hint) is Literal:
+                choices[f"--{section.name}.{f.name}"] = tuple(map(str, typing.get_args(hint)))
     return choices
+
+
+def _not_a_flag(arg: str) -> bool:
+    return not arg.startswith("--")
 
 
 def _is_registry_function(obj: Any, registry: types.ModuleType) -> bool:

@@ -649,6 +649,12 @@ def test_compiling_tensor_parallel_blocks_is_refused() -> None:
         ),
         (
             None,
+            "--compile.components model lossy --training.steps 2",
+            "--compile.components=lossy is not a choice: use one of model, loss (did you mean "
+            "loss?)",
+        ),
+        (
+            None,
             "--parallelism.context_parallel_rotate_method ring",
             "--parallelism.context_parallel_rotate_method=ring is not a choice: use one of "
             "allgather, alltoall",

@@ -35,7 +35,10 @@ class ScaledDotProductAttention(nn.Module):
     in eager mode: on this CPU about 2x faster than SDPA with a dense mask, and faster than
     causal over the whole window (``benchmarks/bench_attention.py``). Elsewhere (compiled,
     DTensors, simulated or fake ranks, accelerators) the shapes must not depend on the data:
-    SDPA with the dense :func:`block_causal_mask`.
+    SDPA with the dense :func:`block_causal_mask`. On an accelerator K/V heads are then
+    repeated: CUDA's flash kernel (the only one that takes ``enable_gqa`` up to torch 2.13)
+    refuses masks, and the math kernel left would hold every score. Unmeasured on a GPU;
+    FlexAttention with a block mask is the intended path there.
     """
 
     def forward(
@@ -51,6 +54,10 @@ class ScaledDotProductAttention(nn.Module):
         if _eager_cpu(q, documents):
             return _per_document(q, k, v, documents, gqa)
         mask = block_causal_mask(documents)
+        if gqa and q.device.type not in ("cpu", "meta"):
+            repeats = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+            gqa = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
