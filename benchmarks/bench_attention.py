@@ -11,7 +11,8 @@ shape (16 query heads, 8 K/V heads, head dim 16) on those windows; printed: medi
 - ``causal``: plain causal SDPA over the whole window (not per-document: the lower bound);
 - ``dense mask``: SDPA with a ``[bs, 1, seq, seq]`` boolean block-causal mask (what
   ``--model.attn_mask block_causal`` runs);
-- ``segments``: one causal SDPA call per document, rows and documents in a Python loop.
+- ``segments``: one causal SDPA call per document (what ``ScaledDotProductAttention`` runs on
+  plain CPU tensors in eager mode).
 """
 
 import argparse
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from torchtitan.components.dataloader import build_dataloader, document_ids
 from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.models.common import attention
 from torchtitan.models.common.attention import block_causal_mask
 from torchtitan.tools.paths import resolve_path
 
@@ -54,21 +56,8 @@ def dense_mask(q, k, v, documents):
 
 
 def segments(q, k, v, documents):
-    rows = []
-    for b in range(q.shape[0]):
-        counts = torch.unique_consecutive(documents[b], return_counts=True)[1].tolist()
-        pieces, start = [], 0
-        for n in counts:
-            s = slice(start, start + n)
-            pieces.append(
-                F.scaled_dot_product_attention(
-                    q[b : b + 1, :, s], k[b : b + 1, :, s], v[b : b + 1, :, s],
-                    is_causal=True, enable_gqa=True,
-                )
-            )  # fmt: skip
-            start += n
-        rows.append(torch.cat(pieces, dim=2))
-    return torch.cat(rows)
+    # What ScaledDotProductAttention runs on plain CPU tensors in eager mode.
+    return attention._per_document(q, k, v, documents, gqa=True)
 
 
 def time_variant(fn, documents, dtype, repeats):
