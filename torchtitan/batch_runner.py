@@ -40,8 +40,8 @@ from torchtitan.models.spec import ParallelizeContext
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 """``({"input": tokens [bs, seq]}, labels [bs, seq])``, on the host until the runner moves it.
-This rank's part of a batch (:meth:`BatchRunner.local_part`) may add ``"positions"``; every
-entry but ``"input"`` goes to the model as a keyword."""
+This rank's part of a batch (:meth:`BatchRunner.local_part`) may add ``"document_ids"`` and
+``"positions"``; every entry but ``"input"`` goes to the model as a keyword."""
 
 
 class ScaledLoss:
@@ -186,7 +186,7 @@ class BatchRunner:
 
     def _pipeline_step(self, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> None:
         """One accumulation batch through the schedule: tokens enter the first stage, labels
-        meet the output at the last, keywords (positions) reach every stage; the schedule runs
+        meet the output at the last, keywords (document ids, positions) reach every stage; the schedule runs
         forward and backward per micro-batch."""
         tokens = (inputs["input"],) if self._first_stage else ()
         target = labels if self._last_stage else None
@@ -243,5 +243,5 @@ class BatchRunner:
 
 
 def _keywords(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A batch's model inputs besides the tokens (``positions`` under context parallelism)."""
+    """A batch's model inputs besides the tokens (``document_ids``, ``positions``)."""
     return {name: t for name, t in inputs.items() if name != "input"}
