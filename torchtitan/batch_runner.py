@@ -186,8 +186,8 @@ class BatchRunner:
 
     def _pipeline_step(self, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> None:
         """One accumulation batch through the schedule: tokens enter the first stage, labels
-        meet the output at the last, keywords (document ids, positions) reach every stage; the schedule runs
-        forward and backward per micro-batch."""
+        meet the output at the last, keywords (document ids, positions) reach every stage; the
+        schedule runs forward and backward per micro-batch."""
         tokens = (inputs["input"],) if self._first_stage else ()
         target = labels if self._last_stage else None
         wall, cpu = time.perf_counter(), time.process_time()
