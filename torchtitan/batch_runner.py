@@ -126,6 +126,11 @@ class BatchRunner:
         if c.enable and "loss" in c.components and not self.loss_parallel:
             loss_fn = torch.compile(cross_entropy_sum, backend=c.backend)
         self.loss_fn = ScaledLoss(loss_fn)
+        # Modules that add a loss term of their own (MoE balance losses) weigh it like the
+        # tokens it was computed on: they read the gradient weight of one token's loss.
+        self._own_loss_modules = [
+            m for part in self.model_parts for m in part.modules() if hasattr(m, "loss_scale")
+        ]
         self.cp_mesh = dims.mesh("cp") if dims.cp_enabled else None
         self.cp_load_balance = context.parallelism.context_parallel_load_balance
         self.document_start = document_start
@@ -165,6 +170,8 @@ class BatchRunner:
         data-parallel ranks once, after the last batch. Returns the summed token loss
         (float64, detached)."""
         self.loss_fn.scale = scale
+        for module in self._own_loss_modules:
+            module.loss_scale = scale
         for i, batch in enumerate(batches):
             inputs, labels = self._to_device(batch)
             if self.schedule is not None:

@@ -36,7 +36,7 @@ def wants_fake_compute(config: JobConfig) -> bool:
     dims = ParallelDims.from_config(config.parallelism, int(os.environ.get("WORLD_SIZE", "1")))
     accumulation = dims.grad_accum_steps(t.local_batch_size, t.global_batch_size)
     tokens = t.local_batch_size * t.seq_len * accumulation
-    args = spec.args_for(config.model.flavor, seq_len=t.seq_len)
+    args = spec.args_for(config.model.flavor, seq_len=t.seq_len, config=config)
     flops = spec.flops_per_token(args, t.seq_len) * tokens / dims.non_data_parallel_size
     return flops > REAL_STEP_FLOPS
 

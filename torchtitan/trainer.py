@@ -66,7 +66,7 @@ class Trainer:
         self.init_distributed()
         self.model_spec = get_model_spec(config.model.name)
         self.model_args = self.model_spec.args_for(
-            config.model.flavor, seq_len=config.training.seq_len
+            config.model.flavor, seq_len=config.training.seq_len, config=config
         )
         self.tokenizer, self.dataloader = (None, None) if on_meta else self.build_data()
         self.parallelize_context = ParallelizeContext.from_config(config, self.parallel_dims)
@@ -92,6 +92,8 @@ class Trainer:
             logger.info(f"Resolved config written to {saved}")
         self.train_state = TrainState()
         self.skipped_steps = 0
+        self.model_metrics: dict[str, float] = {}
+        """The model's own metrics of the last step (``ModelSpec.after_optimizer_step``)."""
         # A hang needs real collectives (or a dataloader) to wait on.
         self.watchdog = (
             None
@@ -350,6 +352,9 @@ class Trainer:
         else:
             self._skip_nonfinite_step(result)
         self.lr_schedulers.step()
+        if self.model_spec.after_optimizer_step is not None:
+            group = self.loss_mesh.get_group() if self.loss_mesh is not None else None
+            self.model_metrics = self.model_spec.after_optimizer_step(self.model_parts, group)
         return result
 
     def close(self) -> None:
@@ -470,6 +475,7 @@ class Trainer:
         )
         loss_max = dist_utils.dist_reduce(result.local_loss, "max", self.loss_mesh)
         extra = {"loss_local": local_loss, "skipped_steps": self.skipped_steps}
+        extra |= self.model_metrics
         idle = self.runner.take_pipeline_idle()
         if idle is not None:
             extra["pp_idle_pct"] = 100 * idle

@@ -68,7 +68,10 @@ def run_case(out_dir: Path, name: str, flags: list[str], *, trainer_data: bool =
     trainer.train()
     weights = {}
     for part in trainer.model_parts:
-        for param_name, param in part.named_parameters():
+        # Parameters and the buffers a checkpoint saves (MoE expert biases).
+        saved = {_clean(k) for k in part.state_dict()}
+        buffers = [(n, b) for n, b in part.named_buffers() if _clean(n) in saved]
+        for param_name, param in [*part.named_parameters(), *buffers]:
             full = param.full_tensor() if isinstance(param, DTensor) else param
             weights[_clean(param_name)] = full.detach().clone()
     if dist.is_initialized():  # pipeline stages hold different parameters: merge them

@@ -30,6 +30,13 @@ REFERENCE = ("ref", 1, "--training.local_batch_size 8")
 # Per-document attention, on windows long enough to hold document starts (about 1 in 4 here).
 BLOCK_CAUSAL = "--model.attn_mask block_causal --training.seq_len 256"
 BLOCK_CAUSAL_REFERENCE = ("ref_block_causal", 1, f"--training.local_batch_size 8 {BLOCK_CAUSAL}")
+# Mixture of experts (cases named moe_*): DeepSeek-V3's debug flavor with the sequence-wise
+# balance loss on and a bias step large enough to change routing within 10 steps.
+MOE = (
+    "--module deepseek_v3 --config deepseek_v3_debugmodel --moe.aux_loss_coeff 0.01 "
+    "--moe.load_balance_coeff 0.01"
+)
+MOE_REFERENCE = ("ref_moe", 1, f"--training.local_batch_size 8 {MOE}")
 CASES = {
     # name: (ranks, flags); local_batch_size x data-parallel degree = 8 sequences per step
     "fsdp2": (2, "--training.local_batch_size 4"),
@@ -186,6 +193,25 @@ CASES = {
         "--training.local_batch_size 8 --parallelism.context_parallel_degree 2 "
         "--parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_microbatch_size 2",
     ),
+    # Mixture of experts: experts sharded by FSDP, split over ranks by EP (all-to-all), with
+    # TP on attention and the shared experts.
+    "moe_fsdp2": (2, f"{MOE} --training.local_batch_size 4"),
+    "moe_ep2": (2, f"{MOE} --training.local_batch_size 4 --parallelism.expert_parallel_degree 2"),
+    "moe_ep2_loop": (
+        2,
+        f"{MOE} --training.local_batch_size 4 --parallelism.expert_parallel_degree 2 "
+        "--moe.experts_impl loop",
+    ),
+    "moe_tp2": (2, f"{MOE} --training.local_batch_size 8 --parallelism.tensor_parallel_degree 2"),
+    "moe_ep2_fsdp2": (
+        4,
+        f"{MOE} --training.local_batch_size 2 --parallelism.expert_parallel_degree 2",
+    ),
+    "moe_ep2_tp2": (
+        4,
+        f"{MOE} --training.local_batch_size 4 --parallelism.expert_parallel_degree 2 "
+        "--parallelism.tensor_parallel_degree 2",
+    ),
 }
 
 pytestmark = pytest.mark.integration
@@ -216,7 +242,8 @@ def _launch(out: Path, ranks: int, cases: list[tuple[str, str]]) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("numerics")
-    _launch(out, 1, [(name, flags) for name, _, flags in (REFERENCE, BLOCK_CAUSAL_REFERENCE)])
+    references = (REFERENCE, BLOCK_CAUSAL_REFERENCE, MOE_REFERENCE)
+    _launch(out, 1, [(name, flags) for name, _, flags in references])
     for world in sorted({ranks for ranks, _ in CASES.values()}):
         _launch(out, world, [(n, f) for n, (r, f) in CASES.items() if r == world])
     return out
@@ -228,7 +255,11 @@ def _load(out: Path, name: str) -> dict:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_layout_matches_one_process(results, case):
-    reference = BLOCK_CAUSAL_REFERENCE[0] if case.endswith("_block_causal") else REFERENCE[0]
+    reference = REFERENCE[0]
+    if case.endswith("_block_causal"):
+        reference = BLOCK_CAUSAL_REFERENCE[0]
+    elif case.startswith("moe_"):
+        reference = MOE_REFERENCE[0]
     ref, run = _load(results, reference), _load(results, case)
     assert [r["step"] for r in run["records"]] == list(range(1, 11))
     for got, want in zip(run["records"], ref["records"], strict=True):

@@ -158,6 +158,8 @@ class MetricsProcessor:
         if "mfu_pct" in r:
             line += f"{c.magenta}mfu: {r['mfu_pct']:.2f}%  "
         line += f"{c.reset}lr: {r['lr']:.3e}  data: {r['data_loading_pct']:.1f}%"
+        if "moe_load_max_over_mean" in r:  # busiest expert's load / mean, averaged over layers
+            line += f"  moe load: {r['moe_load_max_over_mean']:.2f}"
         if "pp_idle_pct" in r:
             line += f"  bubble: {r['pp_idle_pct']:.0f}%"
             if "pp_bubble_ideal_pct" in r:

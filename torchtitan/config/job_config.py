@@ -216,7 +216,8 @@ class Parallelism:
     piece (the last rank then does most of the attention work)."""
 
     expert_parallel_degree: int = 1
-    """Ranks that split MoE experts; borrowed from dp_shard x cp x tp. (not implemented yet)"""
+    """Ranks that split each MoE layer's routed experts (``num_experts / ep`` each); borrowed
+    from dp_shard (must divide it; borrowing cp or tp ranks is not implemented yet)."""
 
 
 @dataclass
@@ -313,9 +314,33 @@ class Float8:
 
 
 @dataclass
+class MoE:
+    """Training-time settings of mixture-of-experts layers (the experts' shapes are the
+    flavor's); ignored by dense models."""
+
+    load_balance_coeff: float = 1e-3
+    """Auxiliary-loss-free balancing: after each optimizer step every expert's routing bias
+    moves by this much towards balance (up when the expert got fewer tokens than the mean over
+    the global batch, down when more). 0 turns it off."""
+
+    aux_loss_coeff: float = 0.0
+    """Weight of the sequence-wise balance loss (DeepSeek-V3's complementary loss: per sequence,
+    the fraction of routings each expert got times its mean normalised score); 0 turns it off."""
+
+    capacity_factor: float = 0.0
+    """Drop routings beyond ``capacity_factor x tokens x top_k / num_experts`` per expert in
+    each batch (lowest scores first); 0 never drops a token."""
+
+    experts_impl: Literal["auto", "grouped_mm", "loop"] = "auto"
+    """How experts compute: ``grouped_mm`` (one ``torch._grouped_mm`` over every expert's
+    rows), ``loop`` (one matmul per expert, the reference), ``auto`` (grouped where the dtype
+    and dims allow it)."""
+
+
+@dataclass
 class Profiling:
     enable_profiling: bool = False
-    """Record torch.profiler traces. (not implemented yet: issue #5)"""
+    """Record torch.profiler traces (Chrome format, one per rank)."""
 
     save_traces_folder: str = "profile_traces"
     """Folder under ``job.dump_folder`` for traces."""
@@ -452,6 +477,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
+    moe: MoE = field(default_factory=MoE)
     profiling: Profiling = field(default_factory=Profiling)
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)

@@ -218,9 +218,7 @@ def validate_launch(config: JobConfig) -> None:
 
 def _unimplemented_checks(config: JobConfig) -> list[tuple[bool, str]]:
     """Features whose config fields exist but whose implementation lands later."""
-    p = config.parallelism
     requested = {
-        "--parallelism.expert_parallel_degree > 1": p.expert_parallel_degree > 1,
         "--float8.enable": config.float8.enable,
         "--validation.enable": config.validation.enable,
     }
@@ -442,6 +440,11 @@ def validate_parallelism(config: JobConfig, spec: ModelSpec, world_size: int) ->
     parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
     t = config.training
     parallel_dims.grad_accum_steps(t.local_batch_size, t.global_batch_size)
+    if parallel_dims.ep > 1 and not spec.has_experts:
+        raise ConfigError(
+            f"--parallelism.expert_parallel_degree={parallel_dims.ep}: model {spec.name} has no "
+            "experts; use 1, or a mixture-of-experts model (--module deepseek_v3)"
+        )
     if spec.validate is not None:
         spec.validate(config, parallel_dims)
     return parallel_dims

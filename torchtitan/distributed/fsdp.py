@@ -66,6 +66,25 @@ def apply_fsdp(
     return model
 
 
+def apply_fsdp_experts(
+    experts: Iterable[nn.Module],
+    mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool,
+) -> None:
+    """Shard mixture-of-experts weights over ``mesh`` (the data-parallel ranks expert
+    parallelism leaves; their weights may already be DTensors over ``ep``), each module its
+    own unit, before its block is sharded."""
+    for module in experts:
+        fully_shard(
+            module,
+            mesh=mesh,
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard_after_forward,
+        )
+
+
 def apply_replicate(
     model: nn.Module,
     blocks: Iterable[nn.Module],

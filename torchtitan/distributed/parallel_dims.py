@@ -10,6 +10,10 @@ from ``ParallelDims.mesh(name)`` once ``build_mesh`` has run:
 - ``dp``: ``dp_replicate x dp_shard`` -- ranks that read different data;
 - ``dp_shard_cp``: ``dp_shard x cp`` -- ranks FSDP shards parameters over;
 - ``dp_cp``: ``dp_replicate x dp_shard x cp`` -- ranks the loss is averaged over.
+
+With expert parallelism a second mesh over the same ranks splits ``dp_shard`` into
+``efsdp x ep`` (``ep`` innermost): ``ep``, the ranks that split each MoE layer's experts;
+``efsdp``, the ranks FSDP shards the experts over.
 """
 
 import dataclasses
@@ -97,6 +101,13 @@ class ParallelDims:
                     f"{_FLAG}expert_parallel_degree={self.ep} must divide dp_shard x cp x tp = "
                     f"{borrowed}: experts borrow their ranks from those dimensions"
                 )
+            if self.dp_shard % self.ep:
+                raise ParallelDimsError(
+                    f"{_FLAG}expert_parallel_degree={self.ep} must divide "
+                    f"data_parallel_shard_degree={self.dp_shard}: experts borrow their ranks "
+                    "from dp_shard (borrowing context or tensor parallel ranks is not "
+                    "implemented yet)"
+                )
 
     @property
     def dp_enabled(self) -> bool:
@@ -179,6 +190,14 @@ class ParallelDims:
             "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
             "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
         }
+        if self.ep > 1:
+            # The same ranks in the same order, dp_shard split as efsdp x ep.
+            experts = init_device_mesh(
+                device_type,
+                (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp),
+                mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "cp", "tp"),
+            )
+            self._meshes |= {"ep": experts["ep"], "efsdp": experts["efsdp"]}
         return mesh
 
     @property

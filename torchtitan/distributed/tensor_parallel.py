@@ -1,4 +1,4 @@
-"""Tensor-parallel machinery shared by models: loss parallel and async TP.
+"""Tensor-parallel machinery shared by models: loss parallel, async TP, a gradient-sum style.
 
 The per-model plans (which module is colwise, rowwise, sequence parallel) live in each model's
 ``parallelize.py``; this module knows nothing about any model.
@@ -8,8 +8,10 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
 
 
 def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:
@@ -49,3 +51,27 @@ def enable_async_tp(tp_mesh: DeviceMesh) -> None:
 
     torch._inductor.config._micro_pipeline_tp = True
     enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+class SumGradients(ParallelStyle):
+    """For a module whose output is replicated over the TP ranks but which each rank uses only
+    for its own share of the work (a key part shared by every attention head, when the heads
+    are split): forward unchanged, backward sums the output's gradient over the mesh, so the
+    module's parameters and inputs get the gradient of the whole model on every rank."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(
+            lambda _module, _inputs, output: _SumGradientsFn.apply(output, device_mesh)
+        )
+        return module
+
+
+class _SumGradientsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        ctx.mesh = mesh
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return funcol.all_reduce(grad.contiguous(), "sum", ctx.mesh), None

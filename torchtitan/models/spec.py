@@ -24,6 +24,7 @@ from torchtitan.config.job_config import (
     Training,
 )
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.common.moe_args import with_training
 
 if TYPE_CHECKING:
     from torch import nn
@@ -105,10 +106,21 @@ class ModelSpec:
     its window: block-causal attention needs it)."""
     state_dict_adapter: Callable[..., Any] | None = None
     """Maps state dicts to and from the Hugging Face layout; ``None`` until that exists."""
+    has_experts: bool = False
+    """Mixture-of-experts layers: ``--parallelism.expert_parallel_degree`` and ``--moe.*``
+    apply (the args have a ``moe`` field, ``models.common.moe_args.MoEArgs``)."""
+    after_optimizer_step: Callable[[list["nn.Module"], Any], dict[str, float]] | None = None
+    """``after_optimizer_step(model_parts, group)``, called by the trainer after every
+    optimizer step with the process group of the ranks that see different tokens (``None``
+    in one process); returns metrics to log (e.g. MoE expert-bias updates and loads)."""
 
-    def args_for(self, flavor: str, *, seq_len: int) -> Any:
-        """The flavor's args with the RoPE/position table sized for ``seq_len``."""
-        return dataclasses.replace(self.flavors[flavor], max_seq_len=seq_len)
+    def args_for(self, flavor: str, *, seq_len: int, config: JobConfig | None = None) -> Any:
+        """The flavor's args with the RoPE/position table sized for ``seq_len`` and, for a
+        family with experts, the run's ``--moe.*`` settings."""
+        args = dataclasses.replace(self.flavors[flavor], max_seq_len=seq_len)
+        if self.has_experts and config is not None:
+            args = dataclasses.replace(args, moe=with_training(args.moe, config.moe))
+        return args
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,14 @@ class ScaledDotProductAttention(nn.Module):
     repeated: CUDA's flash kernel (the only one that takes ``enable_gqa`` up to torch 2.13)
     refuses masks, and the math kernel left would hold every score. Unmeasured on a GPU;
     FlexAttention with a block mask is the intended path there.
+
+    ``scale``: the softmax temperature (default ``1 / sqrt(head dim)``); value heads may be
+    narrower than query/key heads.
     """
+
+    def __init__(self, scale: float | None = None):
+        super().__init__()
+        self.scale = scale
 
     def forward(
         self,
@@ -50,15 +57,19 @@ class ScaledDotProductAttention(nn.Module):
     ) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]
         if documents is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=gqa, scale=self.scale
+            )
         if _eager_cpu(q, documents):
-            return _per_document(q, k, v, documents, gqa)
+            return _per_document(q, k, v, documents, gqa, self.scale)
         mask = block_causal_mask(documents)
         if gqa and q.device.type not in ("cpu", "meta"):
             repeats = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
             gqa = False
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=gqa, scale=self.scale
+        )
 
 
 def _eager_cpu(*tensors: torch.Tensor) -> bool:
@@ -69,7 +80,12 @@ def _eager_cpu(*tensors: torch.Tensor) -> bool:
 
 
 def _per_document(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor, gqa: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    documents: torch.Tensor,
+    gqa: bool,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal SDPA over each document of each row on its own, concatenated back."""
     rows = []
@@ -78,7 +94,9 @@ def _per_document(
         pieces, start = [], 0
         for n in lengths:
             part = (t[b : b + 1, :, start : start + n] for t in (q, k, v))
-            pieces.append(F.scaled_dot_product_attention(*part, is_causal=True, enable_gqa=gqa))
+            pieces.append(
+                F.scaled_dot_product_attention(*part, is_causal=True, enable_gqa=gqa, scale=scale)
+            )
             start += n
         rows.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
     return torch.cat(rows)

@@ -6,10 +6,11 @@ Shapes: ``bs`` batch, ``seq`` sequence, ``dim`` model width, ``h`` heads, ``hd``
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.feed_forward import FeedForward
+from torchtitan.models.common.rope import apply_rope
 from torchtitan.models.llama3.args import Llama3Args, RopeScaling
 
 
@@ -37,20 +38,6 @@ def _scale_rope_frequencies(freqs: torch.Tensor, s: RopeScaling) -> torch.Tensor
     scaled = torch.where(wavelen > low_freq_wavelen, freqs / s.factor, freqs)
     in_between = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(in_between, interpolated, scaled)
-
-
-def apply_rope(xq: torch.Tensor, xk: torch.Tensor, rope_cis: torch.Tensor):
-    """Rotate queries ``[bs, seq, h, hd]`` and keys ``[bs, seq, kv_h, hd]`` by position.
-
-    ``rope_cis`` is the table ``[>= seq, hd // 2]`` (token i at position i) or each token's own
-    rotation ``[bs, seq, hd // 2]`` (explicit positions, e.g. a context-parallel shard)."""
-    seq = xq.shape[1]
-    cis = rope_cis[:seq].view(1, seq, 1, -1) if rope_cis.dim() == 2 else rope_cis.unsqueeze(2)
-    xq_c = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
-    xk_c = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
-    xq_out = torch.view_as_real(xq_c * cis).flatten(3)
-    xk_out = torch.view_as_real(xk_c * cis).flatten(3)
-    return xq_out.type_as(xq), xk_out.type_as(xk)
 
 
 class Attention(nn.Module):
@@ -86,24 +73,6 @@ class Attention(nn.Module):
         for linear in (self.wq, self.wk, self.wv):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-    def init_weights(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
-        for linear in (self.w2, self.w3):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
 
 
 class TransformerBlock(nn.Module):

@@ -1,0 +1,211 @@
+"""Mixture of experts (models/common/moe.py) and the DeepSeek-V3 family: routing, the two
+expert paths, capacity, the balance loss and bias, published sizes, config refusals."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from torchtitan.models.common import moe
+from torchtitan.models.common.moe_args import MoEArgs
+from torchtitan.models.deepseek_v3 import flavors, model_spec
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+
+def _experts(impl: str, dtype: torch.dtype, num=4, dim=64, hidden=32) -> moe.GroupedExperts:
+    torch.manual_seed(0)
+    experts = moe.GroupedExperts(dim, hidden, num, impl).to(dtype)
+    for w in (experts.w1, experts.w2, experts.w3):
+        torch.nn.init.normal_(w, std=0.1)
+    return experts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("counts", [[10, 0, 20, 7], [16, 16, 0, 0], [0, 0, 0, 3]])
+def test_grouped_mm_equals_the_loop_forward_and_backward(dtype, counts):
+    loop, grouped = _experts("loop", dtype), _experts("grouped_mm", dtype)
+    assert grouped.uses_grouped_mm(dtype) and not loop.uses_grouped_mm(dtype)
+    counts = torch.tensor(counts)
+    x = torch.randn(int(counts.sum()), 64, dtype=dtype)
+    outs, grads = [], []
+    for experts in (loop, grouped):
+        xi = x.clone().requires_grad_()
+        out = experts(xi, counts)
+        out.float().pow(2).sum().backward()
+        outs.append(out)
+        grads.append([xi.grad, experts.w1.grad, experts.w2.grad, experts.w3.grad])
+    # Each row's products are the same sums in the same order: equal to the last bit in fp32.
+    tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(outs[1], outs[0], **tol)
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want, **tol)
+
+
+def test_auto_takes_the_loop_where_the_grouped_gemm_cannot_run():
+    assert moe.GroupedExperts(64, 32, 4, "auto").uses_grouped_mm(torch.float32)
+    # fp32 rows of 10 values are 40 bytes: not 16-byte aligned.
+    assert not moe.GroupedExperts(10, 32, 4, "auto").uses_grouped_mm(torch.float32)
+    assert not moe.GroupedExperts(64, 32, 4, "auto").uses_grouped_mm(torch.float64)
+
+
+def test_group_limited_routing_picks_experts_only_in_the_best_groups():
+    # 4 groups of 2: expert 0 is the best single one, but group 3 (experts 6, 7) is best.
+    logits = torch.tensor([[2.0, -5, -5, -5, -5, -5, 1.5, 1.5]])
+    choice = moe._limit_to_top_groups(logits.sigmoid(), 4, 1)
+    assert torch.isinf(choice[0, :6]).all() and torch.isfinite(choice[0, 6:]).all()
+    # Without the limit the best single expert (0) would be picked.
+    assert 0 in logits.sigmoid().topk(2).indices[0].tolist()
+
+
+def test_router_bias_steers_the_choice_but_not_the_weights():
+    args = MoEArgs(num_experts=4, top_k=1, route_norm=False, score_func="sigmoid")
+    router = moe.Router(4, args)
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.eye(4))
+    x = torch.tensor([[1.0, 0.5, 0.0, 0.0]])
+    weights, indices, _ = router(x, None)
+    assert indices.item() == 0
+    weights, indices, _ = router(x, torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    assert indices.item() == 1
+    assert weights.item() == pytest.approx(torch.sigmoid(torch.tensor(0.5)).item())
+
+
+def _layer(**kwargs) -> moe.MoE:
+    torch.manual_seed(0)
+    layer = moe.MoE(32, 32, MoEArgs(num_experts=4, top_k=2, **kwargs))
+    with torch.no_grad():
+        layer.init_weights(0.02)
+        torch.nn.init.normal_(layer.router.gate.weight)
+    return layer
+
+
+def test_capacity_drops_the_lowest_weighted_routings_beyond_it():
+    layer = _layer(capacity_factor=0.5, load_balance_coeff=0)
+    x = torch.randn(1, 32, 32)
+    flat = x.reshape(-1, 32)
+    weights, indices, _ = layer.router(flat, None)
+    routed = indices.flatten()
+    counts = torch.bincount(routed, minlength=4)
+    order = routed.argsort(stable=True)
+    kept, kept_counts, kept_weights = moe._drop_over_capacity(
+        order, counts, weights.flatten(), routed, 0.5
+    )
+    capacity = 8  # 0.5 x 32 tokens x 2 / 4 experts
+    assert kept_counts.tolist() == counts.clamp(max=capacity).tolist()
+    assert (routed[kept].diff() >= 0).all()  # grouped by expert
+    for e in range(4):
+        mine = (routed == e).nonzero().flatten()
+        dropped = mine[kept_weights[mine] == 0]
+        survivors = mine[kept_weights[mine] != 0]
+        if len(dropped):
+            assert weights.flatten()[dropped].max() <= weights.flatten()[survivors].min()
+    assert layer(x).shape == x.shape
+
+
+def test_balance_loss_gradient_is_added_with_the_token_weight():
+    """The layer adds coeff x loss_scale x tokens x d(aux) to its router's gradient."""
+    x = torch.randn(2, 8, 32)
+    plain, with_aux = _layer(load_balance_coeff=0), _layer(load_balance_coeff=0, aux_loss_coeff=0.1)
+    with_aux.loss_scale = 0.25
+    plain(x).sum().backward()
+    with_aux(x).sum().backward()
+    # The same term computed by hand on the plain layer's router.
+    reference = _layer(load_balance_coeff=0)
+    _, indices, scores = reference.router(x.reshape(-1, 32), None)
+    aux = 0.1 * moe.sequence_balance_loss(scores.view(2, 8, -1), indices.view(2, 8, -1))
+    (aux * 0.25 * 16).backward()
+    expected = plain.router.gate.weight.grad + reference.router.gate.weight.grad
+    torch.testing.assert_close(with_aux.router.gate.weight.grad, expected)
+    assert with_aux.aux_loss is not None and float(with_aux.aux_loss) > 0
+
+
+def test_balanced_routing_has_a_balance_loss_of_one_per_coefficient():
+    scores = torch.full((1, 4, 4), 0.5)
+    indices = torch.tensor([[[0, 1], [2, 3], [0, 1], [2, 3]]])
+    assert moe.sequence_balance_loss(scores, indices).item() == pytest.approx(1.0)
+
+
+def test_bias_update_moves_towards_balance_and_reports_the_load():
+    layer = _layer(load_balance_coeff=0.01)
+    layer.tokens_per_expert.copy_(torch.tensor([10.0, 2.0, 3.0, 5.0]))  # mean 5
+    metrics = moe.update_expert_biases([torch.nn.ModuleDict({"m": layer})], None)
+    assert layer.expert_bias.tolist() == pytest.approx([-0.01, 0.01, 0.01, 0.0])
+    assert metrics["moe_load_max_over_mean"] == pytest.approx(2.0)
+    assert metrics["moe_load_max_over_mean/m"] == pytest.approx(2.0)
+    assert metrics["moe_bias_update"] == pytest.approx(0.0075)
+    assert layer.tokens_per_expert.sum() == 0
+
+
+@pytest.mark.parametrize(
+    ("flavor", "total", "activated"),
+    # Published: DeepSeek-V2-Lite 15.7B total / 2.4B activated; DeepSeek-V3 671B / 37B.
+    [("16B", 15.7e9, 2.4e9), ("671B", 671e9, 37e9)],
+)
+def test_published_sizes(flavor, total, activated):
+    args = flavors[flavor]
+    assert args.num_params() == pytest.approx(total, rel=0.005)
+    assert args.num_params(activated=True) == pytest.approx(activated, rel=0.025)
+
+
+def test_parameter_count_matches_the_built_debug_model():
+    args = model_spec.args_for("debugmodel", seq_len=64)
+    with torch.device("meta"):
+        model = model_spec.build_model(args)
+    assert sum(p.numel() for p in model.parameters()) == args.num_params()
+    assert "layers.1.moe.expert_bias" in model.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("module", "flags", "expected"),
+    [
+        (
+            "deepseek_v3",
+            [
+                "--parallelism.expert_parallel_degree",
+                "3",
+                "--parallelism.data_parallel_shard_degree",
+                "3",
+            ],
+            "--parallelism.expert_parallel_degree=3 does not divide num_experts=8",
+        ),
+        (
+            "deepseek_v3",
+            [
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+            ],
+            "must divide data_parallel_shard_degree=1",
+        ),
+        (
+            "llama3",
+            ["--parallelism.expert_parallel_degree", "2"],
+            "model llama3 has no experts",
+        ),
+        (
+            "deepseek_v3",
+            ["--parallelism.data_parallel_replicate_degree", "2"],
+            "--parallelism.data_parallel_replicate_degree > 1 is not implemented for deepseek_v3",
+        ),
+        (
+            "deepseek_v3",
+            ["--parallelism.context_parallel_degree", "2"],
+            "model deepseek_v3 does not support context parallelism",
+        ),
+    ],
+)
+def test_bad_expert_layouts_are_refused_before_any_rank_starts(module, flags, expected):
+    world = "3" if "3" in flags else "2"
+    config = f"{module}_debugmodel"
+    result = subprocess.run(
+        [sys.executable, "-m", "torchtitan.config.manager", "--check", "--module", module,
+         "--config", config, *flags],
+        cwd=REPO, env=os.environ | {"WORLD_SIZE": world}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], result.stderr

@@ -1,0 +1,82 @@
+"""Expert parallelism: each rank of the ``ep`` mesh holds ``num_experts / ep`` of a layer's
+routed experts; routed rows travel to the rank that holds their expert and back.
+
+:func:`apply_ep` shards an experts module's weights over the experts (DTensors ``Shard(0)``
+on ``ep``, so checkpoints hold every expert under its global name) and hooks its forward.
+The experts module takes ``(rows [N, dim] grouped by global expert, counts [E])``; the hooks
+turn that into this rank's experts' rows:
+
+1. the per-expert counts are exchanged (an even all-to-all of ``E`` integers): rank r learns
+   how many rows every peer sends to each of its experts;
+2. the rows go to their expert's rank in one all-to-all with uneven splits (autograd-aware:
+   backward sends the gradients the other way);
+3. received rows, ordered by source rank then expert, are regrouped by expert;
+4. after the experts ran, the inverse: ungroup, all-to-all back, in the sender's order.
+
+Works on any backend that has all-to-all (gloo, NCCL). Gradients of the expert weights are
+complete on their rank (every token that used an expert sent its rows there), so the experts
+module scales them by ``1 / ep`` (``weight_grad_scale``) and FSDP averages over the ranks
+that hold the same experts (``efsdp``): together the mean over every data-parallel rank, as
+for the rest of the model. (FSDP's own divide factor would need a reduce op gloo lacks.)
+The experts module must have a ``weight_grad_scale`` attribute.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+
+def apply_ep(experts_modules: list[nn.Module], ep_mesh: DeviceMesh) -> None:
+    """Shard each module's parameters over ``ep_mesh`` along dim 0 (the experts) and route
+    its inputs and outputs through the all-to-alls (see the module docstring)."""
+    for experts in experts_modules:
+        for name, param in list(experts.named_parameters(recurse=False)):
+            sharded = nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)]))
+            experts.register_parameter(name, sharded)
+        # An expert's gradient sums the tokens of every EP rank; data-parallel averaging
+        # (FSDP over the ranks left) divides by the others only.
+        experts.weight_grad_scale = 1 / ep_mesh.size()
+        experts.register_forward_pre_hook(_Dispatcher(ep_mesh).dispatch)
+
+
+class _Dispatcher:
+    """The pre-hook sends the rows away and swaps the module's inputs for its own experts'
+    rows; a one-shot forward hook it registers brings the outputs back."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self.mesh = mesh
+
+    def dispatch(self, module: nn.Module, inputs: tuple) -> tuple:
+        rows, counts = inputs
+        ep = self.mesh.size()
+        group = self.mesh.get_group()
+        num_experts = counts.shape[0]
+        local = num_experts // ep
+        # 1. How many rows each peer sends to each of this rank's experts: [ep, local].
+        received_counts = torch.empty_like(counts)
+        dist.all_to_all_single(received_counts, counts.contiguous(), group=group)
+        received_counts = received_counts.view(ep, local)
+        send_splits = counts.view(ep, local).sum(dim=1).tolist()
+        recv_splits = received_counts.sum(dim=1).tolist()
+        # 2. The rows themselves.
+        received = funcol.all_to_all_single_autograd(rows, recv_splits, send_splits, group)
+        # 3. Ordered by (source, expert): regroup by (expert, source).
+        segment_key = torch.arange(ep * local, device=rows.device).view(ep, local)
+        segment_key = (segment_key % local) * ep + segment_key // local
+        row_key = torch.repeat_interleave(
+            segment_key.flatten(), received_counts.flatten(), output_size=received.shape[0]
+        )
+        regroup = row_key.argsort(stable=True)
+        handle = None
+
+        def combine(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+            handle.remove()
+            # 4. Back in (source, expert) order, then to the senders.
+            ungrouped = torch.empty_like(output).index_copy(0, regroup, output)
+            return funcol.all_to_all_single_autograd(ungrouped, send_splits, recv_splits, group)
+
+        handle = module.register_forward_hook(combine)
+        return received[regroup], received_counts.sum(dim=0)

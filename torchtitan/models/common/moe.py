@@ -1,0 +1,347 @@
+"""Mixture-of-experts feed-forward layer, for any model family: a router picks ``top_k`` routed
+experts per token, the experts (SwiGLU, all in three ``[experts, out, in]`` weights) run on
+the rows routed to them, the shared experts on every token.
+
+Shapes: ``T`` tokens of the batch (``bs x seq``), ``E`` routed experts, ``k`` experts per
+token, ``dim`` model width, ``hidden`` an expert's hidden width.
+
+Balancing (``MoEArgs``): DeepSeek-V3's auxiliary-loss-free bias (``expert_bias``, added to the
+scores for the choice of experts only, moved after each optimizer step by
+:func:`update_expert_biases` from the global token counts) and, optionally, the sequence-wise
+balance loss, whose gradient the layer adds itself (the trainer's loss stays the language
+model's). Expert parallelism (``distributed/expert_parallel.py``) hooks :class:`GroupedExperts`:
+rows travel to the rank that holds their expert and back, the layer does not know.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchtitan.models.common.feed_forward import FeedForward
+from torchtitan.models.common.moe_args import MoEArgs
+
+ALIGN_ROWS = 16
+"""Each expert's rows start at a multiple of this in the grouped GEMM's input (CUDA's grouped
+kernels need aligned group starts; zero rows pad the groups)."""
+
+
+class Router(nn.Module):
+    """Token-choice top-k routing: ``x [T, dim]`` -> weights ``[T, k]`` (fp32), expert indices
+    ``[T, k]`` and every expert's score ``[T, E]`` (fp32, for the balance loss)."""
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, expert_bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a = self.args
+        logits = self.gate(x).float()
+        scores = logits.sigmoid() if a.score_func == "sigmoid" else logits.softmax(dim=-1)
+        # The bias only steers the choice; the weights come from the unbiased scores.
+        choice = scores if expert_bias is None else scores + expert_bias
+        if a.num_groups > 1:
+            choice = _limit_to_top_groups(choice, a.num_groups, a.top_groups)
+        indices = choice.topk(a.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, indices)
+        if a.route_norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * a.route_scale, indices, scores
+
+    def init_weights(self) -> None:
+        nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=0.02)
+
+
+def _limit_to_top_groups(choice: torch.Tensor, num_groups: int, top_groups: int) -> torch.Tensor:
+    """``choice [T, E]`` with the experts outside each token's ``top_groups`` best groups set
+    to -inf; a group's score is the sum of its two best experts (one if groups have one)."""
+    grouped = choice.view(choice.shape[0], num_groups, -1)
+    best = min(2, grouped.shape[-1])
+    group_scores = grouped.topk(best, dim=-1).values.sum(dim=-1)
+    keep = group_scores.topk(top_groups, dim=-1, sorted=False).indices
+    mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
+    return grouped.masked_fill(mask.unsqueeze(-1), float("-inf")).flatten(1)
+
+
+class GroupedExperts(nn.Module):
+    """``E`` SwiGLU experts: ``x [N, dim]``, rows sorted by expert, ``counts [E]`` rows each ->
+    ``[N, dim]``. Weights ``w1, w3 [E, hidden, dim]`` and ``w2 [E, dim, hidden]`` (per expert
+    the layout of ``nn.Linear``). Under expert parallelism the weights are DTensors sharded
+    over the experts and hooks exchange the rows, so ``E`` here is this rank's share."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, impl: str = "auto"):
+        super().__init__()
+        self.impl = impl
+        self.weight_grad_scale = 1.0
+        """Multiplies the weights' gradients (expert parallelism sets ``1 / ep``: an expert's
+        gradient sums the tokens of all ``ep`` ranks, data-parallel averaging divides only
+        by the ranks that hold the same experts)."""
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        weights = [
+            w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)
+        ]
+        if self.weight_grad_scale != 1.0:
+            weights = [_ScaleGradient.apply(w, self.weight_grad_scale) for w in weights]
+        dtype = _compute_dtype(x)
+        x = x.to(dtype)
+        weights = [w.to(dtype) for w in weights]
+        if self.uses_grouped_mm(dtype):
+            return _grouped_mm_experts(x, counts, *weights)
+        return _loop_experts(x, counts, *weights)
+
+    def uses_grouped_mm(self, dtype: torch.dtype) -> bool:
+        """Whether ``auto`` (or ``grouped_mm``) takes the grouped GEMM for this dtype."""
+        if self.impl == "loop":
+            return False
+        if self.impl == "grouped_mm":
+            return True
+        # Inner dims must be 16-byte aligned; compiled on CPU it needs bf16 (torch 2.13).
+        hidden, dim = self.w1.shape[1:]
+        size = torch.finfo(dtype).bits // 8
+        aligned = (dim * size) % 16 == 0 and (hidden * size) % 16 == 0
+        compiling_fp32 = torch.compiler.is_compiling() and dtype != torch.bfloat16
+        return (
+            hasattr(torch, "_grouped_mm")
+            and dtype in (torch.float32, torch.bfloat16)
+            and aligned
+            and not compiling_fp32
+        )
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
+        for w in (self.w2, self.w3):
+            nn.init.trunc_normal_(w, mean=0.0, std=init_std)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls run in here: autocast's where it is on (the grouped GEMM is not an
+    autocast op), else the input's."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def _loop_experts(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+) -> torch.Tensor:
+    """One matmul chain per expert (the reference; reads the counts on the host)."""
+    outs = []
+    for e, rows in enumerate(torch.split(x, counts.tolist())):
+        h = F.silu(rows @ w1[e].T) * (rows @ w3[e].T)
+        outs.append(h @ w2[e].T)
+    return torch.cat(outs)
+
+
+def _grouped_mm_experts(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+) -> torch.Tensor:
+    """All experts in three grouped GEMMs; each expert's rows are padded to ``ALIGN_ROWS``."""
+    padded_counts = (counts + ALIGN_ROWS - 1) // ALIGN_ROWS * ALIGN_ROWS
+    ends = torch.cumsum(padded_counts, 0)
+    # Row i of expert e moves from its place in x to the start of e's padded group + its rank.
+    shift = (ends - padded_counts) - (torch.cumsum(counts, 0) - counts)
+    dest = torch.arange(x.shape[0], device=x.device) + torch.repeat_interleave(
+        shift, counts, output_size=x.shape[0]
+    )
+    total = int(ends[-1]) if len(ends) else 0
+    padded = x.new_zeros(total, x.shape[1]).index_copy(0, dest, x)
+    offs = ends.to(torch.int32)
+    h = F.silu(torch._grouped_mm(padded, w1.transpose(-2, -1), offs=offs))
+    h = h * torch._grouped_mm(padded, w3.transpose(-2, -1), offs=offs)
+    out = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+    return out[dest]
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+class _AddAuxLoss(torch.autograd.Function):
+    """Identity on ``out``; in backward, ``aux`` gets the gradient ``weight``, as if
+    ``weight x aux`` had been added to the loss (the trainer's loss stays the LM loss)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        ctx.aux_dtype = aux.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        aux_grad = torch.full((), ctx.weight, dtype=ctx.aux_dtype, device=grad.device)
+        return grad, aux_grad, None
+
+
+class MoE(nn.Module):
+    """Routed + shared experts on ``x [bs, seq, dim]`` -> ``[bs, seq, dim]``.
+
+    Buffers: ``expert_bias [E]`` (saved in checkpoints) and ``tokens_per_expert [E]``, this
+    rank's routings since the last :func:`update_expert_biases` (under activation
+    checkpointing counted again by the recomputation: every count doubles, which keeps the
+    sign of each expert's imbalance and every load ratio).
+    """
+
+    def __init__(self, dim: int, hidden: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.router = Router(dim, args)
+        self.experts = GroupedExperts(dim, hidden, args.num_experts, args.experts_impl)
+        self.shared_experts = (
+            FeedForward(dim, hidden * args.num_shared_experts) if args.num_shared_experts else None
+        )
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        self.loss_scale = 0.0
+        """Gradient weight of one token's loss, set by the batch runner every step (the
+        balance loss is weighted like the tokens it was computed on)."""
+        self.aux_loss: torch.Tensor | None = None
+        """The last forward's balance loss (detached), for metrics."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        bs, seq, dim = x.shape
+        flat = x.reshape(-1, dim)
+        bias = self.expert_bias if a.load_balance_coeff > 0 else None
+        weights, indices, scores = self.router(flat, bias)
+        routed = indices.flatten()  # [T * k]: token t's j-th choice at t * k + j
+        counts = torch.bincount(routed, minlength=a.num_experts)
+        with torch.no_grad():
+            self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+        order = routed.argsort(stable=True)  # routings grouped by expert, tokens in order
+        route_weights = weights.flatten()
+        if a.capacity_factor > 0:
+            order, counts, route_weights = _drop_over_capacity(
+                order, counts, route_weights, routed, a.capacity_factor
+            )
+        rows = flat[order // a.top_k]
+        out_rows = self.experts(rows, counts)
+        # Back to token order, weighted, summed over each token's k experts.
+        combined = flat.new_zeros(routed.shape[0], dim, dtype=out_rows.dtype)
+        combined = combined.index_copy(0, order, out_rows)
+        mixed = (combined.view(-1, a.top_k, dim) * route_weights.view(-1, a.top_k, 1)).sum(1)
+        out = mixed.to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        if a.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
+            aux = a.aux_loss_coeff * sequence_balance_loss(
+                scores.view(bs, seq, -1), indices.view(bs, seq, -1)
+            )
+            self.aux_loss = aux.detach()
+            out = _AddAuxLoss.apply(out, aux, self.loss_scale * flat.shape[0])
+        return out.view(bs, seq, dim)
+
+    def init_weights(self, init_std: float, buffer_device: torch.device | None = None) -> None:
+        self.router.init_weights()
+        self.experts.init_weights(init_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(init_std)
+        with torch.no_grad():
+            self.expert_bias.zero_()
+            self.tokens_per_expert.zero_()
+
+
+def _drop_over_capacity(
+    order: torch.Tensor,
+    counts: torch.Tensor,
+    weights: torch.Tensor,
+    routed: torch.Tensor,
+    capacity_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keep each expert's ``capacity`` highest-weighted routings: the kept routings (grouped
+    by expert), the kept counts, and the weights with dropped routings at zero."""
+    num_experts = counts.shape[0]
+    capacity = math.ceil(capacity_factor * routed.shape[0] / num_experts)
+    by_weight = weights.detach().argsort(descending=True, stable=True)
+    ranked = by_weight[routed[by_weight].argsort(stable=True)]  # by expert, best first
+    starts = torch.cumsum(counts, 0) - counts
+    place = torch.arange(routed.shape[0], device=routed.device) - torch.repeat_interleave(
+        starts, counts, output_size=routed.shape[0]
+    )
+    kept = ranked[place < capacity].sort().values
+    kept = kept[routed[kept].argsort(stable=True)]  # grouped by expert again, tokens in order
+    keep = torch.zeros_like(weights, dtype=torch.bool).index_fill_(0, kept, True)
+    return kept, counts.clamp(max=capacity), weights * keep
+
+
+def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss, averaged over sequences: per sequence,
+    ``sum_e f_e * P_e`` with ``f_e`` the share of routings expert ``e`` got, times ``E / k``
+    (1 when balanced), and ``P_e`` its mean normalised score. ``scores [bs, seq, E]``,
+    ``indices [bs, seq, k]``."""
+    bs, seq, num_experts = scores.shape
+    k = indices.shape[-1]
+    picks = torch.zeros(bs, num_experts, device=scores.device)
+    picks.scatter_add_(1, indices.reshape(bs, -1), torch.ones(bs, seq * k, device=scores.device))
+    f = picks * num_experts / (k * seq)
+    p = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=1)
+    return (f * p).sum(dim=1).mean()
+
+
+def moe_layers(model_parts: list[nn.Module]) -> list[tuple[str, MoE]]:
+    """Every MoE layer of the model parts, with its name (``layers.3.moe``)."""
+    return [
+        (name, m) for part in model_parts for name, m in part.named_modules() if isinstance(m, MoE)
+    ]
+
+
+def set_loss_scale(model_parts: list[nn.Module], scale: float) -> None:
+    """Tell every MoE layer the gradient weight of one token's loss for this step."""
+    for _, layer in moe_layers(model_parts):
+        layer.loss_scale = scale
+
+
+@torch.no_grad()
+def update_expert_biases(
+    model_parts: list[nn.Module], group: dist.ProcessGroup | None
+) -> dict[str, float]:
+    """After an optimizer step: sum every layer's token counts over ``group`` (the ranks that
+    see different tokens), move each expert's bias by ``load_balance_coeff`` towards balance,
+    reset the counts. Returns metrics: per layer the busiest expert's load over the mean
+    (``moe_load_max_over_mean/<layer>``), their mean over layers, the mean absolute bias
+    change and the balance loss (when on)."""
+    layers = moe_layers(model_parts)
+    if not layers:
+        return {}
+    counts = torch.stack([m.tokens_per_expert for _, m in layers])  # [layers, E]
+    if group is not None:
+        dist.all_reduce(counts, group=group)
+    mean = counts.mean(dim=1, keepdim=True)
+    ratio = (counts.max(dim=1).values / mean.squeeze(1).clamp(min=1e-9)).tolist()
+    metrics = {
+        f"moe_load_max_over_mean/{name}": r for (name, _), r in zip(layers, ratio, strict=True)
+    }
+    metrics["moe_load_max_over_mean"] = sum(ratio) / len(ratio)
+    changes = []
+    for (_, m), c in zip(layers, counts, strict=True):
+        coeff = m.args.load_balance_coeff
+        if coeff > 0:
+            delta = coeff * torch.sign(mean.new_tensor(float(c.mean())) - c)
+            m.expert_bias += delta
+            changes.append(float(delta.abs().mean()))
+        m.tokens_per_expert.zero_()
+    if changes:
+        metrics["moe_bias_update"] = sum(changes) / len(changes)
+    aux = [m.aux_loss for _, m in layers if m.aux_loss is not None]
+    if aux:
+        metrics["moe_aux_loss"] = float(torch.stack(aux).sum())
+    return metrics

@@ -1,0 +1,50 @@
+"""DeepSeek-V3 (multi-head latent attention, mixture of experts). Importing this package does
+not import torch; the model and its plans load when a run builds them."""
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.models.deepseek_v3 import config_registry
+from torchtitan.models.deepseek_v3.args import DeepSeekV3Args, check_parallel_degrees, flavors
+from torchtitan.models.deepseek_v3.pipeline import pipeline_deepseek_v3
+from torchtitan.models.spec import ModelSpec, lazy
+
+__all__ = ["DeepSeekV3Args", "config_registry", "flavors", "model_spec"]
+
+
+def validate(config, parallel_dims) -> None:
+    """Model-specific checks of a config against its parallel degrees (no torch import)."""
+    flavor = config.model.flavor
+    unsupported = {
+        "--parallelism.context_parallel_degree > 1": parallel_dims.cp > 1,
+        "--parallelism.data_parallel_replicate_degree > 1": parallel_dims.dp_replicate > 1,
+    }
+    for flag, given in unsupported.items():
+        if given:
+            raise ConfigError(
+                f"{flag} is not implemented for deepseek_v3 yet; train it with FSDP, TP, PP "
+                "and expert parallelism"
+            )
+    if config.moe.capacity_factor < 0 or config.moe.aux_loss_coeff < 0:
+        raise ConfigError("--moe.capacity_factor and --moe.aux_loss_coeff must be >= 0")
+    check_parallel_degrees(
+        flavors[flavor],
+        flavor=flavor,
+        tp=parallel_dims.tp,
+        ep=parallel_dims.ep,
+        sequence_parallel=config.parallelism.enable_sequence_parallel,
+        seq_len=config.training.seq_len,
+    )
+
+
+model_spec = ModelSpec(
+    name="deepseek_v3",
+    flavors=flavors,
+    config_registry=config_registry,
+    build_model=lazy("torchtitan.models.deepseek_v3.model:Transformer"),
+    parallelize=lazy("torchtitan.models.deepseek_v3.parallelize:parallelize_deepseek_v3"),
+    flops_per_token=DeepSeekV3Args.flops_per_token,
+    validate=validate,
+    pipeline=pipeline_deepseek_v3,
+    forward_keywords=("document_ids",),
+    has_experts=True,
+    after_optimizer_step=lazy("torchtitan.models.common.moe:update_expert_biases"),
+)

@@ -1,0 +1,149 @@
+"""How DeepSeek-V3 is parallelized: which modules each technique wraps. Plans only.
+
+Order: tensor parallel -> expert parallel -> activation checkpointing -> torch.compile ->
+data parallel (FSDP), for Llama 3's reasons (``models/llama3/parallelize.py``); expert
+parallelism shards the routed experts' weights before anything wraps the blocks, and FSDP
+shards the experts over the data-parallel ranks EP leaves (``efsdp``) before their blocks.
+"""
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.expert_parallel import apply_ep
+from torchtitan.distributed.fsdp import apply_fsdp, apply_fsdp_experts, mixed_precision_policy
+from torchtitan.distributed.tensor_parallel import SumGradients
+from torchtitan.models.spec import ParallelizeContext
+
+
+def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn.Module:
+    """Apply every technique ``context`` asks for to ``model`` (one model part)."""
+    dims, parallelism = context.parallel_dims, context.parallelism
+    experts = [b.moe.experts for b in model.layers.values() if b.moe_enabled]
+    if dims.tp_enabled:
+        apply_tp(
+            model,
+            dims.mesh("tp"),
+            loss_parallel=not parallelism.disable_loss_parallel,
+            sequence_parallel=parallelism.enable_sequence_parallel,
+        )
+    if dims.ep_enabled:
+        apply_ep(experts, dims.mesh("ep"))
+    apply_ac(model.layers, context.activation_checkpoint)
+    if context.compile.enable and "model" in context.compile.components:
+        # Routing has data-dependent shapes (rows per expert): only dense blocks compile.
+        dense = nn.ModuleDict({n: b for n, b in model.layers.items() if not _is_moe(b)})
+        apply_compile(dense, context.compile)
+        for name, block in dense.items():
+            model.layers[name] = block
+    if not dims.meshes_built:
+        return model
+    training = context.training
+    mp_policy = mixed_precision_policy(
+        training.mixed_precision_param, training.mixed_precision_reduce
+    )
+    if dims.dp_replicate_enabled:
+        raise NotImplementedError("HSDP is refused for MoE models by the config pre-flight")
+    if not dims.fsdp_enabled:
+        return model
+    reshard = parallelism.fsdp_reshard_after_forward
+    if experts:
+        expert_mesh = dims.mesh("efsdp") if dims.ep_enabled else dims.mesh("dp_shard_cp")
+        apply_fsdp_experts(
+            experts,
+            expert_mesh,
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard != "never",
+        )
+    return apply_fsdp(
+        model,
+        model.layers.values(),
+        dims.mesh("dp_shard_cp"),
+        mp_policy=mp_policy,
+        reshard_after_forward=reshard,
+        cpu_offload=training.enable_cpu_offload,
+    )
+
+
+def _is_moe(block: nn.Module) -> bool:
+    inner = getattr(block, "_checkpoint_wrapped_module", block)
+    return inner.moe_enabled
+
+
+def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, sequence_parallel: bool) -> None:
+    """Megatron-style TP on attention heads, dense FFNs and shared experts.
+
+    The latent projections (``wkv_a``, ``kv_norm``, and ``wq_a``, ``q_norm``) are small and
+    stay whole on every rank; ``wq``/``wq_b`` and ``wkv_b`` are column-parallel (each rank
+    computes its heads), ``wo`` row-parallel; the keys' shared RoPE part has its gradient
+    summed over the ranks (each uses it for its own heads only). The routed experts and the router run on every
+    TP rank on the whole (replicated) input: expert parallelism, not TP, splits them.
+    """
+    between = Shard(1) if sequence_parallel else Replicate()
+    top_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "output": ColwiseParallel(
+            input_layouts=between,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    if sequence_parallel:
+        top_plan["norm"] = SequenceParallel()
+    top_plan = {name: style for name, style in top_plan.items() if getattr(model, name) is not None}
+    parallelize_module(model, tp_mesh, top_plan)
+
+    for block in model.layers.values():
+        attention = block.attention
+        plan = {
+            # Plain replicated tensors inside attention: the whole-input latent projections
+            # run as ordinary modules; the column-parallel ones take them as Replicate.
+            "attention": PrepareModuleInput(
+                input_layouts=(between, None, None),
+                desired_input_layouts=(Replicate(), None, None),
+                use_local_output=True,
+            ),
+            "attention.wkv_b": ColwiseParallel(),
+            # Each rank's heads use all of the shared RoPE key: sum its gradient.
+            "attention.shared_key": SumGradients(),
+            "attention.wo": RowwiseParallel(output_layouts=between),
+        }
+        if attention.wq is not None:
+            plan["attention.wq"] = ColwiseParallel()
+        else:
+            plan["attention.wq_b"] = ColwiseParallel()
+        if block.moe_enabled:
+            # The layer runs on a plain replicated tensor and returns one: cut back to this
+            # rank's part of the residual stream (its sequence shard under SP) after it.
+            plan["moe"] = PrepareModuleInputOutput(
+                input_layouts=(between,),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(between,),
+                use_local_output=True,
+            )
+            if block.moe.shared_experts is not None:
+                plan["moe.shared_experts.w1"] = ColwiseParallel()
+                plan["moe.shared_experts.w2"] = RowwiseParallel(output_layouts=Replicate())
+                plan["moe.shared_experts.w3"] = ColwiseParallel()
+        else:
+            plan["feed_forward"] = PrepareModuleInput(
+                input_layouts=(between,), desired_input_layouts=(Replicate(),)
+            )
+            plan["feed_forward.w1"] = ColwiseParallel()
+            plan["feed_forward.w2"] = RowwiseParallel(output_layouts=between)
+            plan["feed_forward.w3"] = ColwiseParallel()
+        if sequence_parallel:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        parallelize_module(block, tp_mesh, plan)
