@@ -98,7 +98,8 @@ def _probe_step(trainer: Trainer, depth: int | None) -> tuple[dict[str, dict[str
     config = trainer.config
     args = trainer.model_args
     if depth is not None:
-        args = dataclasses.replace(args, n_layers=depth)
+        with_depth = getattr(args, "with_depth", None)  # a family whose blocks differ
+        args = with_depth(depth) if with_depth else dataclasses.replace(args, n_layers=depth)
     # Inductor cannot trace fake tensors of an outer fake mode; compiled runs usually need
     # somewhat less activation memory than this estimate.
     context = dataclasses.replace(

@@ -354,7 +354,8 @@ class Trainer:
         self.lr_schedulers.step()
         if self.model_spec.after_optimizer_step is not None:
             group = self.loss_mesh.get_group() if self.loss_mesh is not None else None
-            self.model_metrics = self.model_spec.after_optimizer_step(self.model_parts, group)
+            pp = self.pp_mesh.get_group() if self.pp_mesh is not None else None
+            self.model_metrics = self.model_spec.after_optimizer_step(self.model_parts, group, pp)
         return result
 
     def close(self) -> None:

@@ -15,9 +15,11 @@ GiB = 2**30
 pytestmark = pytest.mark.integration
 
 
-def _dry_run(tmp_path, config: str, ngpu: int, *flags: str, rank: int | None = None):
+def _dry_run(
+    tmp_path, config: str, ngpu: int, *flags: str, rank: int | None = None, **extra_env: str
+):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env |= {"PYTHON": sys.executable, "NGPU": str(ngpu), "CONFIG": config}
+    env |= {"PYTHON": sys.executable, "NGPU": str(ngpu), "CONFIG": config} | extra_env
     env |= {"COMM_MODE": "fake_backend", "OMP_NUM_THREADS": "2"}
     if rank is not None:
         env["RANK"] = str(rank)
@@ -183,3 +185,21 @@ def test_pipeline_memory_estimate_matches_a_real_runs_memory_timeline(tmp_path):
         why = f"rank {rank}: estimated {estimated}, measured {measured_activations, measured_peak}"
         assert estimated[0] == pytest.approx(measured_activations, rel=0.15), why
         assert estimated[1] == pytest.approx(measured_peak, rel=0.15), why
+
+
+def test_deepseek_v3_671b_with_expert_parallelism_estimates_on_one_cpu_process(tmp_path):
+    """256 simulated ranks, EP 8 over FSDP 256: every rank holds 32 of each layer's 256
+    experts, sharded again over the 32 ranks of its expert-FSDP group; the rest of the model
+    over all 256. Shallow copies of MoE blocks give the activation estimate."""
+    env = {"MODULE": "deepseek_v3"}
+    result = _dry_run(
+        tmp_path, "deepseek_v3_671b", 256, "--parallelism.expert_parallel_degree", "8", **env
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert "671,026,404,352 parameters" in out
+    assert "dp_shard=256, cp=1, tp=1, pp=1, ep=8" in out
+    expected = 671_026_404_352 * 4 / 256 / GiB
+    assert _gib(out, "parameters") == pytest.approx(expected, rel=0.01)
+    assert _gib(out, "optimizer state") == pytest.approx(2 * expected, rel=0.01)
+    assert _gib(out, "Activation") > 0.1

@@ -203,9 +203,19 @@ CASES = {
         "--moe.experts_impl loop",
     ),
     "moe_tp2": (2, f"{MOE} --training.local_batch_size 8 --parallelism.tensor_parallel_degree 2"),
+    "moe_pp2": (
+        2,
+        f"{MOE} --training.local_batch_size 8 --parallelism.pipeline_parallel_degree 2 "
+        "--parallelism.pipeline_parallel_microbatch_size 2",
+    ),
     "moe_ep2_fsdp2": (
         4,
         f"{MOE} --training.local_batch_size 2 --parallelism.expert_parallel_degree 2",
+    ),
+    "moe_hsdp2x2_ep2": (
+        4,
+        f"{MOE} --training.local_batch_size 2 --parallelism.expert_parallel_degree 2 "
+        "--parallelism.data_parallel_replicate_degree 2",
     ),
     "moe_ep2_tp2": (
         4,

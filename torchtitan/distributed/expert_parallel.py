@@ -25,8 +25,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
+
+from torchtitan.distributed.utils import values_are_real
 
 
 def apply_ep(experts_modules: list[nn.Module], ep_mesh: DeviceMesh) -> None:
@@ -56,11 +59,16 @@ class _Dispatcher:
         num_experts = counts.shape[0]
         local = num_experts // ep
         # 1. How many rows each peer sends to each of this rank's experts: [ep, local].
-        received_counts = torch.empty_like(counts)
-        dist.all_to_all_single(received_counts, counts.contiguous(), group=group)
-        received_counts = received_counts.view(ep, local)
-        send_splits = counts.view(ep, local).sum(dim=1).tolist()
-        recv_splits = received_counts.sum(dim=1).tolist()
+        if isinstance(rows, FakeTensor) or rows.device.type == "meta" or not values_are_real():
+            # Dry runs: no values to exchange; every rank sends and receives alike.
+            received_counts = counts.view(ep, local)
+            send_splits = recv_splits = _even_splits(rows.shape[0], ep)
+        else:
+            received_counts = torch.empty_like(counts)
+            dist.all_to_all_single(received_counts, counts.contiguous(), group=group)
+            received_counts = received_counts.view(ep, local)
+            send_splits = counts.view(ep, local).sum(dim=1).tolist()
+            recv_splits = received_counts.sum(dim=1).tolist()
         # 2. The rows themselves.
         received = funcol.all_to_all_single_autograd(rows, recv_splits, send_splits, group)
         # 3. Ordered by (source, expert): regroup by (expert, source).
@@ -80,3 +88,7 @@ class _Dispatcher:
 
         handle = module.register_forward_hook(combine)
         return received[regroup], received_counts.sum(dim=0)
+
+
+def _even_splits(rows: int, parts: int) -> list[int]:
+    return [rows // parts + (i < rows % parts) for i in range(parts)]

@@ -13,7 +13,8 @@ from ``ParallelDims.mesh(name)`` once ``build_mesh`` has run:
 
 With expert parallelism a second mesh over the same ranks splits ``dp_shard`` into
 ``efsdp x ep`` (``ep`` innermost): ``ep``, the ranks that split each MoE layer's experts;
-``efsdp``, the ranks FSDP shards the experts over.
+``efsdp``, the ranks FSDP shards the experts over (``mesh("dp_replicate", "efsdp")`` for
+HSDP).
 """
 
 import dataclasses
@@ -197,7 +198,7 @@ class ParallelDims:
                 (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp),
                 mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "cp", "tp"),
             )
-            self._meshes |= {"ep": experts["ep"], "efsdp": experts["efsdp"]}
+            self._meshes |= {"experts": experts, "ep": experts["ep"], "efsdp": experts["efsdp"]}
         return mesh
 
     @property
@@ -212,6 +213,8 @@ class ParallelDims:
             raise RuntimeError("ParallelDims.mesh() needs build_mesh() first")
         if len(names) == 1 and names[0] in self._meshes:
             return self._meshes[names[0]]
+        if "ep" in names or "efsdp" in names:  # e.g. ("dp_replicate", "efsdp"): HSDP of experts
+            return self._meshes["experts"][names]
         if names == ("dp_replicate", "dp_shard_cp") and self.cp == 1:
             names = ("dp_replicate", "dp_shard")  # the same ranks while cp is 1
         elif names == ("dp_replicate", "dp_shard_cp"):

@@ -188,8 +188,8 @@ def test_parameter_count_matches_the_built_debug_model():
         ),
         (
             "deepseek_v3",
-            ["--parallelism.data_parallel_replicate_degree", "2"],
-            "--parallelism.data_parallel_replicate_degree > 1 is not implemented for deepseek_v3",
+            ["--parallelism.fsdp_impl", "simple"],
+            "--parallelism.fsdp_impl simple is not implemented for deepseek_v3",
         ),
         (
             "deepseek_v3",

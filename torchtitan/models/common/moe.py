@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 
 from torchtitan.models.common.feed_forward import FeedForward
@@ -95,6 +96,11 @@ class GroupedExperts(nn.Module):
         dtype = _compute_dtype(x)
         x = x.to(dtype)
         weights = [w.to(dtype) for w in weights]
+        if _no_values(x) and dtype != torch.bfloat16:
+            # Shapes only (dry runs, pipeline shape inference): the grouped GEMM's meta kernel
+            # takes bf16 only and the loop needs values; one expert gives the same shapes.
+            w1, w2, w3 = (w[0] for w in weights)
+            return (F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
         if self.uses_grouped_mm(dtype):
             return _grouped_mm_experts(x, counts, *weights)
         return _loop_experts(x, counts, *weights)
@@ -127,7 +133,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype matmuls run in here: autocast's where it is on (the grouped GEMM is not an
     autocast op), else the input's."""
     device = x.device.type
-    if torch.is_autocast_enabled(device):
+    if device != "meta" and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return x.dtype
 
@@ -154,7 +160,10 @@ def _grouped_mm_experts(
     dest = torch.arange(x.shape[0], device=x.device) + torch.repeat_interleave(
         shift, counts, output_size=x.shape[0]
     )
-    total = int(ends[-1]) if len(ends) else 0
+    if _no_values(x):  # shapes only (dry runs): the most padding there can be
+        total = x.shape[0] + (ALIGN_ROWS - 1) * counts.shape[0]
+    else:
+        total = int(ends[-1]) if len(ends) else 0
     padded = x.new_zeros(total, x.shape[1]).index_copy(0, dest, x)
     offs = ends.to(torch.int32)
     h = F.silu(torch._grouped_mm(padded, w1.transpose(-2, -1), offs=offs))
@@ -224,7 +233,12 @@ class MoE(nn.Module):
         bias = self.expert_bias if a.load_balance_coeff > 0 else None
         weights, indices, scores = self.router(flat, bias)
         routed = indices.flatten()  # [T * k]: token t's j-th choice at t * k + j
-        counts = torch.bincount(routed, minlength=a.num_experts)
+        if _no_values(routed):
+            # Fake or meta tensors (dry runs, pipeline shape inference) have shapes, not
+            # values: assume balanced routing.
+            counts = _balanced_counts(routed.shape[0], a.num_experts, routed.device)
+        else:
+            counts = torch.bincount(routed, minlength=a.num_experts)
         with torch.no_grad():
             self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
         order = routed.argsort(stable=True)  # routings grouped by expert, tokens in order
@@ -258,6 +272,19 @@ class MoE(nn.Module):
         with torch.no_grad():
             self.expert_bias.zero_()
             self.tokens_per_expert.zero_()
+
+
+def _no_values(t: torch.Tensor) -> bool:
+    """Fake or meta tensors: shapes without values."""
+    return isinstance(t, FakeTensor) or t.device.type == "meta"
+
+
+def _balanced_counts(rows: int, num_experts: int, device: torch.device) -> torch.Tensor:
+    """``rows`` spread as evenly as possible over the experts (a plain tensor)."""
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        counts = torch.full((num_experts,), rows // num_experts, dtype=torch.int64)
+        counts[: rows % num_experts] += 1
+    return counts.to(device)
 
 
 def _drop_over_capacity(
@@ -304,25 +331,24 @@ def moe_layers(model_parts: list[nn.Module]) -> list[tuple[str, MoE]]:
     ]
 
 
-def set_loss_scale(model_parts: list[nn.Module], scale: float) -> None:
-    """Tell every MoE layer the gradient weight of one token's loss for this step."""
-    for _, layer in moe_layers(model_parts):
-        layer.loss_scale = scale
-
-
 @torch.no_grad()
 def update_expert_biases(
-    model_parts: list[nn.Module], group: dist.ProcessGroup | None
+    model_parts: list[nn.Module],
+    group: dist.ProcessGroup | None,
+    pp_group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
     """After an optimizer step: sum every layer's token counts over ``group`` (the ranks that
     see different tokens), move each expert's bias by ``load_balance_coeff`` towards balance,
     reset the counts. Returns metrics: per layer the busiest expert's load over the mean
     (``moe_load_max_over_mean/<layer>``), their mean over layers, the mean absolute bias
-    change and the balance loss (when on)."""
+    change and the balance loss (when on). Under pipeline parallelism (``pp_group``) every
+    stage's layers are reported on every rank."""
     layers = moe_layers(model_parts)
     if not layers:
         return {}
     counts = torch.stack([m.tokens_per_expert for _, m in layers])  # [layers, E]
+    if _no_values(counts):  # a dry run's step on fake tensors: no values
+        return {}
     if group is not None:
         dist.all_reduce(counts, group=group)
     mean = counts.mean(dim=1, keepdim=True)
@@ -344,4 +370,22 @@ def update_expert_biases(
     aux = [m.aux_loss for _, m in layers if m.aux_loss is not None]
     if aux:
         metrics["moe_aux_loss"] = float(torch.stack(aux).sum())
+    if pp_group is not None:
+        metrics = _merge_stages(metrics, pp_group)
     return metrics
+
+
+def _merge_stages(metrics: dict[str, float], pp_group: dist.ProcessGroup) -> dict[str, float]:
+    """Every stage's per-layer metrics on every rank; means over all layers, summed balance
+    losses."""
+    stages: list[dict[str, float] | None] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(stages, metrics, group=pp_group)
+    merged = {k: v for stage in stages for k, v in stage.items() if "/" in k}
+    loads = [v for k, v in merged.items() if k.startswith("moe_load_max_over_mean/")]
+    if loads:
+        merged["moe_load_max_over_mean"] = sum(loads) / len(loads)
+    for key, reduce in (("moe_bias_update", "mean"), ("moe_aux_loss", "sum")):
+        values = [stage[key] for stage in stages if key in stage]
+        if values:
+            merged[key] = sum(values) / (len(values) if reduce == "mean" else 1)
+    return merged

@@ -14,14 +14,17 @@ def validate(config, parallel_dims) -> None:
     """Model-specific checks of a config against its parallel degrees (no torch import)."""
     flavor = config.model.flavor
     unsupported = {
+        # The ranks' routings differ, so their all-to-all sizes do: one process simulating
+        # every rank (which branches on values in Python) cannot take them.
+        "COMM_MODE=local_tensor": config.comm.mode == "local_tensor",
         "--parallelism.context_parallel_degree > 1": parallel_dims.cp > 1,
-        "--parallelism.data_parallel_replicate_degree > 1": parallel_dims.dp_replicate > 1,
+        "--parallelism.fsdp_impl simple": config.parallelism.fsdp_impl == "simple",
     }
     for flag, given in unsupported.items():
         if given:
             raise ConfigError(
-                f"{flag} is not implemented for deepseek_v3 yet; train it with FSDP, TP, PP "
-                "and expert parallelism"
+                f"{flag} is not implemented for deepseek_v3 yet; train it with FSDP/HSDP, TP, "
+                "PP and expert parallelism"
             )
     if config.moe.capacity_factor < 0 or config.moe.aux_loss_coeff < 0:
         raise ConfigError("--moe.capacity_factor and --moe.aux_loss_coeff must be >= 0")

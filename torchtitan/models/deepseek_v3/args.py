@@ -38,6 +38,13 @@ class DeepSeekV3Args:
     max_seq_len: int = 4096
     """RoPE table length; the trainer sets it to ``--training.seq_len``."""
 
+    def with_depth(self, n_layers: int) -> "DeepSeekV3Args":
+        """A shallow copy for the dry run's memory probes, which extrapolate from 1 and 2
+        identical blocks: MoE blocks only (per token a dense block's SwiGLU and an MoE
+        block's experts are about as wide: 18432 vs 8 x 2048 + 2048 for 671B); parameter
+        bytes are counted exactly on the full model."""
+        return dataclasses.replace(self, n_layers=n_layers, n_dense_layers=0)
+
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim

@@ -20,7 +20,12 @@ from torch.distributed.tensor.parallel import (
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.expert_parallel import apply_ep
-from torchtitan.distributed.fsdp import apply_fsdp, apply_fsdp_experts, mixed_precision_policy
+from torchtitan.distributed.fsdp import (
+    apply_fsdp,
+    apply_fsdp_experts,
+    apply_replicate,
+    mixed_precision_policy,
+)
 from torchtitan.distributed.tensor_parallel import SumGradients
 from torchtitan.models.spec import ParallelizeContext
 
@@ -51,23 +56,29 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
     mp_policy = mixed_precision_policy(
         training.mixed_precision_param, training.mixed_precision_reduce
     )
-    if dims.dp_replicate_enabled:
-        raise NotImplementedError("HSDP is refused for MoE models by the config pre-flight")
     if not dims.fsdp_enabled:
+        if dims.dp_replicate_enabled:  # replicated: experts are ordinary parameters
+            return apply_replicate(
+                model, model.layers.values(), dims.mesh("dp_replicate"), mp_policy=mp_policy
+            )
         return model
+    hsdp = dims.dp_replicate_enabled
     reshard = parallelism.fsdp_reshard_after_forward
     if experts:
-        expert_mesh = dims.mesh("efsdp") if dims.ep_enabled else dims.mesh("dp_shard_cp")
+        if dims.ep_enabled:
+            expert_mesh = dims.mesh("dp_replicate", "efsdp") if hsdp else dims.mesh("efsdp")
+        else:
+            expert_mesh = (
+                dims.mesh("dp_replicate", "dp_shard_cp") if hsdp else dims.mesh("dp_shard_cp")
+            )
         apply_fsdp_experts(
-            experts,
-            expert_mesh,
-            mp_policy=mp_policy,
-            reshard_after_forward=reshard != "never",
+            experts, expert_mesh, mp_policy=mp_policy, reshard_after_forward=reshard != "never"
         )
+    dense_mesh = dims.mesh("dp_replicate", "dp_shard_cp") if hsdp else dims.mesh("dp_shard_cp")
     return apply_fsdp(
         model,
         model.layers.values(),
-        dims.mesh("dp_shard_cp"),
+        dense_mesh,
         mp_policy=mp_policy,
         reshard_after_forward=reshard,
         cpu_offload=training.enable_cpu_offload,

@@ -2,8 +2,10 @@
 evens out the experts' loads. (Numerics against one process under EP, FSDP and TP:
 ``test_parallel_numerics.py``; resume under EP: ``test_checkpoint.py``.)"""
 
+import sys
+
 import pytest
-from launch import records, run_train
+from launch import REPO, records, run_train
 
 pytestmark = pytest.mark.integration
 
@@ -34,3 +36,22 @@ def test_the_debug_model_learns_and_bias_balancing_lowers_the_expert_load(tmp_pa
     assert balanced[-1]["moe_load_max_over_mean"] < 0.9 * without[-1]["moe_load_max_over_mean"]
     assert "moe_bias_update" in balanced[-1] and "moe_bias_update" not in without[-1]
     assert all(k in balanced[-1] for k in ("moe_load_max_over_mean/layers.1.moe",))
+    # The plot of both runs: one panel each, one line per MoE layer, the last points the
+    # logged values.
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(REPO / "scripts"))
+    import plot_moe_load
+
+    png = tmp_path / "load.png"
+    fig = plot_moe_load.plot(png, [tmp_path / "without", tmp_path / "balanced"], ["off", "on"])
+    assert png.stat().st_size > 10_000
+    for ax, run in zip(fig.axes, (without, balanced), strict=True):
+        lines = {
+            line.get_label(): line
+            for line in ax.get_lines()
+            if not line.get_label().startswith("_")
+        }
+        assert sorted(lines) == ["layers.1.moe", "layers.2.moe", "layers.3.moe"]
+        for layer, line in lines.items():
+            assert list(line.get_xdata()) == [r["step"] for r in run]
+            assert line.get_ydata()[-1] == run[-1][f"moe_load_max_over_mean/{layer}"]
