@@ -216,8 +216,9 @@ class Parallelism:
     piece (the last rank then does most of the attention work)."""
 
     expert_parallel_degree: int = 1
-    """Ranks that split each MoE layer's routed experts (``num_experts / ep`` each); borrowed
-    from dp_shard (must divide it; borrowing cp or tp ranks is not implemented yet)."""
+    """Ranks that split each MoE layer's routed experts (``num_experts / ep`` each): borrowed
+    from dp_shard, and with TP from the TP ranks first (then a multiple of the TP degree);
+    borrowing cp ranks is not implemented yet."""
 
 
 @dataclass

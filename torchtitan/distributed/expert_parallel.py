@@ -17,7 +17,8 @@ Works on any backend that has all-to-all (gloo, NCCL). Gradients of the expert w
 complete on their rank (every token that used an expert sent its rows there), so the experts
 module scales them by ``1 / ep`` (``weight_grad_scale``) and FSDP averages over the ranks
 that hold the same experts (``efsdp``): together the mean over every data-parallel rank, as
-for the rest of the model. (FSDP's own divide factor would need a reduce op gloo lacks.)
+for the rest of the model. With TP, the EP group spans the TP ranks: each routes its own
+sequence shard (``models/deepseek_v3/parallelize.py``), and the scale is ``tp / ep``. (FSDP's own divide factor would need a reduce op gloo lacks.)
 The experts module must have a ``weight_grad_scale`` attribute.
 """
 
@@ -32,16 +33,20 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torchtitan.distributed.utils import values_are_real
 
 
-def apply_ep(experts_modules: list[nn.Module], ep_mesh: DeviceMesh) -> None:
+def apply_ep(
+    experts_modules: list[nn.Module], ep_mesh: DeviceMesh, *, data_parallel_ranks: int
+) -> None:
     """Shard each module's parameters over ``ep_mesh`` along dim 0 (the experts) and route
-    its inputs and outputs through the all-to-alls (see the module docstring)."""
+    its inputs and outputs through the all-to-alls (see the module docstring).
+    ``data_parallel_ranks``: how many data-parallel ranks' tokens meet in one EP group (``ep``,
+    or ``ep / tp`` where the group spans TP ranks that each route a share of the same tokens)."""
     for experts in experts_modules:
         for name, param in list(experts.named_parameters(recurse=False)):
             sharded = nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)]))
             experts.register_parameter(name, sharded)
-        # An expert's gradient sums the tokens of every EP rank; data-parallel averaging
-        # (FSDP over the ranks left) divides by the others only.
-        experts.weight_grad_scale = 1 / ep_mesh.size()
+        # An expert's gradient sums the tokens of every data-parallel rank of the EP group;
+        # data-parallel averaging (FSDP over the ranks left) divides by the others only.
+        experts.weight_grad_scale = 1 / data_parallel_ranks
         experts.register_forward_pre_hook(_Dispatcher(ep_mesh).dispatch)
 
 

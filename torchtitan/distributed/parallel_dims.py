@@ -12,7 +12,8 @@ from ``ParallelDims.mesh(name)`` once ``build_mesh`` has run:
 - ``dp_cp``: ``dp_replicate x dp_shard x cp`` -- ranks the loss is averaged over.
 
 With expert parallelism a second mesh over the same ranks splits ``dp_shard`` into
-``efsdp x ep`` (``ep`` innermost): ``ep``, the ranks that split each MoE layer's experts;
+``efsdp x ep`` (``ep`` innermost; with TP on, ``ep`` also spans the TP ranks, innermost of
+all): ``ep``, the ranks that split each MoE layer's experts;
 ``efsdp``, the ranks FSDP shards the experts over (``mesh("dp_replicate", "efsdp")`` for
 HSDP).
 """
@@ -102,12 +103,22 @@ class ParallelDims:
                     f"{_FLAG}expert_parallel_degree={self.ep} must divide dp_shard x cp x tp = "
                     f"{borrowed}: experts borrow their ranks from those dimensions"
                 )
-            if self.dp_shard % self.ep:
+            if self.tp > 1:
+                # Experts take the TP ranks first (each TP rank then routes its own sequence
+                # shard), then dp_shard ranks.
+                if self.ep % self.tp or self.dp_shard % (self.ep // self.tp) or self.cp > 1:
+                    raise ParallelDimsError(
+                        f"{_FLAG}expert_parallel_degree={self.ep} with tensor_parallel_degree="
+                        f"{self.tp}: expert parallelism spans the TP ranks, so it must be a "
+                        f"multiple of {self.tp} whose quotient divides data_parallel_shard_degree"
+                        f"={self.dp_shard}, with context_parallel_degree 1"
+                    )
+            elif self.dp_shard % self.ep:
                 raise ParallelDimsError(
                     f"{_FLAG}expert_parallel_degree={self.ep} must divide "
                     f"data_parallel_shard_degree={self.dp_shard}: experts borrow their ranks "
-                    "from dp_shard (borrowing context or tensor parallel ranks is not "
-                    "implemented yet)"
+                    "from dp_shard (and from TP ranks when TP is on; borrowing context parallel "
+                    "ranks is not implemented yet)"
                 )
 
     @property
@@ -141,6 +152,12 @@ class ParallelDims:
     @property
     def ep_enabled(self) -> bool:
         return self.ep > 1
+
+    @property
+    def ep_data_parallel(self) -> int:
+        """The data-parallel (dp_shard) ranks in one expert-parallel group: ``ep``, or
+        ``ep / tp`` where the group spans the TP ranks."""
+        return self.ep // self.tp if self.tp > 1 else self.ep
 
     @property
     def dp_degree(self) -> int:
@@ -192,11 +209,15 @@ class ParallelDims:
             "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
         }
         if self.ep > 1:
-            # The same ranks in the same order, dp_shard split as efsdp x ep.
+            # The same ranks in the same order, dp_shard split as efsdp x ep (x tp: with TP
+            # on, cp is 1 and the TP ranks are the innermost part of ep).
+            efsdp = self.dp_shard // self.ep_data_parallel
+            if self.tp > 1:
+                shape, names = (self.pp, self.dp_replicate, efsdp, self.ep), ("ep",)
+            else:
+                shape, names = (self.pp, self.dp_replicate, efsdp, self.ep, self.cp), ("ep", "cp")
             experts = init_device_mesh(
-                device_type,
-                (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp),
-                mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "cp", "tp"),
+                device_type, shape, mesh_dim_names=("pp", "dp_replicate", "efsdp", *names)
             )
             self._meshes |= {"experts": experts, "ep": experts["ep"], "efsdp": experts["efsdp"]}
         return mesh

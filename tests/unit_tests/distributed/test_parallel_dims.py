@@ -85,3 +85,30 @@ def test_build_mesh_names_and_flattened_dims():
         assert mesh["tp"].mesh.tolist() == [0, 1]
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("degrees", "ep_ranks", "efsdp_ranks", "ep_data_parallel"),
+    [
+        # EP inside dp_shard: rank 0's expert group is its dp_shard neighbours.
+        ({"dp_shard": 8, "ep": 2}, [0, 1], [0, 2, 4, 6], 2),
+        # With TP, EP takes the TP ranks first (innermost), then dp_shard ranks.
+        ({"dp_shard": 4, "tp": 2, "ep": 4}, [0, 1, 2, 3], [0, 4], 2),
+        ({"dp_shard": 2, "tp": 2, "ep": 2, "dp_replicate": 2}, [0, 1], [0, 2], 1),
+    ],
+)
+def test_expert_meshes_split_dp_shard_and_take_tp_ranks_first(
+    degrees, ep_ranks, efsdp_ranks, ep_data_parallel
+):
+    world = 8
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        dims = _dims(world, **degrees)
+        dims.build_mesh("cpu")
+        assert dims.mesh("ep").mesh.tolist() == ep_ranks
+        assert dims.mesh("efsdp").mesh.tolist() == efsdp_ranks
+        assert dims.ep_data_parallel == ep_data_parallel
+        if dims.dp_replicate > 1:
+            assert dims.mesh("dp_replicate", "efsdp").shape == (2, len(efsdp_ranks))
+    finally:
+        dist.destroy_process_group()

@@ -159,53 +159,70 @@ def test_parameter_count_matches_the_built_debug_model():
 
 
 @pytest.mark.parametrize(
-    ("module", "flags", "expected"),
+    ("module", "world", "flags", "expected"),
     [
         (
             "deepseek_v3",
-            [
-                "--parallelism.expert_parallel_degree",
-                "3",
-                "--parallelism.data_parallel_shard_degree",
-                "3",
-            ],
+            3,
+            ["--parallelism.expert_parallel_degree", "3"],
             "--parallelism.expert_parallel_degree=3 does not divide num_experts=8",
         ),
         (
             "deepseek_v3",
-            [
-                "--parallelism.expert_parallel_degree",
-                "2",
-                "--parallelism.tensor_parallel_degree",
-                "2",
-            ],
-            "must divide data_parallel_shard_degree=1",
-        ),
-        (
-            "llama3",
-            ["--parallelism.expert_parallel_degree", "2"],
-            "model llama3 has no experts",
+            4,
+            ["--parallelism.expert_parallel_degree", "3", "--parallelism.tensor_parallel_degree", "2"],
+            "expert_parallel_degree=3 must divide dp_shard x cp x tp = 4",
         ),
         (
             "deepseek_v3",
+            8,
+            ["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "4"],
+            "expert parallelism spans the TP ranks, so it must be a multiple of 4",
+        ),
+        (
+            "deepseek_v3",
+            4,
+            [
+                "--parallelism.expert_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
+                "2", "--parallelism.data_parallel_replicate_degree", "2",
+                "--parallelism.tensor_parallel_degree", "1", "--parallelism.context_parallel_degree", "1",
+            ],
+            None,
+        ),
+        (
+            "deepseek_v3",
+            4,
+            [
+                "--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree",
+                "2", "--parallelism.no_enable_sequence_parallel",
+            ],
+            "--parallelism.no_enable_sequence_parallel with expert and tensor parallelism",
+        ),
+        ("llama3", 2, ["--parallelism.expert_parallel_degree", "2"], "model llama3 has no experts"),
+        (
+            "deepseek_v3",
+            2,
             ["--parallelism.fsdp_impl", "simple"],
             "--parallelism.fsdp_impl simple is not implemented for deepseek_v3",
         ),
         (
             "deepseek_v3",
+            2,
             ["--parallelism.context_parallel_degree", "2"],
             "model deepseek_v3 does not support context parallelism",
         ),
     ],
-)
-def test_bad_expert_layouts_are_refused_before_any_rank_starts(module, flags, expected):
-    world = "3" if "3" in flags else "2"
-    config = f"{module}_debugmodel"
+)  # fmt: skip
+def test_bad_expert_layouts_are_refused_before_any_rank_starts(module, world, flags, expected):
+    """One line, exit 2, before any rank starts (``expected`` None: a valid layout, exit 0)."""
     result = subprocess.run(
         [sys.executable, "-m", "torchtitan.config.manager", "--check", "--module", module,
-         "--config", config, *flags],
-        cwd=REPO, env=os.environ | {"WORLD_SIZE": world}, capture_output=True, text=True,
+         "--config", f"{module}_debugmodel", *flags],
+        cwd=REPO, env=os.environ | {"WORLD_SIZE": str(world)}, capture_output=True, text=True,
     )  # fmt: skip
+    if expected is None:
+        assert result.returncode == 0, result.stderr
+        return
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], result.stderr

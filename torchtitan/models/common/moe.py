@@ -225,6 +225,9 @@ class MoE(nn.Module):
         balance loss is weighted like the tokens it was computed on)."""
         self.aux_loss: torch.Tensor | None = None
         """The last forward's balance loss (detached), for metrics."""
+        self.token_split_mesh = None
+        """Set by a tensor-parallel plan that gives each TP rank its own share of the tokens
+        (a sequence shard): the token counts are then summed over it too."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.args
@@ -257,11 +260,17 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         if a.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
+            split = self.token_split_mesh
+            group = split.get_group() if split is not None else None
             aux = a.aux_loss_coeff * sequence_balance_loss(
-                scores.view(bs, seq, -1), indices.view(bs, seq, -1)
+                scores.view(bs, seq, -1), indices.view(bs, seq, -1), group=group
             )
-            self.aux_loss = aux.detach()
-            out = _AddAuxLoss.apply(out, aux, self.loss_scale * flat.shape[0])
+            # Weighted like the tokens it covers: the whole sequences when split over ranks.
+            tokens = flat.shape[0] * (split.size() if split is not None else 1)
+            out = _AddAuxLoss.apply(out, aux, self.loss_scale * tokens)
+            self.aux_loss = aux.detach().clone()
+            if group is not None:  # each rank holds its shard's share of the loss
+                dist.all_reduce(self.aux_loss, group=group)
         return out.view(bs, seq, dim)
 
     def init_weights(self, init_std: float, buffer_device: torch.device | None = None) -> None:
@@ -310,17 +319,27 @@ def _drop_over_capacity(
     return kept, counts.clamp(max=capacity), weights * keep
 
 
-def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+def sequence_balance_loss(
+    scores: torch.Tensor, indices: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss, averaged over sequences: per sequence,
     ``sum_e f_e * P_e`` with ``f_e`` the share of routings expert ``e`` got, times ``E / k``
     (1 when balanced), and ``P_e`` its mean normalised score. ``scores [bs, seq, E]``,
-    ``indices [bs, seq, k]``."""
+    ``indices [bs, seq, k]``.
+
+    With ``group``, each rank holds a shard of every sequence (``seq`` of them): the routing
+    shares are summed over the group, and this rank returns its shard's part of the loss (the
+    parts sum to the loss of the whole sequences)."""
     bs, seq, num_experts = scores.shape
     k = indices.shape[-1]
     picks = torch.zeros(bs, num_experts, device=scores.device)
     picks.scatter_add_(1, indices.reshape(bs, -1), torch.ones(bs, seq * k, device=scores.device))
-    f = picks * num_experts / (k * seq)
-    p = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=1)
+    full_seq = seq
+    if group is not None:
+        dist.all_reduce(picks, group=group)
+        full_seq = seq * dist.get_world_size(group)
+    f = picks * num_experts / (k * full_seq)
+    p = (scores / scores.sum(dim=-1, keepdim=True)).sum(dim=1) / full_seq
     return (f * p).sum(dim=1).mean()
 
 
@@ -349,6 +368,9 @@ def update_expert_biases(
     counts = torch.stack([m.tokens_per_expert for _, m in layers])  # [layers, E]
     if _no_values(counts):  # a dry run's step on fake tensors: no values
         return {}
+    split = layers[0][1].token_split_mesh
+    if split is not None:  # every TP rank routed its own sequence shard
+        dist.all_reduce(counts, group=split.get_group())
     if group is not None:
         dist.all_reduce(counts, group=group)
     mean = counts.mean(dim=1, keepdim=True)

@@ -26,6 +26,13 @@ def validate(config, parallel_dims) -> None:
                 f"{flag} is not implemented for deepseek_v3 yet; train it with FSDP/HSDP, TP, "
                 "PP and expert parallelism"
             )
+    if parallel_dims.ep > 1 and parallel_dims.tp > 1:
+        if not config.parallelism.enable_sequence_parallel:
+            raise ConfigError(
+                "--parallelism.no_enable_sequence_parallel with expert and tensor parallelism: "
+                "experts span the TP ranks, each routing its own sequence shard; keep sequence "
+                "parallelism on, or use --parallelism.expert_parallel_degree 1"
+            )
     if config.moe.capacity_factor < 0 or config.moe.aux_loss_coeff < 0:
         raise ConfigError("--moe.capacity_factor and --moe.aux_loss_coeff must be >= 0")
     check_parallel_degrees(

@@ -40,9 +40,10 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
             dims.mesh("tp"),
             loss_parallel=not parallelism.disable_loss_parallel,
             sequence_parallel=parallelism.enable_sequence_parallel,
+            split_tokens=dims.ep_enabled,
         )
     if dims.ep_enabled:
-        apply_ep(experts, dims.mesh("ep"))
+        apply_ep(experts, dims.mesh("ep"), data_parallel_ranks=dims.ep_data_parallel)
     apply_ac(model.layers, context.activation_checkpoint)
     if context.compile.enable and "model" in context.compile.components:
         # Routing has data-dependent shapes (rows per expert): only dense blocks compile.
@@ -90,14 +91,27 @@ def _is_moe(block: nn.Module) -> bool:
     return inner.moe_enabled
 
 
-def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, sequence_parallel: bool) -> None:
+def apply_tp(
+    model: nn.Module,
+    tp_mesh,
+    *,
+    loss_parallel: bool,
+    sequence_parallel: bool,
+    split_tokens: bool = False,
+) -> None:
     """Megatron-style TP on attention heads, dense FFNs and shared experts.
 
     The latent projections (``wkv_a``, ``kv_norm``, and ``wq_a``, ``q_norm``) are small and
     stay whole on every rank; ``wq``/``wq_b`` and ``wkv_b`` are column-parallel (each rank
     computes its heads), ``wo`` row-parallel; the keys' shared RoPE part has its gradient
-    summed over the ranks (each uses it for its own heads only). The routed experts and the router run on every
-    TP rank on the whole (replicated) input: expert parallelism, not TP, splits them.
+    summed over the ranks (each uses it for its own heads only).
+
+    Mixture-of-experts layers: without ``split_tokens`` the router and the routed experts run
+    on the whole (replicated) tokens on every TP rank, and the shared experts are split like a
+    dense FFN. With ``split_tokens`` (expert parallelism spans the TP ranks; needs sequence
+    parallelism) each TP rank routes its own sequence shard: the router's gate and the shared
+    experts are replicated weights on sharded tokens (torch's ``SequenceParallel``, gradients
+    summed over the ranks), the routed experts are split by expert parallelism.
     """
     between = Shard(1) if sequence_parallel else Replicate()
     top_plan = {
@@ -132,7 +146,18 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, sequence_paralle
             plan["attention.wq"] = ColwiseParallel()
         else:
             plan["attention.wq_b"] = ColwiseParallel()
-        if block.moe_enabled:
+        if block.moe_enabled and split_tokens:
+            plan["moe"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
+            )
+            plan["moe.router.gate"] = SequenceParallel(sequence_dim=0, use_local_output=True)
+            if block.moe.shared_experts is not None:  # (the style takes leaf modules only)
+                for name in ("w1", "w2", "w3"):
+                    plan[f"moe.shared_experts.{name}"] = SequenceParallel(
+                        sequence_dim=0, use_local_output=True
+                    )
+            block.moe.token_split_mesh = tp_mesh
+        elif block.moe_enabled:
             # The layer runs on a plain replicated tensor and returns one: cut back to this
             # rank's part of the residual stream (its sequence shard under SP) after it.
             plan["moe"] = PrepareModuleInputOutput(
