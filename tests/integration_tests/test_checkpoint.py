@@ -429,39 +429,47 @@ def test_fsdp_checkpoint_reshards_onto_other_layouts(tmp_path, fsdp_uninterrupte
             )
 
 
-def test_expert_parallel_resume_is_bitwise_exact_and_loads_in_one_process(tmp_path):
-    """DeepSeek-V3 debug model, EP 2 (2 ranks, each holding 4 of 8 experts per layer): a run
-    resumed from step 4 ends bitwise like the uninterrupted one, expert biases included; the
-    step-4 checkpoint (experts saved under their global names) trains on in one process with
-    the same losses up to summation order."""
+def test_expert_parallel_resume_is_bitwise_exact_and_reshards_to_one_process_and_back(tmp_path):
+    """DeepSeek-V3 debug model, EP 2 x FSDP 2 (4 ranks; each holds 4 of 8 experts per layer,
+    sharded over 2): a run resumed from step 4 ends bitwise like the uninterrupted one, expert
+    biases included; its step-4 checkpoint (experts under their global names) trains on in
+    one process, and that run's step-6 checkpoint back under EP 2 x FSDP 2, with the same
+    losses up to summation order and the same expert biases."""
     moe = [
         "--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel",
         "--moe.load_balance_coeff", "0.01", "--checkpoint.interval", "2",
         "--training.steps", "8", *BY_ROW,
     ]  # fmt: skip
-    ep = ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4"]
-    full, resumed, one = tmp_path / "full", tmp_path / "resumed", tmp_path / "one"
-    result = _run_train(full, *moe, *ep, ngpu=2)
-    assert result.returncode == 0, result.stderr[-3000:]
+    ep = ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"]
+    full, resumed, one, back = (tmp_path / n for n in ("full", "resumed", "one", "back"))
+
+    def run(dump: Path, *flags: str, ngpu: int) -> None:
+        result = _run_train(dump, *moe, *flags, ngpu=ngpu)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    run(full, *ep, ngpu=4)
     assert _steps(full) == ["step-2", "step-4", "step-6", "step-8"]
     for dump in (resumed, one):
         _copy_step(full, 4, dump)
-    result = _run_train(resumed, *moe, *ep, ngpu=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    result = _run_train(one, *moe, "--training.local_batch_size", "8", ngpu=1)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run(resumed, *ep, ngpu=4)
+    run(one, "--training.local_batch_size", "8", ngpu=1)
+    _copy_step(one, 6, back)
+    run(back, *ep, ngpu=4)
     want, got = _losses(full), _losses(resumed)
     assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]
     final, reference = (_weights(d / "checkpoint" / "step-8") for d in (resumed, full))
     assert reference["model.layers.1.moe.experts.w1"].shape[0] == 8  # global, not a shard
-    bias = reference["model.layers.1.moe.expert_bias"]
-    assert bias.abs().sum() > 0  # the balancing moved it, and it was saved
+    assert reference["model.layers.1.moe.expert_bias"].abs().sum() > 0  # moved, and saved
     assert all(torch.equal(final[k], t) for k, t in reference.items())
-    plain = _losses(one)
+    plain, returned = _losses(one), _losses(back)
     assert [plain[s] for s in range(5, 9)] == pytest.approx(
         [want[s] for s in range(5, 9)], rel=1e-5
     )
-    biases_one = _weights(one / "checkpoint" / "step-8")
-    for key, tensor in reference.items():
-        if key.endswith("expert_bias"):  # the same routings, so the same counts and steps
-            assert torch.equal(biases_one[key], tensor), key
+    assert sorted(returned) == [7, 8]
+    assert [returned[s] for s in (7, 8)] == pytest.approx([plain[s] for s in (7, 8)], rel=1e-5)
+    # The same routings everywhere, so the same counts and bias steps.
+    for dump in (one, back):
+        biases = _weights(dump / "checkpoint" / "step-8")
+        for key, tensor in reference.items():
+            if key.endswith("expert_bias"):
+                assert torch.equal(biases[key], tensor), (dump.name, key)

@@ -203,10 +203,13 @@ CASES = {
         "--moe.experts_impl loop",
     ),
     "moe_tp2": (2, f"{MOE} --training.local_batch_size 8 --parallelism.tensor_parallel_degree 2"),
+    # The first stage holds only the dense block: it still joins the stages' metric gather.
     "moe_pp2": (
         2,
         f"{MOE} --training.local_batch_size 8 --parallelism.pipeline_parallel_degree 2 "
-        "--parallelism.pipeline_parallel_microbatch_size 2",
+        "--parallelism.pipeline_parallel_microbatch_size 2 "
+        "--parallelism.module_fqns_per_model_part tok_embeddings,layers.0 "
+        "layers.1,layers.2,layers.3,norm,output",
     ),
     "moe_ep2_fsdp2": (
         4,

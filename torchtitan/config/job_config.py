@@ -330,7 +330,8 @@ class MoE:
 
     capacity_factor: float = 0.0
     """Drop routings beyond ``capacity_factor x tokens x top_k / num_experts`` per expert in
-    each batch (lowest scores first); 0 never drops a token."""
+    each forward of a rank (a micro-batch; before expert parallelism's exchange), the lowest
+    route weights first; 0 never drops a token."""
 
     experts_impl: Literal["auto", "grouped_mm", "loop"] = "auto"
     """How experts compute: ``grouped_mm`` (one ``torch._grouped_mm`` over every expert's

@@ -56,6 +56,7 @@ class _Dispatcher:
 
     def __init__(self, mesh: DeviceMesh):
         self.mesh = mesh
+        self._combine = None  # the pending forward hook of the current call
 
     def dispatch(self, module: nn.Module, inputs: tuple) -> tuple:
         rows, counts = inputs
@@ -83,15 +84,17 @@ class _Dispatcher:
             segment_key.flatten(), received_counts.flatten(), output_size=received.shape[0]
         )
         regroup = row_key.argsort(stable=True)
-        handle = None
 
         def combine(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
-            handle.remove()
+            self._combine.remove()
+            self._combine = None
             # 4. Back in (source, expert) order, then to the senders.
             ungrouped = torch.empty_like(output).index_copy(0, regroup, output)
             return funcol.all_to_all_single_autograd(ungrouped, send_splits, recv_splits, group)
 
-        handle = module.register_forward_hook(combine)
+        if self._combine is not None:  # a previous forward raised before its hook ran
+            self._combine.remove()
+        self._combine = module.register_forward_hook(combine)
         return received[regroup], received_counts.sum(dim=0)
 
 

@@ -34,6 +34,19 @@ def mixed_precision_policy(param_dtype: str, reduce_dtype: str) -> MixedPrecisio
     )
 
 
+def _offload_policy(cpu_offload: bool) -> OffloadPolicy:
+    # Pinned memory needs an accelerator; plain host memory works everywhere.
+    return (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    )
+
+
+def _reshards(mode: str, *, last: bool) -> bool:
+    """``reshard_after_forward`` of one unit: the last block's parameters are needed again
+    right away by backward, so ``default`` keeps them."""
+    return mode == "always" or (mode == "default" and not last)
+
+
 def apply_fsdp(
     model: nn.Module,
     blocks: Iterable[nn.Module],
@@ -44,21 +57,15 @@ def apply_fsdp(
     cpu_offload: bool = False,
 ) -> nn.Module:
     """Shard ``blocks`` then ``model`` over ``mesh`` (1D: FSDP; 2D replicate x shard: HSDP)."""
-    offload: OffloadPolicy = OffloadPolicy()
-    if cpu_offload:
-        # Pinned memory needs an accelerator; plain host memory works everywhere.
-        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    reshard = reshard_after_forward != "never"
+    offload = _offload_policy(cpu_offload)
     blocks = list(blocks)
     for i, block in enumerate(blocks):
-        # The last block's parameters are needed again right away by backward: keep them.
-        last = i == len(blocks) - 1
         fully_shard(
             block,
             mesh=mesh,
             mp_policy=mp_policy,
             offload_policy=offload,
-            reshard_after_forward=reshard and not (last and reshard_after_forward == "default"),
+            reshard_after_forward=_reshards(reshard_after_forward, last=i == len(blocks) - 1),
         )
     fully_shard(
         model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=False
@@ -71,17 +78,21 @@ def apply_fsdp_experts(
     mesh: DeviceMesh,
     *,
     mp_policy: MixedPrecisionPolicy,
-    reshard_after_forward: bool,
+    reshard_after_forward: Literal["default", "always", "never"] = "default",
+    cpu_offload: bool = False,
 ) -> None:
     """Shard mixture-of-experts weights over ``mesh`` (the data-parallel ranks expert
     parallelism leaves; their weights may already be DTensors over ``ep``), each module its
-    own unit, before its block is sharded."""
-    for module in experts:
+    own unit, in block order, before its block is sharded: the same resharding and offload
+    rules as :func:`apply_fsdp`."""
+    experts = list(experts)
+    for i, module in enumerate(experts):
         fully_shard(
             module,
             mesh=mesh,
             mp_policy=mp_policy,
-            reshard_after_forward=reshard_after_forward,
+            offload_policy=_offload_policy(cpu_offload),
+            reshard_after_forward=_reshards(reshard_after_forward, last=i == len(experts) - 1),
         )
 
 

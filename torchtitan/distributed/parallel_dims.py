@@ -103,22 +103,27 @@ class ParallelDims:
                     f"{_FLAG}expert_parallel_degree={self.ep} must divide dp_shard x cp x tp = "
                     f"{borrowed}: experts borrow their ranks from those dimensions"
                 )
+            if self.cp > 1:
+                raise ParallelDimsError(
+                    f"{_FLAG}expert_parallel_degree={self.ep} with context_parallel_degree="
+                    f"{self.cp}: expert parallelism does not borrow context-parallel ranks yet; "
+                    "use one of the two"
+                )
             if self.tp > 1:
                 # Experts take the TP ranks first (each TP rank then routes its own sequence
                 # shard), then dp_shard ranks.
-                if self.ep % self.tp or self.dp_shard % (self.ep // self.tp) or self.cp > 1:
+                if self.ep % self.tp or self.dp_shard % (self.ep // self.tp):
                     raise ParallelDimsError(
                         f"{_FLAG}expert_parallel_degree={self.ep} with tensor_parallel_degree="
                         f"{self.tp}: expert parallelism spans the TP ranks, so it must be a "
                         f"multiple of {self.tp} whose quotient divides data_parallel_shard_degree"
-                        f"={self.dp_shard}, with context_parallel_degree 1"
+                        f"={self.dp_shard}"
                     )
             elif self.dp_shard % self.ep:
                 raise ParallelDimsError(
                     f"{_FLAG}expert_parallel_degree={self.ep} must divide "
                     f"data_parallel_shard_degree={self.dp_shard}: experts borrow their ranks "
-                    "from dp_shard (and from TP ranks when TP is on; borrowing context parallel "
-                    "ranks is not implemented yet)"
+                    "from dp_shard (and from TP ranks when TP is on)"
                 )
 
     @property
@@ -209,15 +214,13 @@ class ParallelDims:
             "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
         }
         if self.ep > 1:
-            # The same ranks in the same order, dp_shard split as efsdp x ep (x tp: with TP
-            # on, cp is 1 and the TP ranks are the innermost part of ep).
+            # The same ranks in the same order (cp is 1), dp_shard split as efsdp x ep; with
+            # TP on, the TP ranks are the innermost part of ep.
             efsdp = self.dp_shard // self.ep_data_parallel
-            if self.tp > 1:
-                shape, names = (self.pp, self.dp_replicate, efsdp, self.ep), ("ep",)
-            else:
-                shape, names = (self.pp, self.dp_replicate, efsdp, self.ep, self.cp), ("ep", "cp")
             experts = init_device_mesh(
-                device_type, shape, mesh_dim_names=("pp", "dp_replicate", "efsdp", *names)
+                device_type,
+                (self.pp, self.dp_replicate, efsdp, self.ep),
+                mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"),
             )
             self._meshes |= {"experts": experts, "ep": experts["ep"], "efsdp": experts["efsdp"]}
         return mesh

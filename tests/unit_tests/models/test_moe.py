@@ -226,3 +226,19 @@ def test_bad_expert_layouts_are_refused_before_any_rank_starts(module, world, fl
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], result.stderr
+
+
+def test_layer_names_in_metrics_ignore_checkpoint_and_compile_wrappers():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    blocks = torch.nn.ModuleDict({"1": torch.nn.ModuleDict({"moe": _layer()})})
+    blocks["1"] = checkpoint_wrapper(blocks["1"])
+    assert [name for name, _ in moe.moe_layers([blocks])] == ["1.moe"]
+
+
+def test_evaluation_forwards_do_not_count_tokens():
+    layer = _layer().eval()
+    layer(torch.randn(1, 8, 32))
+    assert layer.tokens_per_expert.sum() == 0
+    layer.train()(torch.randn(1, 8, 32))
+    assert layer.tokens_per_expert.sum() == 16  # 8 tokens x top 2

@@ -242,8 +242,9 @@ class MoE(nn.Module):
             counts = _balanced_counts(routed.shape[0], a.num_experts, routed.device)
         else:
             counts = torch.bincount(routed, minlength=a.num_experts)
-        with torch.no_grad():
-            self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+        if self.training:  # evaluation passes do not steer the balancing
+            with torch.no_grad():
+                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
         order = routed.argsort(stable=True)  # routings grouped by expert, tokens in order
         route_weights = weights.flatten()
         if a.capacity_factor > 0:
@@ -346,8 +347,18 @@ def sequence_balance_loss(
 def moe_layers(model_parts: list[nn.Module]) -> list[tuple[str, MoE]]:
     """Every MoE layer of the model parts, with its name (``layers.3.moe``)."""
     return [
-        (name, m) for part in model_parts for name, m in part.named_modules() if isinstance(m, MoE)
+        (_clean_name(name), m)
+        for part in model_parts
+        for name, m in part.named_modules()
+        if isinstance(m, MoE)
     ]
+
+
+def _clean_name(name: str) -> str:
+    """A module's name without the wrappers of activation checkpointing and compile."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(wrapper, "")
+    return name
 
 
 @torch.no_grad()
@@ -363,8 +374,8 @@ def update_expert_biases(
     change and the balance loss (when on). Under pipeline parallelism (``pp_group``) every
     stage's layers are reported on every rank."""
     layers = moe_layers(model_parts)
-    if not layers:
-        return {}
+    if not layers:  # a pipeline stage of dense blocks still joins the stages' gather
+        return _merge_stages({}, pp_group) if pp_group is not None else {}
     counts = torch.stack([m.tokens_per_expert for _, m in layers])  # [layers, E]
     if _no_values(counts):  # a dry run's step on fake tensors: no values
         return {}
@@ -379,16 +390,16 @@ def update_expert_biases(
         f"moe_load_max_over_mean/{name}": r for (name, _), r in zip(layers, ratio, strict=True)
     }
     metrics["moe_load_max_over_mean"] = sum(ratio) / len(ratio)
+    direction = torch.sign(mean - counts)  # +1 below the mean load, -1 above
     changes = []
-    for (_, m), c in zip(layers, counts, strict=True):
+    for (_, m), d in zip(layers, direction, strict=True):
         coeff = m.args.load_balance_coeff
         if coeff > 0:
-            delta = coeff * torch.sign(mean.new_tensor(float(c.mean())) - c)
-            m.expert_bias += delta
-            changes.append(float(delta.abs().mean()))
+            m.expert_bias += coeff * d
+            changes.append(coeff * d.abs().mean())
         m.tokens_per_expert.zero_()
     if changes:
-        metrics["moe_bias_update"] = sum(changes) / len(changes)
+        metrics["moe_bias_update"] = float(torch.stack(changes).mean())
     aux = [m.aux_loss for _, m in layers if m.aux_loss is not None]
     if aux:
         metrics["moe_aux_loss"] = float(torch.stack(aux).sum())

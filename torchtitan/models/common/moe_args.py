@@ -31,13 +31,6 @@ class MoEArgs:
     capacity_factor: float = 0.0
     experts_impl: Literal["auto", "grouped_mm", "loop"] = "auto"
 
-    def check(self, flavor: str) -> None:
-        """Raise ``ValueError`` naming the bad field (flavors are ours; this guards edits)."""
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"flavor {flavor}: top_k={self.top_k} not in 1..num_experts")
-        if self.num_experts % self.num_groups or self.top_groups > self.num_groups:
-            raise ValueError(f"flavor {flavor}: num_groups / top_groups do not split the experts")
-
 
 def with_training(args: MoEArgs, moe_config) -> MoEArgs:
     """``args`` with the ``--moe.*`` settings of the run."""

@@ -73,7 +73,11 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
                 dims.mesh("dp_replicate", "dp_shard_cp") if hsdp else dims.mesh("dp_shard_cp")
             )
         apply_fsdp_experts(
-            experts, expert_mesh, mp_policy=mp_policy, reshard_after_forward=reshard != "never"
+            experts,
+            expert_mesh,
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard,
+            cpu_offload=training.enable_cpu_offload,
         )
     dense_mesh = dims.mesh("dp_replicate", "dp_shard_cp") if hsdp else dims.mesh("dp_shard_cp")
     return apply_fsdp(
