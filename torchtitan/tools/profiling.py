@@ -131,7 +131,18 @@ class MemorySnapshots:
         else:
             path = out / f"rank{self.rank}_memory_timeline.json"
             self._profiler.__exit__(None, None, None)
-            self._profiler.export_memory_timeline(str(path), device="cpu")
+            try:
+                self._profiler.export_memory_timeline(str(path), device="cpu")
+            except Exception as e:
+                # torch's memory categorizer asserts on some graphs (FSDP on CPU, torch
+                # 2.13: "version mismatch"); the raw allocation events still tell the peak.
+                path = out / f"rank{self.rank}_memory_trace.json"
+                self._profiler.export_chrome_trace(str(path))
+                logger.warning(
+                    f"torch could not categorize this step's memory ({type(e).__name__}): "
+                    f"wrote the profiler trace with its allocation events instead ({path}; "
+                    "'[memory]' events, 'Total Allocated' is the running total)"
+                )
             if not exit:
                 self._start_profiler()
             else:
