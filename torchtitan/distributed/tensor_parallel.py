@@ -11,7 +11,38 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+
+def apply_tp_embedding_and_output(
+    model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, sequence_parallel: bool
+) -> None:
+    """The plan of a decoder's ends, for families with ``tok_embeddings``, ``norm`` and
+    ``output`` at the top: the embedding table split by rows (its output replicated, or
+    sharded along the sequence with sequence parallelism), the final norm sequence-parallel,
+    the output projection by columns (the logits sharded over the vocabulary into the loss
+    with loss parallelism). A pipeline stage's missing modules (``None``) are skipped."""
+    between = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "output": ColwiseParallel(
+            input_layouts=between,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    plan = {name: style for name, style in plan.items() if getattr(model, name) is not None}
+    parallelize_module(model, tp_mesh, plan)
 
 
 def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:

@@ -26,7 +26,7 @@ from torchtitan.distributed.fsdp import (
     apply_replicate,
     mixed_precision_policy,
 )
-from torchtitan.distributed.tensor_parallel import SumGradients
+from torchtitan.distributed.tensor_parallel import SumGradients, apply_tp_embedding_and_output
 from torchtitan.models.spec import ParallelizeContext
 
 
@@ -118,18 +118,9 @@ def apply_tp(
     summed over the ranks), the routed experts are split by expert parallelism.
     """
     between = Shard(1) if sequence_parallel else Replicate()
-    top_plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
-        "output": ColwiseParallel(
-            input_layouts=between,
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        ),
-    }
-    if sequence_parallel:
-        top_plan["norm"] = SequenceParallel()
-    top_plan = {name: style for name, style in top_plan.items() if getattr(model, name) is not None}
-    parallelize_module(model, tp_mesh, top_plan)
+    apply_tp_embedding_and_output(
+        model, tp_mesh, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel
+    )
 
     for block in model.layers.values():
         attention = block.attention

@@ -24,7 +24,7 @@ from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.fsdp import apply_fsdp, apply_replicate, mixed_precision_policy
 from torchtitan.distributed.simple_fsdp import apply_simple_fsdp
-from torchtitan.distributed.tensor_parallel import enable_async_tp
+from torchtitan.distributed.tensor_parallel import apply_tp_embedding_and_output, enable_async_tp
 from torchtitan.models.spec import ParallelizeContext
 
 
@@ -95,19 +95,9 @@ def apply_tp(
     parallelism the logits stay sharded over the vocabulary into the cross-entropy.
     """
     between = Shard(1) if sequence_parallel else Replicate()
-    top_plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
-        "output": ColwiseParallel(
-            input_layouts=between,
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        ),
-    }
-    if sequence_parallel:
-        top_plan["norm"] = SequenceParallel()
-    # A pipeline stage has only some of these modules (the others are None).
-    top_plan = {name: style for name, style in top_plan.items() if getattr(model, name) is not None}
-    parallelize_module(model, tp_mesh, top_plan)
+    apply_tp_embedding_and_output(
+        model, tp_mesh, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel
+    )
 
     for block in model.layers.values():
         plan = {
