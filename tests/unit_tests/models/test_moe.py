@@ -24,7 +24,7 @@ def _experts(impl: str, dtype: torch.dtype, num=4, dim=64, hidden=32) -> moe.Gro
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("counts", [[10, 0, 20, 7], [16, 16, 0, 0], [0, 0, 0, 3]])
+@pytest.mark.parametrize("counts", [[10, 0, 20, 7], [16, 16, 0, 0], [0, 0, 0, 3], [0, 0, 0, 0]])
 def test_grouped_mm_equals_the_loop_forward_and_backward(dtype, counts):
     loop, grouped = _experts("loop", dtype), _experts("grouped_mm", dtype)
     assert grouped.uses_grouped_mm(dtype) and not loop.uses_grouped_mm(dtype)
