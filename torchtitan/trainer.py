@@ -92,6 +92,7 @@ class Trainer:
             logger.info(f"Resolved config written to {saved}")
         self.train_state = TrainState()
         self.skipped_steps = 0
+        self._last_step = config.training.steps  # of the current train() call
         self.model_metrics: dict[str, float] = {}
         """The model's own metrics of the last step (``ModelSpec.after_optimizer_step``)."""
         # A hang needs real collectives (or a dataloader) to wait on.
@@ -277,6 +278,7 @@ class Trainer:
         not over then: no final save)."""
         t = self.config.training
         stop = t.steps if until is None else min(until, t.steps)
+        self._last_step = stop
         logger.info(
             f"Training {t.steps} steps: global batch {self.global_batch_size} x {t.seq_len} tokens "
             f"({self.grad_accum_steps} accumulation batch(es) of {t.local_batch_size} per rank)"
@@ -355,7 +357,11 @@ class Trainer:
         if self.model_spec.after_optimizer_step is not None:
             group = self.loss_mesh.get_group() if self.loss_mesh is not None else None
             pp = self.pp_mesh.get_group() if self.pp_mesh is not None else None
-            self.model_metrics = self.model_spec.after_optimizer_step(self.model_parts, group, pp)
+            # Metrics read values on the host: only on the steps that log them.
+            report = self.metrics.should_log(self.step, self._last_step)
+            self.model_metrics = self.model_spec.after_optimizer_step(
+                self.model_parts, group, pp, report=report
+            )
         return result
 
     def close(self) -> None:

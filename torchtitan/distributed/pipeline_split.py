@@ -108,6 +108,15 @@ def split_blocks(
     return names
 
 
+def decoder_stages_by_name(parts: list[str], n_layers: int) -> list[list[str]]:
+    """``--parallelism.module_fqns_per_model_part`` for a decoder whose top-level modules are
+    ``tok_embeddings``, ``layers.<i>``, ``norm`` and ``output``: parsed and checked."""
+    names = parse_module_names(parts)
+    blocks = [f"layers.{i}" for i in range(n_layers)]
+    check_module_names(names, ["tok_embeddings", *blocks, "norm", "output"])
+    return names
+
+
 def check_module_names(names_per_stage: list[list[str]], units: list[str]) -> None:
     """Each of the model's ``units`` (top-level modules and blocks) on exactly one stage, and
     nothing else."""

@@ -109,11 +109,12 @@ class ModelSpec:
     has_experts: bool = False
     """Mixture-of-experts layers: ``--parallelism.expert_parallel_degree`` and ``--moe.*``
     apply (the args have a ``moe`` field, ``models.common.moe_args.MoEArgs``)."""
-    after_optimizer_step: Callable[[list["nn.Module"], Any, Any], dict[str, float]] | None = None
-    """``after_optimizer_step(model_parts, group, pp_group)``, called by the trainer after
-    every optimizer step with the process group of the ranks that see different tokens and
-    that of the pipeline stages (each ``None`` where there is one); returns metrics to log
-    (e.g. MoE expert-bias updates and loads)."""
+    after_optimizer_step: Callable[..., dict[str, float]] | None = None
+    """``after_optimizer_step(model_parts, group, pp_group, *, report)``, called by the
+    trainer after every optimizer step with the process group of the ranks that see different
+    tokens and that of the pipeline stages (each ``None`` where there is one); returns metrics
+    to log (e.g. MoE expert-bias updates and loads) when ``report`` (a logging step), else
+    ``{}`` without reading values on the host."""
 
     def args_for(self, flavor: str, *, seq_len: int, config: JobConfig | None = None) -> Any:
         """The flavor's args with the RoPE/position table sized for ``seq_len`` and, for a

@@ -366,16 +366,19 @@ def update_expert_biases(
     model_parts: list[nn.Module],
     group: dist.ProcessGroup | None,
     pp_group: dist.ProcessGroup | None = None,
+    *,
+    report: bool = True,
 ) -> dict[str, float]:
     """After an optimizer step: sum every layer's token counts over ``group`` (the ranks that
     see different tokens), move each expert's bias by ``load_balance_coeff`` towards balance,
     reset the counts. Returns metrics: per layer the busiest expert's load over the mean
     (``moe_load_max_over_mean/<layer>``), their mean over layers, the mean absolute bias
     change and the balance loss (when on). Under pipeline parallelism (``pp_group``) every
-    stage's layers are reported on every rank."""
+    stage's layers are reported on every rank. ``report=False`` (a step that logs nothing):
+    the update only, on the device, without reading values on the host."""
     layers = moe_layers(model_parts)
     if not layers:  # a pipeline stage of dense blocks still joins the stages' gather
-        return _merge_stages({}, pp_group) if pp_group is not None else {}
+        return _merge_stages({}, pp_group) if pp_group is not None and report else {}
     counts = torch.stack([m.tokens_per_expert for _, m in layers])  # [layers, E]
     if _no_values(counts):  # a dry run's step on fake tensors: no values
         return {}
@@ -385,11 +388,6 @@ def update_expert_biases(
     if group is not None:
         dist.all_reduce(counts, group=group)
     mean = counts.mean(dim=1, keepdim=True)
-    ratio = (counts.max(dim=1).values / mean.squeeze(1).clamp(min=1e-9)).tolist()
-    metrics = {
-        f"moe_load_max_over_mean/{name}": r for (name, _), r in zip(layers, ratio, strict=True)
-    }
-    metrics["moe_load_max_over_mean"] = sum(ratio) / len(ratio)
     direction = torch.sign(mean - counts)  # +1 below the mean load, -1 above
     changes = []
     for (_, m), d in zip(layers, direction, strict=True):
@@ -398,6 +396,13 @@ def update_expert_biases(
             m.expert_bias += coeff * d
             changes.append(coeff * d.abs().mean())
         m.tokens_per_expert.zero_()
+    if not report:
+        return {}
+    ratio = (counts.max(dim=1).values / mean.squeeze(1).clamp(min=1e-9)).tolist()
+    metrics = {
+        f"moe_load_max_over_mean/{name}": r for (name, _), r in zip(layers, ratio, strict=True)
+    }
+    metrics["moe_load_max_over_mean"] = sum(ratio) / len(ratio)
     if changes:
         metrics["moe_bias_update"] = float(torch.stack(changes).mean())
     aux = [m.aux_loss for _, m in layers if m.aux_loss is not None]

@@ -1,11 +1,7 @@
 """How DeepSeek-V3 is split into pipeline stages: module names per stage (a plan, no torch)."""
 
 from torchtitan.config.job_config import Parallelism
-from torchtitan.distributed.pipeline_split import (
-    check_module_names,
-    parse_module_names,
-    split_blocks,
-)
+from torchtitan.distributed.pipeline_split import decoder_stages_by_name, split_blocks
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
 
 
@@ -16,10 +12,7 @@ def pipeline_deepseek_v3(
     (``--parallelism.pipeline_parallel_layers_per_stage``, a split balancing the matmul cost
     a token activates, or the explicit ``--parallelism.module_fqns_per_model_part``)."""
     if parallelism.module_fqns_per_model_part:
-        names = parse_module_names(parallelism.module_fqns_per_model_part)
-        blocks = [f"layers.{i}" for i in range(args.n_layers)]
-        check_module_names(names, ["tok_embeddings", *blocks, "norm", "output"])
-        return names
+        return decoder_stages_by_name(parallelism.module_fqns_per_model_part, args.n_layers)
     # In units of the average block's activated weights (dense and MoE blocks differ little
     # per token; the split counts blocks).
     per_block = (args.num_params(activated=True) - args.vocab_size * args.dim) / args.n_layers

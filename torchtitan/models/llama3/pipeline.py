@@ -2,11 +2,7 @@
 the config pre-flight checks it, ``torchtitan.distributed.pipeline_parallel`` cuts the model."""
 
 from torchtitan.config.job_config import Parallelism
-from torchtitan.distributed.pipeline_split import (
-    check_module_names,
-    parse_module_names,
-    split_blocks,
-)
+from torchtitan.distributed.pipeline_split import decoder_stages_by_name, split_blocks
 from torchtitan.models.llama3.args import Llama3Args
 
 
@@ -15,10 +11,7 @@ def pipeline_llama3(args: Llama3Args, num_stages: int, parallelism: Parallelism)
     between them (``--parallelism.pipeline_parallel_layers_per_stage``, or a split that
     balances the matmul cost), or the explicit ``--parallelism.module_fqns_per_model_part``."""
     if parallelism.module_fqns_per_model_part:
-        names = parse_module_names(parallelism.module_fqns_per_model_part)
-        blocks = [f"layers.{i}" for i in range(args.n_layers)]
-        check_module_names(names, ["tok_embeddings", *blocks, "norm", "output"])
-        return names
+        return decoder_stages_by_name(parallelism.module_fqns_per_model_part, args.n_layers)
     # Costs in blocks, from the matmul weights a token passes through: the embedding is a
     # lookup; the output projection is vocab x dim (about 2.4 blocks for 8B, 0.7 for debug).
     kv_dim = args.kv_heads * args.head_dim
