@@ -269,9 +269,7 @@ class MoE(nn.Module):
             # Weighted like the tokens it covers: the whole sequences when split over ranks.
             tokens = flat.shape[0] * (split.size() if split is not None else 1)
             out = _AddAuxLoss.apply(out, aux, self.loss_scale * tokens)
-            self.aux_loss = aux.detach().clone()
-            if group is not None:  # each rank holds its shard's share of the loss
-                dist.all_reduce(self.aux_loss, group=group)
+            self.aux_loss = aux.detach()  # this shard's part when split (summed when logged)
         return out.view(bs, seq, dim)
 
     def init_weights(self, init_std: float, buffer_device: torch.device | None = None) -> None:
@@ -407,7 +405,10 @@ def update_expert_biases(
         metrics["moe_bias_update"] = float(torch.stack(changes).mean())
     aux = [m.aux_loss for _, m in layers if m.aux_loss is not None]
     if aux:
-        metrics["moe_aux_loss"] = float(torch.stack(aux).sum())
+        total = torch.stack(aux).sum()
+        if split is not None:  # each TP rank holds its sequence shard's part
+            dist.all_reduce(total, group=split.get_group())
+        metrics["moe_aux_loss"] = float(total)
     if pp_group is not None:
         metrics = _merge_stages(metrics, pp_group)
     return metrics
