@@ -225,6 +225,24 @@ CASES = {
         f"{MOE} --training.local_batch_size 4 --parallelism.expert_parallel_degree 2 "
         "--parallelism.tensor_parallel_degree 2",
     ),
+    # Context parallelism: the balance loss's routing shares summed over the sequence shards;
+    # experts split over the CP ranks, then over CP x dp_shard, then over TP x CP.
+    "moe_cp2": (2, f"{MOE} --training.local_batch_size 8 --parallelism.context_parallel_degree 2"),
+    "moe_cp2_ep2": (
+        2,
+        f"{MOE} --training.local_batch_size 8 --parallelism.context_parallel_degree 2 "
+        "--parallelism.expert_parallel_degree 2",
+    ),
+    "moe_fsdp2_cp2_ep4": (
+        4,
+        f"{MOE} --training.local_batch_size 4 --parallelism.context_parallel_degree 2 "
+        "--parallelism.expert_parallel_degree 4",
+    ),
+    "moe_tp2_cp2_ep4": (
+        4,
+        f"{MOE} --training.local_batch_size 8 --parallelism.context_parallel_degree 2 "
+        "--parallelism.tensor_parallel_degree 2 --parallelism.expert_parallel_degree 4",
+    ),
 }
 
 pytestmark = pytest.mark.integration

@@ -11,9 +11,9 @@ from ``ParallelDims.mesh(name)`` once ``build_mesh`` has run:
 - ``dp_shard_cp``: ``dp_shard x cp`` -- ranks FSDP shards parameters over;
 - ``dp_cp``: ``dp_replicate x dp_shard x cp`` -- ranks the loss is averaged over.
 
-With expert parallelism a second mesh over the same ranks splits ``dp_shard`` into
-``efsdp x ep`` (``ep`` innermost; with TP on, ``ep`` also spans the TP ranks, innermost of
-all): ``ep``, the ranks that split each MoE layer's experts;
+With expert parallelism a second mesh over the same ranks splits ``dp_shard x cp x tp`` into
+``efsdp x ep`` (``ep`` innermost: the TP ranks when TP is on, then CP ranks, then dp_shard
+ranks): ``ep``, the ranks that split each MoE layer's experts;
 ``efsdp``, the ranks FSDP shards the experts over (``mesh("dp_replicate", "efsdp")`` for
 HSDP).
 """
@@ -97,33 +97,20 @@ class ParallelDims:
                 f"or launch with NGPU={product}"
             )
         if self.ep > 1:
+            # Experts borrow the innermost ranks of dp_shard x cp x tp: the TP ranks first
+            # (each TP rank then routes its own sequence shard), then CP, then dp_shard ranks.
             borrowed = self.dp_shard * self.cp * self.tp
             if borrowed % self.ep:
                 raise ParallelDimsError(
                     f"{_FLAG}expert_parallel_degree={self.ep} must divide dp_shard x cp x tp = "
-                    f"{borrowed}: experts borrow their ranks from those dimensions"
+                    f"{self.dp_shard} x {self.cp} x {self.tp} = {borrowed}: experts borrow "
+                    "their ranks from those dimensions"
                 )
-            if self.cp > 1:
+            if self.tp > 1 and self.ep % self.tp:
                 raise ParallelDimsError(
-                    f"{_FLAG}expert_parallel_degree={self.ep} with context_parallel_degree="
-                    f"{self.cp}: expert parallelism does not borrow context-parallel ranks yet; "
-                    "use one of the two"
-                )
-            if self.tp > 1:
-                # Experts take the TP ranks first (each TP rank then routes its own sequence
-                # shard), then dp_shard ranks.
-                if self.ep % self.tp or self.dp_shard % (self.ep // self.tp):
-                    raise ParallelDimsError(
-                        f"{_FLAG}expert_parallel_degree={self.ep} with tensor_parallel_degree="
-                        f"{self.tp}: expert parallelism spans the TP ranks, so it must be a "
-                        f"multiple of {self.tp} whose quotient divides data_parallel_shard_degree"
-                        f"={self.dp_shard}"
-                    )
-            elif self.dp_shard % self.ep:
-                raise ParallelDimsError(
-                    f"{_FLAG}expert_parallel_degree={self.ep} must divide "
-                    f"data_parallel_shard_degree={self.dp_shard}: experts borrow their ranks "
-                    "from dp_shard (and from TP ranks when TP is on)"
+                    f"{_FLAG}expert_parallel_degree={self.ep} with tensor_parallel_degree="
+                    f"{self.tp}: expert parallelism spans the TP ranks, so it must be a "
+                    f"multiple of {self.tp}"
                 )
 
     @property
@@ -160,8 +147,8 @@ class ParallelDims:
 
     @property
     def ep_data_parallel(self) -> int:
-        """The data-parallel (dp_shard) ranks in one expert-parallel group: ``ep``, or
-        ``ep / tp`` where the group spans the TP ranks."""
+        """The ranks of one expert-parallel group that gradients are averaged over (dp_shard
+        and cp ranks): ``ep``, or ``ep / tp`` where the group spans the TP ranks."""
         return self.ep // self.tp if self.tp > 1 else self.ep
 
     @property
@@ -214,9 +201,9 @@ class ParallelDims:
             "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
         }
         if self.ep > 1:
-            # The same ranks in the same order (cp is 1), dp_shard split as efsdp x ep; with
-            # TP on, the TP ranks are the innermost part of ep.
-            efsdp = self.dp_shard // self.ep_data_parallel
+            # The same ranks in the same order, dp_shard x cp x tp (row-major) split as
+            # efsdp x ep: ep takes the innermost ranks (TP's, then CP's, then dp_shard's).
+            efsdp = self.dp_shard * self.cp // self.ep_data_parallel
             experts = init_device_mesh(
                 device_type,
                 (self.pp, self.dp_replicate, efsdp, self.ep),

@@ -36,7 +36,13 @@ def test_dp_shard_minus_one_takes_what_is_left():
         (4, {"dp_replicate": 0}, "--parallelism.data_parallel_replicate_degree=0 must be >= 1"),
         (4, {"dp_shard": -2}, "--parallelism.data_parallel_shard_degree=-2 must be -1"),
         (4, {"dp_shard": 0}, "--parallelism.data_parallel_shard_degree=0 must be -1"),
-        (4, {"ep": 3}, "--parallelism.expert_parallel_degree=3 must divide dp_shard x cp x tp = 4"),
+        (4, {"ep": 3}, "--parallelism.expert_parallel_degree=3 must divide dp_shard x cp x tp"),
+        (
+            8,
+            {"cp": 2, "ep": 16},
+            "expert_parallel_degree=16 must divide dp_shard x cp x tp = 4 x 2",
+        ),
+        (8, {"tp": 4, "ep": 2}, "tensor_parallel_degree=4: expert parallelism spans the TP ranks"),
     ],
 )
 def test_bad_degrees_are_one_line_errors_naming_the_flag(world, degrees, message):
@@ -95,6 +101,10 @@ def test_build_mesh_names_and_flattened_dims():
         # With TP, EP takes the TP ranks first (innermost), then dp_shard ranks.
         ({"dp_shard": 4, "tp": 2, "ep": 4}, [0, 1, 2, 3], [0, 4], 2),
         ({"dp_shard": 2, "tp": 2, "ep": 2, "dp_replicate": 2}, [0, 1], [0, 2], 1),
+        # EP borrows CP ranks (innermost after TP), then dp_shard ranks.
+        ({"dp_shard": 2, "cp": 4, "ep": 2}, [0, 1], [0, 2, 4, 6], 2),
+        ({"dp_shard": 4, "cp": 2, "ep": 4}, [0, 1, 2, 3], [0, 4], 4),
+        ({"dp_shard": 2, "cp": 2, "tp": 2, "ep": 8}, list(range(8)), [0], 4),
     ],
 )
 def test_expert_meshes_split_dp_shard_and_take_tp_ranks_first(

@@ -101,3 +101,41 @@ def test_compiled_attention_takes_the_dense_mask_and_agrees_with_the_per_documen
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
     dense = real_sdpa(q, k, v, attn_mask=block_causal_mask(documents), enable_gqa=True)
     torch.testing.assert_close(dense, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_narrow_value_heads_are_padded_for_the_fused_kernel_and_stay_exact():
+    """Multi-head latent attention's values are narrower than its queries/keys: padded to run
+    the fused kernel (the CPU flash kernel refuses unequal widths), the outputs and gradients
+    equal the math kernel's on the unpadded tensors, causal and block-causal."""
+    g = torch.Generator().manual_seed(2)
+    q, k = (torch.randn(2, 4, 12, 24, generator=g, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 4, 12, 16, generator=g, requires_grad=True)
+    documents = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
+    sdpa = ScaledDotProductAttention(scale=0.3)
+    for docs, mask in ((None, None), (documents, block_causal_mask(documents))):
+        fused = sdpa(q, k, v, docs)
+        fused_grads = torch.autograd.grad(fused.square().sum(), (q, k, v))
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            math = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=0.3
+            )
+        math_grads = torch.autograd.grad(math.square().sum(), (q, k, v))
+        assert fused.shape == (2, 4, 12, 16)
+        torch.testing.assert_close(fused, math, rtol=1e-5, atol=1e-5)
+        for got, want in zip(fused_grads, math_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with _OpLog() as log:
+        sdpa(q, k, v)
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in log.ops
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten ops run inside the context."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))

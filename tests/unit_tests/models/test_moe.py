@@ -171,7 +171,7 @@ def test_parameter_count_matches_the_built_debug_model():
             "deepseek_v3",
             4,
             ["--parallelism.expert_parallel_degree", "3", "--parallelism.tensor_parallel_degree", "2"],
-            "expert_parallel_degree=3 must divide dp_shard x cp x tp = 4",
+            "expert_parallel_degree=3 must divide dp_shard x cp x tp = 2 x 1 x 2 = 4",
         ),
         (
             "deepseek_v3",
@@ -207,9 +207,21 @@ def test_parameter_count_matches_the_built_debug_model():
         ),
         (
             "deepseek_v3",
-            2,
-            ["--parallelism.context_parallel_degree", "2"],
-            "model deepseek_v3 does not support context parallelism",
+            4,
+            [
+                "--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree",
+                "4", "--training.seq_len", "64",
+            ],
+            None,
+        ),
+        (
+            "deepseek_v3",
+            8,
+            [
+                "--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree",
+                "16",
+            ],
+            "expert_parallel_degree=16 must divide dp_shard x cp x tp = 4 x 2 x 1",
         ),
     ],
 )  # fmt: skip

@@ -14,6 +14,7 @@ rows travel to the rank that holds their expert and back, the layer does not kno
 """
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -228,6 +229,9 @@ class MoE(nn.Module):
         self.token_split_mesh = None
         """Set by a tensor-parallel plan that gives each TP rank its own share of the tokens
         (a sequence shard): the token counts are then summed over it too."""
+        self.context_parallel_mesh = None
+        """Set by a context-parallel plan: each rank holds a shard of every sequence (its
+        token counts are summed with the loss's ranks already)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.args
@@ -261,16 +265,22 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         if a.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
-            split = self.token_split_mesh
-            group = split.get_group() if split is not None else None
+            splits = self.sequence_splits()
             aux = a.aux_loss_coeff * sequence_balance_loss(
-                scores.view(bs, seq, -1), indices.view(bs, seq, -1), group=group
+                scores.view(bs, seq, -1),
+                indices.view(bs, seq, -1),
+                groups=[m.get_group() for m in splits],
             )
             # Weighted like the tokens it covers: the whole sequences when split over ranks.
-            tokens = flat.shape[0] * (split.size() if split is not None else 1)
+            tokens = flat.shape[0] * math.prod(m.size() for m in splits)
             out = _AddAuxLoss.apply(out, aux, self.loss_scale * tokens)
             self.aux_loss = aux.detach()  # this shard's part when split (summed when logged)
         return out.view(bs, seq, dim)
+
+    def sequence_splits(self) -> list:
+        """The meshes whose ranks each hold a shard of every sequence this layer sees (TP ranks
+        routing their own shard, CP ranks)."""
+        return [m for m in (self.token_split_mesh, self.context_parallel_mesh) if m is not None]
 
     def init_weights(self, init_std: float, buffer_device: torch.device | None = None) -> None:
         self.router.init_weights()
@@ -319,24 +329,24 @@ def _drop_over_capacity(
 
 
 def sequence_balance_loss(
-    scores: torch.Tensor, indices: torch.Tensor, group: dist.ProcessGroup | None = None
+    scores: torch.Tensor, indices: torch.Tensor, groups: Sequence[dist.ProcessGroup] = ()
 ) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss, averaged over sequences: per sequence,
     ``sum_e f_e * P_e`` with ``f_e`` the share of routings expert ``e`` got, times ``E / k``
     (1 when balanced), and ``P_e`` its mean normalised score. ``scores [bs, seq, E]``,
     ``indices [bs, seq, k]``.
 
-    With ``group``, each rank holds a shard of every sequence (``seq`` of them): the routing
-    shares are summed over the group, and this rank returns its shard's part of the loss (the
-    parts sum to the loss of the whole sequences)."""
+    With ``groups``, each rank holds a shard of every sequence (``seq`` of its tokens), split
+    over every group's ranks: the routing shares are summed over the groups, and this rank
+    returns its shard's part of the loss (the parts sum to the loss of the whole sequences)."""
     bs, seq, num_experts = scores.shape
     k = indices.shape[-1]
     picks = torch.zeros(bs, num_experts, device=scores.device)
     picks.scatter_add_(1, indices.reshape(bs, -1), torch.ones(bs, seq * k, device=scores.device))
     full_seq = seq
-    if group is not None:
+    for group in groups:
         dist.all_reduce(picks, group=group)
-        full_seq = seq * dist.get_world_size(group)
+        full_seq *= dist.get_world_size(group)
     f = picks * num_experts / (k * full_seq)
     p = (scores / scores.sum(dim=-1, keepdim=True)).sum(dim=1) / full_seq
     return (f * p).sum(dim=1).mean()
@@ -406,8 +416,8 @@ def update_expert_biases(
     aux = [m.aux_loss for _, m in layers if m.aux_loss is not None]
     if aux:
         total = torch.stack(aux).sum()
-        if split is not None:  # each TP rank holds its sequence shard's part
-            dist.all_reduce(total, group=split.get_group())
+        for mesh in layers[0][1].sequence_splits():  # each rank holds its shard's part
+            dist.all_reduce(total, group=mesh.get_group())
         metrics["moe_aux_loss"] = float(total)
     if pp_group is not None:
         metrics = _merge_stages(metrics, pp_group)

@@ -17,14 +17,13 @@ def validate(config, parallel_dims) -> None:
         # The ranks' routings differ, so their all-to-all sizes do: one process simulating
         # every rank (which branches on values in Python) cannot take them.
         "COMM_MODE=local_tensor": config.comm.mode == "local_tensor",
-        "--parallelism.context_parallel_degree > 1": parallel_dims.cp > 1,
         "--parallelism.fsdp_impl simple": config.parallelism.fsdp_impl == "simple",
     }
     for flag, given in unsupported.items():
         if given:
             raise ConfigError(
                 f"{flag} is not implemented for deepseek_v3 yet; train it with FSDP/HSDP, TP, "
-                "PP and expert parallelism"
+                "PP, CP and expert parallelism"
             )
     if parallel_dims.ep > 1 and parallel_dims.tp > 1:
         if not config.parallelism.enable_sequence_parallel:
@@ -54,7 +53,7 @@ model_spec = ModelSpec(
     flops_per_token=DeepSeekV3Args.flops_per_token,
     validate=validate,
     pipeline=pipeline_deepseek_v3,
-    forward_keywords=("document_ids",),
+    forward_keywords=("positions", "document_ids"),
     has_experts=True,
     after_optimizer_step=lazy("torchtitan.models.common.moe:update_expert_biases"),
 )

@@ -1,8 +1,8 @@
 """How DeepSeek-V3 is parallelized: which modules each technique wraps. Plans only.
 
-Order: tensor parallel -> expert parallel -> activation checkpointing -> torch.compile ->
-data parallel (FSDP), for Llama 3's reasons (``models/llama3/parallelize.py``); expert
-parallelism shards the routed experts' weights before anything wraps the blocks, and FSDP
+Order: tensor parallel -> context parallel -> expert parallel -> activation checkpointing ->
+torch.compile -> data parallel (FSDP), for Llama 3's reasons (``models/llama3/parallelize.py``);
+expert parallelism shards the routed experts' weights before anything wraps the blocks, and FSDP
 shards the experts over the data-parallel ranks EP leaves (``efsdp``) before their blocks.
 """
 
@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import (
 
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.expert_parallel import apply_ep
 from torchtitan.distributed.fsdp import (
     apply_fsdp,
@@ -42,6 +43,17 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
             sequence_parallel=parallelism.enable_sequence_parallel,
             split_tokens=dims.ep_enabled,
         )
+    if dims.cp_enabled:
+        cp_mesh = dims.mesh("cp")
+        apply_cp(
+            [block.attention.sdpa for block in model.layers.values()],
+            cp_mesh,
+            rotate_method=parallelism.context_parallel_rotate_method,
+            load_balance=parallelism.context_parallel_load_balance,
+        )
+        for block in model.layers.values():
+            if block.moe_enabled:  # its sequence-wise balance loss sums over the CP shards
+                block.moe.context_parallel_mesh = cp_mesh
     if dims.ep_enabled:
         apply_ep(experts, dims.mesh("ep"), data_parallel_ranks=dims.ep_data_parallel)
     apply_ac(model.layers, context.activation_checkpoint)
