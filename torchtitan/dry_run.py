@@ -71,7 +71,8 @@ def estimate_memory(trainer: Trainer) -> memory_estimate.MemoryEstimate:
     n_layers = trainer.model_args.n_layers
     (one, _), (two, ratio) = _probe_step(trainer, 1), _probe_step(trainer, 2)
     peak = max(
-        (memory_estimate.extrapolate(one[m], two[m], n_layers) for m in one),
+        memory_estimate.extrapolate(one["forward"], two["forward"], n_layers),
+        memory_estimate.extrapolate_peak(one, two, n_layers),
         key=lambda categories: categories["Total"],
     )
     parameters = [p for part in trainer.model_parts for p in part.parameters()]
@@ -161,9 +162,14 @@ def estimate_pipeline_memory(trainer: Trainer) -> memory_estimate.MemoryEstimate
     """
     p, t = trainer.config.parallelism, trainer.config.training
     (one, _), (two, ratio) = _probe_step(trainer, 1), _probe_step(trainer, 2)
+    # What a block holds for its backward, measured at the same moment in both probes (their
+    # peaks can fall at different moments: memory_estimate.extrapolate_peak).
+    per_block = max(0, two["forward"].get("Activation", 0) - one["forward"].get("Activation", 0))
     one, two = one["peak"], two["peak"]
-    per_block = max(0, two.get("Activation", 0) - one.get("Activation", 0))
     ends = max(0, one.get("Activation", 0) - per_block)
+    # One block's backward working set beyond what blocks hold (recomputation under AC, an
+    # MoE block's dispatch), counted once.
+    transient = max(0, two.get("Activation", 0) - ends - 2 * per_block)
     layout = pipeline_split.pipeline_layout(p, trainer.model_args.n_layers)
     stages = layout.stages_by_rank[trainer.pp_rank]
     last = layout.num_stages - 1
@@ -187,7 +193,7 @@ def estimate_pipeline_memory(trainer: Trainer) -> memory_estimate.MemoryEstimate
     grads = memory_estimate.local_bytes(q for q in parameters if q.requires_grad)
     optimizer = int(params * ratio)
     peak = {
-        "Activation": activations,
+        "Activation": activations + transient,
         "Temp": max(one.get("Temp", 0), two.get("Temp", 0)),
         "Parameter": params,
         "Gradient": grads,
