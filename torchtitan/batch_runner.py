@@ -218,14 +218,33 @@ class BatchRunner:
     @torch.no_grad()
     def loss(self, batch: Batch) -> torch.Tensor:
         """Forward only: the summed token loss of one batch (a local part, float64), for
-        validation. Leaves no gradients and no state behind."""
-        if self.schedule is not None:
-            raise NotImplementedError("a forward-only loss under pipeline parallelism")
+        validation. The model parts run in eval mode (MoE layers neither count tokens for
+        their balancing nor add a balance loss); no gradients and no state are left behind.
+        Under pipeline parallelism the schedule runs forward only, in the training batch's
+        micro-batches."""
         inputs, labels = self._to_device(batch)
         self.loss_fn.scale = 1.0
-        with self._context():
-            self.loss_fn(self._model(inputs["input"], **_keywords(inputs)), labels)
-        return self.loss_fn.take_sum(self.device)
+        modes = [part.training for part in self.model_parts]
+        for part in self.model_parts:
+            part.eval()
+        try:
+            with self._context():
+                if self.schedule is not None:
+                    tokens = (inputs["input"],) if self._first_stage else ()
+                    target = labels if self._last_stage else None
+                    self.schedule.eval(
+                        *tokens, target=target, losses=[], return_outputs=False,
+                        **_keywords(inputs),
+                    )  # fmt: skip
+                else:
+                    self.loss_fn(self._model(inputs["input"], **_keywords(inputs)), labels)
+        finally:
+            for part, training in zip(self.model_parts, modes, strict=True):
+                part.train(training)
+        total = self.loss_fn.take_sum(self.device)
+        if self.schedule is not None:
+            dist.all_reduce(total, group=self._pp_group)  # only the last stage has the loss
+        return total
 
     @property
     def _model(self) -> nn.Module:

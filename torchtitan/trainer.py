@@ -6,7 +6,6 @@ them; the trainer decides what a step is. Debugging modes (``dry_run.py``) use t
 build steps instead of adding branches here.
 """
 
-import copy
 import functools
 import time
 from collections.abc import Sequence
@@ -18,7 +17,6 @@ from torch.distributed.pipelining import PipelineStage
 
 from torchtitan.batch_runner import Batch, BatchRunner, pipeline_dtypes
 from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.checkpoint_files import CONFIG_FILE
 from torchtitan.components.checkpoint_states import build_checkpoint_states
 from torchtitan.components.dataloader import build_dataloader
 from torchtitan.components.loss import IGNORE_INDEX
@@ -27,16 +25,16 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.components.train_state import StepResult, TrainState
+from torchtitan.components.validate import Validator
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
-from torchtitan.config.manager import apply_toml, save_resolved, to_toml
+from torchtitan.config.manager import save_resolved, to_toml
 from torchtitan.distributed import (
     ParallelDims,
     context_parallel,
     local_tensor,
     pipeline_parallel,
     pipeline_split,
-    pipeline_timeline,
 )
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.models.spec import ParallelizeContext, get_model_spec
@@ -82,7 +80,14 @@ class Trainer:
             stages=stages,
             document_start=self.document_start,
         )
-        self.pipeline_bubble = self._ideal_pipeline_bubble() if stages else None
+        self.validator = None if on_meta else self.build_validator()
+        self.pipeline_bubble = (
+            pipeline_split.log_ideal_bubble(
+                config.parallelism, self.model_args.n_layers, config.training.local_batch_size
+            )
+            if stages
+            else None
+        )
         self.optimizers = build_optimizers(self.model_parts, config.optimizer, self.device)
         self.lr_schedulers = build_lr_schedulers(
             self.optimizers, config.lr_scheduler, training_steps=config.training.steps
@@ -148,7 +153,7 @@ class Trainer:
                 f"{'on' if p.context_parallel_load_balance else 'off'}: attention work per rank "
                 + ", ".join(f"{w:.0%}" for w in work)
             )
-        self.seed = self._shared_seed(config.debug.seed)
+        self.seed = dist_utils.shared_seed(config.debug.seed, self.parallel_dims.meshes_built)
         # Pipeline stages draw distinct random numbers (reproducibly); the initial weights
         # still come from ``self.seed`` alone (init_weights).
         pp_rank = self.pp_rank
@@ -168,21 +173,39 @@ class Trainer:
                 f"--model.flavor {m.flavor} has vocab_size {self.model_args.vocab_size}; "
                 "pick a matching --model.tokenizer_path or flavor"
             )
+        dataloader = self._dataloader(
+            tokenizer, dataset=t.dataset, dataset_path=t.dataset_path, seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size, infinite=True,
+        )  # fmt: skip
+        return tokenizer, dataloader
+
+    def build_validator(self) -> Validator | None:
+        """The validation loop's runner (``--validation.enable``), or ``None``."""
+        v = self.config.validation
+        if not v.enable:
+            return None
+        build_loader = functools.partial(
+            self._dataloader, self.tokenizer, dataset=v.dataset, dataset_path=v.dataset_path,
+            seq_len=v.seq_len, local_batch_size=v.local_batch_size, infinite=False,
+            drop_last=True,
+        )  # fmt: skip
+        return Validator(v, build_loader=build_loader, runner=self.runner, loss_mesh=self.loss_mesh)
+
+    def _dataloader(self, tokenizer, **dataset) -> Any:
+        """This data-parallel rank's loader of ``dataset`` (each simulated rank's while ranks
+        are simulated), sharded as the training data is."""
+        t = self.config.training
         loader = functools.partial(
             build_dataloader,
-            dataset=t.dataset,
-            dataset_path=t.dataset_path,
             tokenizer=tokenizer,
-            seq_len=t.seq_len,
-            local_batch_size=t.local_batch_size,
             dp_world_size=self.parallel_dims.dp_degree,
             num_workers=t.num_workers,
             sharding=t.data_sharding,
+            **dataset,
         )
-        dataloader = local_tensor.dataloader_for_rank(
+        return local_tensor.dataloader_for_rank(
             lambda dp_rank: loader(dp_rank=dp_rank), self.dp_rank, self.parallel_dims.dp_degree
         )
-        return tokenizer, dataloader
 
     def build_model_parts(
         self, args: Any, context: ParallelizeContext
@@ -309,8 +332,12 @@ class Trainer:
                     data_seconds=data_seconds,
                 )
                 self.train_state.tokens_seen += result.global_tokens
-                if self.metrics.should_log(self.step, stop):
-                    self._log(result)
+                validation = {}
+                if self.validator is not None and self.validator.should_run(self.step, stop):
+                    validation = self.validator.run(self.step)
+                    self.metrics.exclude_seconds(validation.get("validation_seconds", 0.0))
+                if validation or self.metrics.should_log(self.step, stop):
+                    self._log(result, validation)
                 if self.watchdog is not None:
                     self.watchdog.stop()
                 if profiler is not None:
@@ -392,48 +419,17 @@ class Trainer:
             "or pass --debug.skip_nonfinite_steps to skip such updates"
         )
 
-    def _ideal_pipeline_bubble(self) -> float | None:
-        """The bubble of this run's pipeline layout on the unit-cost timeline, logged once;
-        ``None`` where the timeline model cannot lower the schedule (it uses a private torch
-        API): the run goes on without it."""
-        p, t = self.config.parallelism, self.config.training
-        layout = pipeline_split.pipeline_layout(p, self.model_args.n_layers)
-        try:
-            bubble = pipeline_timeline.ideal_bubble(
-                pipeline_split.action_lists(layout, p, t.local_batch_size)
-            )
-        except Exception as e:  # a model of the step, never a reason to stop training
-            logger.warning(f"Pipeline: ideal bubble unknown ({type(e).__name__}: {e})")
-            return None
-        logger.info(
-            f"Pipeline: {layout.num_stages} stages on {p.pipeline_parallel_degree} ranks, "
-            f"{t.local_batch_size // p.pipeline_parallel_microbatch_size} micro-batches per "
-            f"accumulation batch; ideal bubble {bubble:.1%} (unit-cost timeline of the "
-            "schedule's actions: scripts/plot_pipeline_schedules.py draws it)"
-        )
-        return bubble
-
     def _note_resumed_schedule(self) -> None:
         """One warning when the checkpoint's run had another LR schedule (``lr_scheduler``'s
         rule: this run's flags decide)."""
-        path = self.checkpointer.loaded_from
-        if path is None or not (path / CONFIG_FILE).is_file():
-            return  # older checkpoints carry no config
-        saved = copy.deepcopy(self.config)
-        try:
-            apply_toml(saved, path / CONFIG_FILE)
-        except ConfigError:  # written by another version of the config: nothing to compare
+        c, saved = self.config, self.checkpointer.saved_config(self.config)
+        if saved is None:
             return
-        c = self.config
         note = resumed_schedule_note(
-            c.lr_scheduler,
-            training_steps=c.training.steps,
-            lr=c.optimizer.lr,
-            saved=saved.lr_scheduler,
-            saved_steps=saved.training.steps,
-            saved_lr=saved.optimizer.lr,
-            step=self.step,
-        )
+            c.lr_scheduler, training_steps=c.training.steps, lr=c.optimizer.lr,
+            saved=saved.lr_scheduler, saved_steps=saved.training.steps,
+            saved_lr=saved.optimizer.lr, step=self.step,
+        )  # fmt: skip
         if note is not None:
             logger.warning(note)
 
@@ -465,24 +461,14 @@ class Trainer:
             return 0
         return local_tensor.same_int(self.pp_mesh.get_local_rank())
 
-    def _shared_seed(self, seed: int | None) -> int:
-        """Every rank must initialise replicated state alike: without ``--debug.seed``, rank 0
-        draws a seed and shares it."""
-        if seed is not None:
-            return seed
-        drawn = torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
-        if self.parallel_dims.meshes_built:
-            torch.distributed.broadcast(drawn, src=0)
-        return int(drawn)
-
-    def _log(self, result: StepResult) -> None:
+    def _log(self, result: StepResult, validation: dict[str, float]) -> None:
         local_loss = self._own(result.local_loss)
         loss = dist_utils.dist_reduce(result.loss_sum, "sum", self.loss_mesh) / max(
             result.global_tokens, 1
         )
         loss_max = dist_utils.dist_reduce(result.local_loss, "max", self.loss_mesh)
         extra = {"loss_local": local_loss, "skipped_steps": self.skipped_steps}
-        extra |= self.model_metrics
+        extra |= self.model_metrics | validation
         idle = self.runner.take_pipeline_idle()
         if idle is not None:
             extra["pp_idle_pct"] = 100 * idle

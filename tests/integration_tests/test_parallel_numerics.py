@@ -37,6 +37,18 @@ MOE = (
     "--moe.load_balance_coeff 0.01"
 )
 MOE_REFERENCE = ("ref_moe", 1, f"--training.local_batch_size 8 {MOE}")
+# Validation (cases named validation_*) after steps 5 and 10, in global batches of 8 rows read
+# alike by every layout (by_row): the first 24 of the bundled split's 72 full batches;
+# ref_validation_all reads them all once.
+VALIDATION = (
+    "--validation.enable --validation.freq 5 --validation.steps 24 --training.data_sharding by_row"
+)
+VALIDATION_REFERENCE = ("ref_validation", 1, f"--training.local_batch_size 8 {VALIDATION}")
+WHOLE_SPLIT = (
+    "ref_validation_all",
+    1,
+    "--training.local_batch_size 8 --validation.enable --validation.freq 10 --validation.steps -1",
+)
 CASES = {
     # name: (ranks, flags); local_batch_size x data-parallel degree = 8 sequences per step
     "fsdp2": (2, "--training.local_batch_size 4"),
@@ -225,6 +237,21 @@ CASES = {
         f"{MOE} --training.local_batch_size 4 --parallelism.expert_parallel_degree 2 "
         "--parallelism.tensor_parallel_degree 2",
     ),
+    # Validation in the training layout (forward only; PP runs the schedule's eval).
+    "validation_fsdp2": (2, f"--training.local_batch_size 4 {VALIDATION}"),
+    "validation_tp2": (
+        2,
+        f"--training.local_batch_size 8 --parallelism.tensor_parallel_degree 2 {VALIDATION}",
+    ),
+    "validation_pp2": (
+        2,
+        "--training.local_batch_size 8 --parallelism.pipeline_parallel_degree 2 "
+        f"--parallelism.pipeline_parallel_microbatch_size 2 {VALIDATION}",
+    ),
+    "validation_cp2": (
+        2,
+        f"--training.local_batch_size 8 --parallelism.context_parallel_degree 2 {VALIDATION}",
+    ),
     # Context parallelism: the balance loss's routing shares summed over the sequence shards;
     # experts split over the CP ranks, then over CP x dp_shard, then over TP x CP.
     "moe_cp2": (2, f"{MOE} --training.local_batch_size 8 --parallelism.context_parallel_degree 2"),
@@ -273,7 +300,8 @@ def _launch(out: Path, ranks: int, cases: list[tuple[str, str]]) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("numerics")
-    references = (REFERENCE, BLOCK_CAUSAL_REFERENCE, MOE_REFERENCE)
+    references = (REFERENCE, BLOCK_CAUSAL_REFERENCE, MOE_REFERENCE, VALIDATION_REFERENCE)
+    references += (WHOLE_SPLIT,)
     _launch(out, 1, [(name, flags) for name, _, flags in references])
     for world in sorted({ranks for ranks, _ in CASES.values()}):
         _launch(out, world, [(n, f) for n, (r, f) in CASES.items() if r == world])
@@ -291,6 +319,8 @@ def test_layout_matches_one_process(results, case):
         reference = BLOCK_CAUSAL_REFERENCE[0]
     elif case.startswith("moe_"):
         reference = MOE_REFERENCE[0]
+    elif case.startswith("validation_"):
+        reference = VALIDATION_REFERENCE[0]
     ref, run = _load(results, reference), _load(results, case)
     assert [r["step"] for r in run["records"]] == list(range(1, 11))
     for got, want in zip(run["records"], ref["records"], strict=True):
@@ -304,3 +334,53 @@ def test_layout_matches_one_process(results, case):
 def test_reference_actually_trains(results):
     records = _load(results, "ref")["records"]
     assert records[-1]["loss"] < records[0]["loss"] - 0.5
+
+
+def _validation_losses(records: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["validation_loss"] for r in records if "validation_loss" in r}
+
+
+@pytest.mark.parametrize("case", sorted(c for c in CASES if c.startswith("validation_")))
+def test_validation_loss_matches_one_process(results, case):
+    want = _validation_losses(_load(results, VALIDATION_REFERENCE[0])["records"])
+    got = _validation_losses(_load(results, case)["records"])
+    assert sorted(want) == [5, 10]
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_validation_leaves_no_trace(results):
+    """Training with validations in between is bitwise training without them."""
+    for with_validation, without in (("ref_validation", "ref"), ("validation_fsdp2", "fsdp2")):
+        run, plain = _load(results, with_validation), _load(results, without)
+        assert [r["loss"] for r in run["records"]] == [r["loss"] for r in plain["records"]]
+        for name, want in plain["weights"].items():
+            assert torch.equal(run["weights"][name], want), name
+
+
+def test_validation_loss_is_the_mean_token_loss_of_the_whole_split(results):
+    """By hand, from the final weights: the mean cross-entropy over every full batch of the
+    bundled validation split (8 x 64 tokens; the last partial batch left out)."""
+    from torchtitan.components.dataloader import build_dataloader
+    from torchtitan.components.tokenizer import build_tokenizer
+    from torchtitan.models.llama3.model import Transformer
+    from torchtitan.models.spec import get_model_spec
+
+    run = _load(results, WHOLE_SPLIT[0])
+    (record,) = [r for r in run["records"] if "validation_loss" in r]
+    model = Transformer(get_model_spec("llama3").args_for("debugmodel", seq_len=64))
+    model.load_state_dict(run["weights"])
+    loader = build_dataloader(
+        dataset="python_docs_validation", dataset_path=None, seq_len=64, local_batch_size=8,
+        tokenizer=build_tokenizer(REPO / "tests/assets/tokenizer"), dp_rank=0, dp_world_size=1,
+        infinite=False, drop_last=True,
+    )  # fmt: skip
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for inputs, labels in loader:
+            logits = model(inputs["input"])
+            total += torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1).double(), labels.flatten(), reduction="sum"
+            ).item()
+            tokens += labels.numel()
+    assert tokens == record["validation_tokens"] == 72 * 8 * 64
+    assert record["validation_loss"] == pytest.approx(total / tokens, rel=1e-6)

@@ -17,6 +17,7 @@ other), ``lr_scheduler``, ``dataloader`` (one entry per data-parallel rank) and 
 (step, tokens seen, RNG state). Non-tensor values are read back with ``weights_only=True``.
 """
 
+import copy
 import dataclasses
 import json
 import os
@@ -66,6 +67,8 @@ from torchtitan.components.checkpoint_writer import (
 from torchtitan.components.optimizer import Optimizers
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.manager import apply_toml
 from torchtitan.distributed import local_pipeline, local_tensor
 from torchtitan.tools.logging import logger
 from torchtitan.tools.memory_estimate import format_bytes, local_bytes
@@ -117,6 +120,20 @@ class CheckpointManager:
         self._remove_incomplete()
 
     # ---- loading ---------------------------------------------------------------------------
+
+    def saved_config(self, current: JobConfig) -> JobConfig | None:
+        """The ``JobConfig`` the loaded checkpoint's run was saved with (``current`` with the
+        saved values over it), or ``None``: nothing loaded, an older checkpoint without a
+        config, or one written by another version of the config."""
+        path = self.loaded_from
+        if path is None or not (path / CONFIG_FILE).is_file():
+            return None
+        saved = copy.deepcopy(current)
+        try:
+            apply_toml(saved, path / CONFIG_FILE)
+        except ConfigError:
+            return None
+        return saved
 
     def load(self) -> int:
         """Restore the newest complete checkpoint (or ``load_step``); return its step, or 0."""

@@ -358,9 +358,14 @@ class ParallelAwareDataloader(StatefulDataLoader, Stateful):
         num_workers: int = 0,
         collate_fn: Callable | None = None,
         sharding: str = "by_document",
+        drop_last: bool = False,
     ):
         super().__init__(
-            dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn
+            dataset,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            drop_last=drop_last,
         )
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
@@ -432,13 +437,16 @@ def build_dataloader(
     infinite: bool = True,
     num_workers: int = 0,
     sharding: str = "by_document",
+    drop_last: bool = False,
 ) -> ParallelAwareDataloader:
     """Open ``dataset`` and wrap this DP rank's share of it in a resumable dataloader.
 
     ``sharding="by_document"`` gives each DP rank its own documents; ``"by_row"`` has every
     rank read the whole stream in global batches of ``local_batch_size x dp_world_size`` rows
     and keep rows ``[dp_rank x local_batch_size, ...)``, so the global batch of a step does not
-    depend on the DP degree, and its state resumes under any DP degree.
+    depend on the DP degree, and its state resumes under any DP degree. ``drop_last``: a
+    finite pass ends at its last full batch (under ``by_row`` a partial global batch would
+    leave some ranks no rows at all).
     """
     data, text_key = open_dataset(dataset, dataset_path)
     by_row = sharding == "by_row"
@@ -462,4 +470,5 @@ def build_dataloader(
         num_workers=num_workers,
         collate_fn=_RowsOf(start, start + local_batch_size),
         sharding=sharding,
+        drop_last=drop_last,
     )

@@ -90,6 +90,11 @@ class MetricsProcessor:
         self._data_seconds += data_seconds
         self._steps += 1
 
+    def exclude_seconds(self, seconds: float) -> None:
+        """Leave ``seconds`` of work that is not training (a validation) out of the next
+        record's throughput and step time."""
+        self._last_log += seconds
+
     def log(
         self,
         step: int,

@@ -444,25 +444,29 @@ class Debug:
 @dataclass
 class Validation:
     enable: bool = False
-    """Evaluate the loss on a held-out dataset during training."""
+    """Evaluate the loss on a held-out dataset during training (forward only, in the training
+    layout; the training data position, RNG and gradients are untouched)."""
 
     dataset: str = "python_docs_validation"
-    """Validation dataset from the registry."""
+    """Validation dataset: a registry name, or ``files`` with ``--validation.dataset_path``."""
 
     dataset_path: str | None = None
     """Overrides where the validation dataset is read from."""
 
-    local_batch_size: int = 8
-    """Sequences per validation batch on each data-parallel rank."""
+    local_batch_size: int = -1
+    """Sequences per validation batch on each data-parallel rank (-1: the training's; under
+    pipeline parallelism it must be the training's)."""
 
-    seq_len: int = 2048
-    """Tokens per validation sequence."""
+    seq_len: int = -1
+    """Tokens per validation sequence (-1: the training's; at most the training's, which sizes
+    the RoPE table; under pipeline parallelism it must be the training's)."""
 
     freq: int = 500
     """Validate every N steps (and after the last step)."""
 
     steps: int = -1
-    """Batches per validation; -1 runs the whole dataset once."""
+    """Batches per validation; -1 runs the whole dataset once (its last partial batch left
+    out)."""
 
 
 @dataclass

@@ -118,6 +118,8 @@ def validate(config: JobConfig) -> None:
     checks += _activation_checkpoint_checks(config)
     checks += _compile_checks(config)
     checks += _local_tensor_checks(config)
+    if config.validation.enable:
+        checks += _validation_checks(config)
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
@@ -220,7 +222,6 @@ def _unimplemented_checks(config: JobConfig) -> list[tuple[bool, str]]:
     """Features whose config fields exist but whose implementation lands later."""
     requested = {
         "--float8.enable": config.float8.enable,
-        "--validation.enable": config.validation.enable,
     }
     return [
         (not asked, f"{flag} is not implemented yet; remove the flag to train without it")
@@ -347,6 +348,39 @@ def _validate_context_parallel(config: JobConfig, spec: ModelSpec) -> None:
         )
 
 
+def _validation_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    """Validation batches the training layout can run (-1: the training's)."""
+    v, t, p = config.validation, config.training, config.parallelism
+    batch = t.local_batch_size if v.local_batch_size == -1 else v.local_batch_size
+    seq = t.seq_len if v.seq_len == -1 else v.seq_len
+    cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
+    chunks = (2 * cp if p.context_parallel_load_balance else cp) if cp > 1 else 1
+    sequence_split = tp if tp > 1 and p.enable_sequence_parallel else 1
+    pipelined = p.pipeline_parallel_degree > 1
+    return [
+        (v.freq >= 1, f"--validation.freq={v.freq} must be >= 1 (steps between validations)"),
+        (v.steps == -1 or v.steps >= 1, f"--validation.steps={v.steps} must be -1 (all) or >= 1"),
+        (batch >= 1, f"--validation.local_batch_size={batch} must be >= 1 (or -1)"),
+        (
+            1 <= seq <= t.seq_len,
+            f"--validation.seq_len={seq} must be in [1, --training.seq_len={t.seq_len}] (the "
+            "model's RoPE table is sized for the training length)",
+        ),
+        (
+            seq % chunks == 0 and (seq // cp) % sequence_split == 0,
+            f"--validation.seq_len={seq} must split over context parallelism ({chunks} chunks) "
+            f"and then over the {sequence_split} sequence-parallel ranks; use a multiple of "
+            f"{chunks * sequence_split}",
+        ),
+        (
+            not pipelined or (batch, seq) == (t.local_batch_size, t.seq_len),
+            f"--validation.local_batch_size={batch} and --validation.seq_len={seq} must equal "
+            f"the training's ({t.local_batch_size}, {t.seq_len}) under pipeline parallelism "
+            "(the schedule's micro-batches are fixed); leave them at -1",
+        ),
+    ]
+
+
 def _activation_checkpoint_checks(config: JobConfig) -> list[tuple[bool, str]]:
     ac = config.activation_checkpoint
     option = ac.selective_ac_option
@@ -455,6 +489,9 @@ def resolve_auto(config: JobConfig) -> None:
     and saved) says what actually ran."""
     p = config.parallelism
     p.fsdp_impl = _fsdp_impl(config)
+    v, t = config.validation, config.training
+    v.local_batch_size = t.local_batch_size if v.local_batch_size == -1 else v.local_batch_size
+    v.seq_len = t.seq_len if v.seq_len == -1 else v.seq_len
     pp, csv_path = p.pipeline_parallel_degree, p.pipeline_parallel_schedule_csv
     if csv_path and pp > 1:
         split_backward = pipeline_split.read_csv_schedule(csv_path, pp)[2]

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from torchtitan.config.errors import ConfigError, did_you_mean
+from torchtitan.tools.logging import logger
 
 SCHEDULES = (
     "GPipe",
@@ -234,3 +235,24 @@ def action_lists(layout: PipelineLayout, parallelism, local_batch_size: int) -> 
         local_batch_size // parallelism.pipeline_parallel_microbatch_size,
         len(layout.stages_by_rank[0]),
     )
+
+
+def log_ideal_bubble(parallelism, n_layers: int, local_batch_size: int) -> float | None:
+    """The bubble of a pipeline layout on the unit-cost timeline, logged once; ``None`` where
+    the schedule cannot be lowered (a private torch API): the run goes on without it."""
+    from torchtitan.distributed import pipeline_timeline
+
+    p = parallelism
+    layout = pipeline_layout(p, n_layers)
+    try:
+        bubble = pipeline_timeline.ideal_bubble(action_lists(layout, p, local_batch_size))
+    except Exception as e:  # a model of the step, never a reason to stop training
+        logger.warning(f"Pipeline: ideal bubble unknown ({type(e).__name__}: {e})")
+        return None
+    logger.info(
+        f"Pipeline: {layout.num_stages} stages on {p.pipeline_parallel_degree} ranks, "
+        f"{local_batch_size // p.pipeline_parallel_microbatch_size} micro-batches per "
+        f"accumulation batch; ideal bubble {bubble:.1%} (unit-cost timeline of the "
+        "schedule's actions: scripts/plot_pipeline_schedules.py draws it)"
+    )
+    return bubble

@@ -89,6 +89,17 @@ def set_determinism(seed: int | None, *, deterministic: bool, warn_only: bool) -
     torch.manual_seed(seed)
 
 
+def shared_seed(seed: int | None, distributed: bool) -> int:
+    """``seed``, or without one (``--debug.seed``) a seed rank 0 draws and shares with every
+    rank (``distributed``): replicated state must be initialised alike everywhere."""
+    if seed is not None:
+        return seed
+    drawn = torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
+    if distributed:
+        dist.broadcast(drawn, src=0)
+    return int(drawn)
+
+
 def dist_reduce(x: torch.Tensor | float, op: str, mesh: DeviceMesh | None) -> float:
     """All-reduce a scalar over ``mesh`` (``sum`` or ``max``); identity without a mesh.
 

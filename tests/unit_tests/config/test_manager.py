@@ -622,7 +622,25 @@ def test_compiling_tensor_parallel_blocks_is_refused() -> None:
     ("world", "argv", "expected"),
     [
         (None, "--float8.enable", "--float8.enable is not implemented yet"),
-        (None, "--validation.enable", "--validation.enable is not implemented yet"),
+        (
+            None,
+            "--validation.enable --training.seq_len 64 --validation.seq_len 128",
+            "--validation.seq_len=128 must be in [1, --training.seq_len=64]",
+        ),
+        (
+            "4",
+            "--validation.enable --parallelism.pipeline_parallel_degree 2 "
+            "--validation.local_batch_size 2",
+            "--validation.local_batch_size=2 and --validation.seq_len=512 must equal the "
+            "training's (8, 512) under pipeline parallelism",
+        ),
+        (
+            "2",
+            "--validation.enable --parallelism.context_parallel_degree 2 --training.seq_len 64 "
+            "--validation.seq_len 42",
+            "--validation.seq_len=42 must split over context parallelism (4 chunks)",
+        ),
+        (None, "--validation.enable --validation.freq 0", "--validation.freq=0 must be >= 1"),
         (
             "2",
             "--parallelism.context_parallel_degree 2 --training.seq_len 102",
