@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from torchtitan.batch_runner import Batch, BatchRunner, pipeline_dtypes
+from torchtitan.components import checkpoint_hf
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_states import build_checkpoint_states
 from torchtitan.components.dataloader import build_dataloader
@@ -278,7 +279,9 @@ class Trainer:
             states=states,
             device_type=self.device.type,
             run_config=to_toml(self.config),
-        )
+            hf=checkpoint_hf.build_hfio(self.model_spec, self.model_args, self.model_parts,
+                                        self.tokenizer, self.parallel_dims),
+        )  # fmt: skip
 
     # ---- runs ------------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchtitan.components import checkpoint_hf
 from torchtitan.components.checkpoint_files import (
     CONFIG_FILE,
     MANIFEST,
@@ -93,8 +94,11 @@ class CheckpointManager:
         states: dict[str, Stateful],
         device_type: str,
         run_config: str | None = None,
+        hf: "checkpoint_hf.HFIO | None" = None,
     ):
         self.config = config
+        self.hf = hf
+        """Hugging Face import/export for this model (``None``: the family has no adapter)."""
         self.folder = Path(dump_folder) / config.folder
         self.states = states
         self.run_config = run_config  # resolved TOML, saved in every checkpoint
@@ -165,7 +169,15 @@ class CheckpointManager:
                 f"the folder aside or use another --job.dump_folder; to use one of them anyway, "
                 "repair it and pass --checkpoint.load_step N"
             )
-        if c.initial_load_path:
+        if c.initial_load_path and checkpoint_hf.is_hf_folder(c.initial_load_path):
+            if self.hf is None:
+                raise ConfigError(
+                    f"--checkpoint.initial_load_path {c.initial_load_path} is a Hugging Face "
+                    "folder, and this model family has no state-dict adapter to read it"
+                )
+            logger.info(f"Loading Hugging Face weights from {c.initial_load_path}")
+            self.hf.load(c.initial_load_path)
+        elif c.initial_load_path:
             self._load_model_only(Path(c.initial_load_path))
         else:
             logger.info(f"No checkpoint in {self.folder}: training from step 0")
@@ -276,7 +288,7 @@ class CheckpointManager:
         if local_tensor.is_simulating():
             # DCP cannot gather LocalTensors: read the whole model on the host (as one
             # process would), then every simulated rank copies its shards out of it.
-            full = _read_full_model(path)
+            full = read_full_model(path)
             for part in self.states["model"].model_parts:
                 local_tensor.copy_full_state_(part, full)
             return
@@ -332,6 +344,8 @@ class CheckpointManager:
             self._finalize(step)
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException
             raise self._save_failed(step, e) from None
+        if last and self.config.last_save_in_hf and self.hf is not None:
+            self.hf.save(self.folder / f"hf-step-{step}", _DTYPES[self.config.export_dtype])
 
     def wait_for_staging(self) -> None:
         """Block until the state of an ``async_with_pinned_mem`` save is copied to host memory.
@@ -486,7 +500,7 @@ class CheckpointManager:
         close_stager(self._stager)
 
 
-def _read_full_model(path: Path) -> dict[str, torch.Tensor]:
+def read_full_model(path: Path) -> dict[str, torch.Tensor]:
     """Every model tensor of a checkpoint, whole, as host tensors (one process's view)."""
     with local_tensor.host_only():
         state = {

@@ -248,7 +248,8 @@ class Checkpoint:
     """Also save right after step 1."""
 
     initial_load_path: str | None = None
-    """Start from another run's checkpoint folder (weights only)."""
+    """Start from another run's checkpoint folder (weights only), or from a Hugging Face model
+    folder (``config.json`` + safetensors), read in any parallel layout."""
 
     load_only: bool = False
     """Load checkpoints but never save."""
@@ -259,7 +260,12 @@ class Checkpoint:
     a larger ``--training.steps``."""
 
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Dtype of weights in a model-only save."""
+    """Dtype of weights in a model-only save and in the Hugging Face export."""
+
+    last_save_in_hf: bool = False
+    """After the final save, also write the weights as a Hugging Face folder
+    (``<folder>/hf-step-N``: safetensors shards, their index and a ``config.json`` that
+    ``transformers`` loads). ``--checkpoint.initial_load_path`` takes such a folder."""
 
     create_seed_checkpoint: bool = False
     """Write initial weights as step 0 on one process and exit."""

@@ -108,6 +108,7 @@ def validate(config: JobConfig) -> None:
         ("--checkpoint.initial_load_path", c.initial_load_path is not None),
         ("--checkpoint.load_step", c.load_step != -1),
         ("--checkpoint.load_only", c.load_only),
+        ("--checkpoint.last_save_in_hf", c.last_save_in_hf),
     ):
         checks.append(
             (not given or c.enable, f"{flag} does nothing without --checkpoint.enable; add it")
@@ -130,6 +131,11 @@ def validate(config: JobConfig) -> None:
             f"--model.flavor {config.model.flavor} is not a {config.model.name} flavor"
             f"{did_you_mean(config.model.flavor, spec.flavors)}; available: "
             f"{', '.join(spec.flavors)}"
+        )
+    if config.checkpoint.last_save_in_hf and spec.state_dict_adapter is None:
+        raise ConfigError(
+            f"--checkpoint.last_save_in_hf: model {spec.name} has no Hugging Face state-dict "
+            "adapter yet; remove the flag"
         )
     if p.pipeline_parallel_degree > 1:
         _validate_pipeline(config, spec)

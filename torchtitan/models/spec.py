@@ -105,7 +105,8 @@ class ModelSpec:
     ``distributed.context_parallel.apply_cp``) and ``document_ids`` (each token's document in
     its window: block-causal attention needs it)."""
     state_dict_adapter: Callable[..., Any] | None = None
-    """Maps state dicts to and from the Hugging Face layout; ``None`` until that exists."""
+    """``state_dict_adapter(args)``: converts tensors to and from the Hugging Face layout
+    (``models/llama3/state_dict_adapter.py``); ``None``: no HF import or export."""
     has_experts: bool = False
     """Mixture-of-experts layers: ``--parallelism.expert_parallel_degree`` and ``--moe.*``
     apply (the args have a ``moe`` field, ``models.common.moe_args.MoEArgs``)."""

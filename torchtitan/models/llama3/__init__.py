@@ -40,4 +40,5 @@ model_spec = ModelSpec(
     validate=validate,
     pipeline=pipeline_llama3,
     forward_keywords=("positions", "document_ids"),
+    state_dict_adapter=lazy("torchtitan.models.llama3.state_dict_adapter:Llama3StateDictAdapter"),
 )

@@ -1,0 +1,112 @@
+"""Convert weights between our checkpoints (DCP) and Hugging Face folders, in one process.
+
+    # any saved step (not only the last) to a folder transformers loads
+    python scripts/convert_hf.py to_hf outputs/checkpoint/step-10 outputs/hf-step-10 \
+        [--dtype bfloat16]
+    # an HF folder to a weights-only DCP checkpoint (step-0, like a seed checkpoint)
+    python scripts/convert_hf.py from_hf HF_FOLDER outputs/from_hf [--module llama3]
+
+The model family and flavor of a step come from the ``config.toml`` saved with it (else pass
+``--module`` and ``--flavor``); for an HF folder the flavor is the one whose shapes match its
+``config.json`` (or ``--flavor``). A training run reads HF folders directly too:
+``--checkpoint.initial_load_path HF_FOLDER``.
+"""
+
+import argparse
+import sys
+import tomllib
+import warnings
+from pathlib import Path
+
+import torch
+
+from torchtitan.components import checkpoint_hf
+from torchtitan.components.checkpoint import CheckpointManager, read_full_model
+from torchtitan.components.checkpoint_files import CONFIG_FILE
+from torchtitan.components.checkpoint_states import ModelState
+from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import Checkpoint
+from torchtitan.models.spec import get_model_spec
+
+# One process on purpose: DCP's note that it saves without a process group is noise here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _model(spec, flavor: str) -> torch.nn.Module:
+    args = spec.flavors[flavor]
+    with torch.device("meta"):
+        model = spec.build_model(args)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model
+
+
+def _matching_flavor(spec, folder: Path) -> str:
+    """The flavor whose shapes the HF folder's config.json has."""
+    config = checkpoint_hf.read_config(folder)
+    for flavor, args in spec.flavors.items():
+        try:
+            spec.state_dict_adapter(args).check_hf_config(config, str(folder))
+            return flavor
+        except ConfigError:
+            continue
+    raise ConfigError(f"{folder}: no {spec.name} flavor has its shapes; pass --flavor")
+
+
+def to_hf(step: Path, out: Path, module: str | None, flavor: str | None, dtype: str) -> None:
+    if (module is None or flavor is None) and (step / CONFIG_FILE).is_file():
+        saved = tomllib.loads((step / CONFIG_FILE).read_text())["model"]
+        module, flavor = module or saved["name"], flavor or saved["flavor"]
+    if module is None or flavor is None:
+        raise ConfigError(f"{step} has no {CONFIG_FILE}: pass --module and --flavor")
+    spec = get_model_spec(module)
+    model = _model(spec, flavor)
+    model.load_state_dict(read_full_model(step), strict=False)
+    tokenizer = build_tokenizer(Path(__file__).resolve().parents[1] / "tests/assets/tokenizer")
+    checkpoint_hf.save_hf(
+        [model], spec.state_dict_adapter(spec.flavors[flavor]), out, dtype=DTYPES[dtype],
+        writer=True, pipelined=False, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+    )  # fmt: skip
+
+
+def from_hf(folder: Path, out: Path, module: str, flavor: str | None) -> None:
+    spec = get_model_spec(module)
+    flavor = flavor or _matching_flavor(spec, folder)
+    model = _model(spec, flavor)
+    checkpoint_hf.load_hf_([model], spec.state_dict_adapter(spec.flavors[flavor]), folder)
+    manager = CheckpointManager(
+        Checkpoint(enable=True, folder=out.name), dump_folder=str(out.parent),
+        states={"model": ModelState([model])}, device_type="cpu",
+        run_config=f'[model]\nname = "{module}"\nflavor = "{flavor}"\n',
+    )  # fmt: skip
+    manager.save(0, model_only=True)
+    print(f"{module} {flavor} weights written to {out / 'step-0'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("direction", choices=["to_hf", "from_hf"])
+    parser.add_argument("source", type=Path, help="a step-N folder (to_hf) or an HF folder")
+    parser.add_argument("out", type=Path, help="the HF folder (to_hf) or a checkpoint folder")
+    parser.add_argument("--module", default=None, help="model family (from_hf: llama3)")
+    parser.add_argument("--flavor", default=None)
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    args = parser.parse_args(argv)
+    try:
+        if args.direction == "to_hf":
+            to_hf(args.source, args.out, args.module, args.flavor, args.dtype)
+        else:
+            from_hf(args.source, args.out, args.module or "llama3", args.flavor)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

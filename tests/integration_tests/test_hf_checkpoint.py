@@ -1,0 +1,96 @@
+"""Hugging Face weights in a real run: ``--checkpoint.initial_load_path HF_FOLDER`` under
+FSDP 2 x TP 2 starts from the same first loss as one process, and ``--checkpoint.last_save_in_hf``
+under FSDP 2 and PP 2 writes what one process writes, which ``transformers`` loads."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from launch import REPO, records, run_train  # noqa: E402
+
+from torchtitan.models.llama3.args import flavors  # noqa: E402
+
+BASE = [
+    "--debug.deterministic", "--training.data_sharding", "by_row", "--checkpoint.enable",
+    "--lr_scheduler.warmup_steps", "2",
+]  # fmt: skip
+
+pytestmark = pytest.mark.integration
+
+
+def _run(dump: Path, ngpu: int, *flags: str) -> list[float]:
+    result = run_train(dump, *BASE, *flags, ngpu=ngpu, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [r["loss"] for r in records(dump)]
+
+
+def _hf_folder(path: Path) -> Path:
+    a = flavors["debugmodel"]
+    config = transformers.LlamaConfig(
+        hidden_size=a.dim, intermediate_size=a.ffn_hidden_dim, num_hidden_layers=a.n_layers,
+        num_attention_heads=a.n_heads, num_key_value_heads=a.kv_heads, vocab_size=a.vocab_size,
+        rms_norm_eps=a.norm_eps, rope_theta=a.rope_theta, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _hf_loss(folder: Path) -> float:
+    from torchtitan.components.dataloader import build_dataloader
+    from torchtitan.components.tokenizer import build_tokenizer
+
+    loader = build_dataloader(
+        dataset="python_docs", dataset_path=None, seq_len=64, local_batch_size=8,
+        tokenizer=build_tokenizer(REPO / "tests/assets/tokenizer"), dp_rank=0, dp_world_size=1,
+    )  # fmt: skip
+    inputs, labels = next(iter(loader))
+    model = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        logits = model(inputs["input"]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
+
+
+def _read(folder: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for file in set(index["weight_map"].values()):
+        tensors |= safetensors_torch.load_file(folder / file)
+    return tensors
+
+
+def test_hf_import_in_any_layout_and_export_from_sharded_runs(tmp_path):
+    hf = _hf_folder(tmp_path / "hf")
+    load = ["--checkpoint.initial_load_path", str(hf), "--training.steps", "2"]
+    one = _run(tmp_path / "one", 1, *load, "--training.local_batch_size", "8")
+    sharded = _run(
+        tmp_path / "fsdp2_tp2", 4, *load, "--training.local_batch_size", "4",
+        "--parallelism.tensor_parallel_degree", "2",
+    )  # fmt: skip
+    assert sharded == pytest.approx(one, rel=1e-5)
+    # The first loss is the HF model's own on the first global batch.
+    assert one[0] == pytest.approx(_hf_loss(hf), rel=1e-5)
+
+    export = ["--checkpoint.last_save_in_hf", "--training.steps", "3"]
+    runs = {
+        "1": (1, ["--training.local_batch_size", "8"]),
+        "fsdp2": (2, ["--training.local_batch_size", "4"]),
+        "pp2": (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree",
+                    "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]),
+    }  # fmt: skip
+    exported = {}
+    for name, (ngpu, flags) in runs.items():
+        _run(tmp_path / name, ngpu, *export, *flags)
+        exported[name] = _read(tmp_path / name / "checkpoint" / "hf-step-3")
+    assert len(exported["1"]) == 2 + 6 * 9 + 1  # embedding, 6 blocks of 9, norm; lm_head below
+    for name in ("fsdp2", "pp2"):
+        assert exported[name].keys() == exported["1"].keys()
+        for key, want in exported["1"].items():
+            torch.testing.assert_close(exported[name][key], want, rtol=0, atol=5e-5, msg=key)
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "pp2/checkpoint/hf-step-3")
+    assert not model.config.tie_word_embeddings and model.config.num_hidden_layers == 6

@@ -1,0 +1,143 @@
+"""Llama 3 weights to and from Hugging Face ``transformers`` (a test-only dependency): logits
+of the same tokens agree both ways, and HF -> ours -> HF is bit-identical."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from torchtitan.components import checkpoint_hf
+from torchtitan.config.errors import ConfigError
+from torchtitan.models.llama3.args import flavors
+from torchtitan.models.llama3.model import Transformer
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+ARGS = dataclasses.replace(flavors["debugmodel"], n_layers=2, max_seq_len=64)
+TOKENS = torch.randint(0, ARGS.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def _hf_model(tied: bool):
+    config = transformers.LlamaConfig(
+        hidden_size=ARGS.dim, intermediate_size=ARGS.ffn_hidden_dim,
+        num_hidden_layers=ARGS.n_layers, num_attention_heads=ARGS.n_heads,
+        num_key_value_heads=ARGS.kv_heads, vocab_size=ARGS.vocab_size,
+        rms_norm_eps=ARGS.norm_eps, rope_theta=ARGS.rope_theta, max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # random norms too, so a swapped norm would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def _ours(args=ARGS) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model.eval()
+
+
+def _hf_logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_import_export_and_round_trip(tmp_path, tied):
+    hf = _hf_model(tied)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    assert checkpoint_hf.is_hf_folder(tmp_path / "hf")
+
+    ours = _ours()  # untied: a tied HF model's output gets a copy of the embedding
+    adapter = Llama3StateDictAdapter(ARGS)
+    checkpoint_hf.load_hf_([ours], adapter, tmp_path / "hf")
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS), _hf_logits(hf), rtol=1e-5, atol=1e-5)
+
+    # Round trip: written back, every tensor and the tying are the same bits.
+    checkpoint_hf.save_hf(
+        [ours], adapter, tmp_path / "back", dtype=torch.float32, writer=True, pipelined=False
+    )
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is tied
+    original = safetensors_torch.load_file(tmp_path / "hf" / "model.safetensors")
+    index = json.loads((tmp_path / "back" / checkpoint_hf.INDEX).read_text())
+    back = {}
+    for file in set(index["weight_map"].values()):
+        back |= safetensors_torch.load_file(tmp_path / "back" / file)
+    assert back.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor), name
+
+    # Ours after training steps, loaded by transformers: the same logits.
+    optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    ours.train()
+    for _ in range(3):
+        logits = ours(TOKENS)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), TOKENS.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    ours.eval()
+    checkpoint_hf.save_hf(
+        [ours], adapter, tmp_path / "trained", dtype=torch.float32, writer=True,
+        pipelined=False, max_shard_bytes=2**20,  # several shards and an index
+    )  # fmt: skip
+    assert len(set(json.loads((tmp_path / "trained" / checkpoint_hf.INDEX).read_text())
+                   ["weight_map"].values())) > 1  # fmt: skip
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "trained").eval()
+    assert not loaded.config.tie_word_embeddings  # trained apart
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_logits(loaded), ours(TOKENS), rtol=1e-5, atol=1e-5)
+
+
+def test_tied_flavor_imports_a_tied_model(tmp_path):
+    hf = _hf_model(tied=True)
+    hf.save_pretrained(tmp_path / "hf")
+    args = dataclasses.replace(ARGS, tie_word_embeddings=True)
+    ours = _ours(args)
+    checkpoint_hf.load_hf_([ours], Llama3StateDictAdapter(args), tmp_path / "hf")
+    assert ours.output.weight is ours.tok_embeddings.weight
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS), _hf_logits(hf), rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_of_other_shapes_is_refused_in_one_line(tmp_path):
+    _hf_model(tied=False).save_pretrained(tmp_path / "hf")
+    other = dataclasses.replace(ARGS, n_layers=3)
+    with pytest.raises(ConfigError, match="num_hidden_layers=2 \\(flavor: 3\\)") as error:
+        checkpoint_hf.load_hf_([_ours(other)], Llama3StateDictAdapter(other), tmp_path / "hf")
+    assert "\n" not in str(error.value)
+
+
+def test_convert_script_round_trips_through_a_dcp_checkpoint(tmp_path):
+    """HF folder -> DCP step-0 (flavor found by shapes) -> HF folder (flavor from the saved
+    config): the same bits."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[3] / "scripts/convert_hf.py"
+    spec = importlib.util.spec_from_file_location("convert_hf", script)
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+
+    a = flavors["debugmodel"]
+    config = transformers.LlamaConfig(
+        hidden_size=a.dim, intermediate_size=a.ffn_hidden_dim, num_hidden_layers=a.n_layers,
+        num_attention_heads=a.n_heads, num_key_value_heads=a.kv_heads, vocab_size=a.vocab_size,
+        rope_theta=a.rope_theta,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    assert convert.main(["from_hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    assert convert.main(["to_hf", str(tmp_path / "ckpt/step-0"), str(tmp_path / "back")]) == 0
+    original = safetensors_torch.load_file(tmp_path / "hf" / "model.safetensors")
+    back = safetensors_torch.load_file(tmp_path / "back" / "model-00001-of-00001.safetensors")
+    assert back.keys() == original.keys()
+    assert all(torch.equal(back[k], original[k]) for k in original)

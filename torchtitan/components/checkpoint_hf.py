@@ -1,0 +1,244 @@
+"""Hugging Face checkpoint folders (``config.json`` + safetensors shards + their index) in and
+out of a parallelized model, one tensor at a time.
+
+Import (:func:`load_hf_`): every rank memory-maps the shards (``safetensors.safe_open``) and,
+for each of its parameters, reads the one HF tensor it needs, converts it to our layout
+(the model family's state-dict adapter) and keeps its own shard of it (``distribute_tensor``
+without communication). No rank ever holds more than one full tensor beyond its shards, and no
+collective runs: any parallel layout, any number of ranks.
+
+Export (:func:`save_hf`): every parameter's full tensor is gathered where it lives (its
+DTensor mesh); the first rank of each pipeline stage writes that stage's tensors as shards of
+at most ``max_shard_bytes``; rank 0 writes ``model.safetensors.index.json`` and ``config.json``.
+
+DCP's own Hugging Face reader/writer (torch >= 2.8) is not used: it maps tensors by name only,
+and Llama's rotary layout needs a permutation of whole query/key matrices on the way.
+"""
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.distributed import local_tensor
+from torchtitan.tools.logging import logger
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+MAX_SHARD_BYTES = 5 * 2**30
+
+
+@dataclasses.dataclass
+class HFIO:
+    """A run's Hugging Face import and export (what the checkpoint manager calls)."""
+
+    model_parts: Sequence[nn.Module]
+    adapter: Any
+    writer: bool
+    """This rank writes its pipeline stage's tensors (the stage's first rank)."""
+    pipelined: bool
+    bos_id: int | None = None
+    eos_id: int | None = None
+
+    def load(self, folder: str | os.PathLike) -> None:
+        load_hf_(self.model_parts, self.adapter, folder)
+
+    def save(self, folder: str | os.PathLike, dtype: torch.dtype) -> None:
+        save_hf(
+            self.model_parts, self.adapter, folder, dtype=dtype, writer=self.writer,
+            pipelined=self.pipelined, bos_id=self.bos_id, eos_id=self.eos_id,
+        )  # fmt: skip
+
+
+def is_hf_folder(path: str | os.PathLike) -> bool:
+    """A Hugging Face model folder: ``config.json`` and safetensors weights."""
+    path = Path(path)
+    return (path / CONFIG).is_file() and ((path / INDEX).is_file() or (path / SINGLE).is_file())
+
+
+def read_config(folder: str | os.PathLike) -> dict[str, Any]:
+    """An HF folder's ``config.json``."""
+    return json.loads((Path(folder) / CONFIG).read_text())
+
+
+class _Shards:
+    """The tensors of an HF folder by name, read lazily from memory-mapped files."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        if (folder / INDEX).is_file():
+            weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+        else:
+            with safe_open(folder / SINGLE, "pt") as f:
+                weight_map = dict.fromkeys(f.keys(), SINGLE)
+        self.files: dict[str, str] = weight_map
+        self._open: dict[str, Any] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self.files[name]
+        if file not in self._open:
+            self._open[file] = safe_open(self.folder / file, "pt")
+        return self._open[file].get_tensor(name)
+
+
+def _clean(name: str) -> str:
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+@torch.no_grad()
+def load_hf_(model_parts: Sequence[nn.Module], adapter, folder: str | os.PathLike) -> None:
+    """Fill every parameter of ``model_parts`` from the HF folder (shapes checked against the
+    flavor first: a mismatch is a one-line ``ConfigError``)."""
+    folder = Path(folder)
+    where = f"--checkpoint.initial_load_path {folder}"
+    adapter.check_hf_config(read_config(folder), where)
+    shards = _Shards(folder)
+    available = set(shards.files)
+    for part in model_parts:
+        full_state = {}
+        for name, param in part.named_parameters():
+            ours = _clean(name)
+            source = adapter.source_name(ours, available)
+            if source not in available:
+                raise ConfigError(f"{where}: no tensor {source} (for our {ours}) in the folder")
+            full = adapter.from_hf(ours, shards.get(source)).to(param.dtype)
+            if tuple(full.shape) != tuple(param.shape):
+                raise ConfigError(
+                    f"{where}: {source} has shape {tuple(full.shape)}, our {ours} "
+                    f"{tuple(param.shape)}"
+                )
+            if local_tensor.is_simulating():
+                full_state[ours] = full  # every simulated rank cuts its shards below
+            elif isinstance(param, DTensor):
+                mine = distribute_tensor(
+                    full, param.device_mesh, param.placements, src_data_rank=None
+                )
+                param.to_local().copy_(mine.to_local())
+            else:
+                param.copy_(full)
+        if full_state:
+            local_tensor.copy_full_state_(part, full_state)
+    logger.info(f"Loaded {len(available)} tensors of the Hugging Face model {folder}")
+
+
+@torch.no_grad()
+def save_hf(
+    model_parts: Sequence[nn.Module],
+    adapter,
+    folder: str | os.PathLike,
+    *,
+    dtype: torch.dtype,
+    writer: bool,
+    pipelined: bool,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> None:
+    """Write the model as an HF folder. Every rank calls it (the gathers are collectives);
+    ``writer``: this rank writes its pipeline stage's tensors (the first rank of the stage)."""
+    folder = Path(folder)
+    tensors: dict[str, torch.Tensor] = {}
+    embedding = output = None
+    for part in model_parts:
+        for name, param in part.named_parameters():
+            full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+            ours = _clean(name)
+            if ours == "tok_embeddings.weight":
+                embedding = full
+            elif ours == "output.weight":
+                output = full
+            if writer:
+                tensors[adapter.hf_name(ours)] = adapter.to_hf(ours, full).to(dtype).contiguous()
+    # Tied when our output is the embedding (a tied flavor, or untouched since a tied import);
+    # stages of a pipeline hold them apart: exported untied.
+    tied = not pipelined and (
+        output is None or (embedding is not None and torch.equal(output, embedding))
+    )
+    if tied:
+        tensors.pop("lm_head.weight", None)
+    chunks = _chunks(tensors, max_shard_bytes) if writer else []
+    counts = _gather([len(chunks)])
+    total = sum(c[0] for c in counts)
+    first = sum(c[0] for c in counts[: _rank()])
+    if writer or _rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    weight_map: dict[str, str] = {}
+    for k, chunk in enumerate(chunks):
+        file = f"model-{first + k + 1:05d}-of-{total:05d}.safetensors"
+        save_file(chunk, folder / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(chunk, file)
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    gathered = _gather([weight_map, size])
+    if _rank() == 0:
+        merged = {k: v for m, _ in gathered for k, v in m.items()}
+        size = sum(n for _, n in gathered)
+        index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(merged.items()))}
+        (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        config = adapter.hf_config(tied=tied, dtype=dtype, bos_id=bos_id, eos_id=eos_id)
+        (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        logger.info(f"Hugging Face model written to {folder} ({total} shard(s), {size:,} bytes)")
+    _barrier()
+
+
+def _chunks(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
+    """Consecutive groups of at most ``limit`` bytes (a larger tensor alone)."""
+    chunks: list[dict[str, torch.Tensor]] = []
+    size = limit
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if size + nbytes > limit:
+            chunks.append({})
+            size = 0
+        chunks[-1][name] = t
+        size += nbytes
+    return chunks
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _gather(value: list) -> list[list]:
+    """Every rank's ``value`` in rank order."""
+    if not dist.is_initialized():
+        return [value]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def build_hfio(spec, model_args, model_parts, tokenizer, parallel_dims) -> HFIO | None:
+    """The run's :class:`HFIO`, or ``None`` where the model family has no adapter."""
+    if spec.state_dict_adapter is None:
+        return None
+    writer = True
+    if parallel_dims.meshes_built and not local_tensor.is_simulating():
+        coordinate = parallel_dims.mesh("world").get_coordinate()  # (pp, dp_r, dp_s, cp, tp)
+        writer = not any(coordinate[1:])
+    return HFIO(
+        model_parts=model_parts,
+        adapter=spec.state_dict_adapter(model_args),
+        writer=writer,
+        pipelined=parallel_dims.pp_enabled,
+        bos_id=getattr(tokenizer, "bos_id", None),
+        eos_id=getattr(tokenizer, "eos_id", None),
+    )
