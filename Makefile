@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 train: $(STAMP)
-	PYTHON=$(PY) ./run_train.sh $(ARGS)
+	PYTHON=$(PY) ./run_train.sh --validation.sample_prompt "The " $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=15 tests

@@ -44,18 +44,6 @@ def _model(spec, flavor: str) -> torch.nn.Module:
     return model
 
 
-def _matching_flavor(spec, folder: Path) -> str:
-    """The flavor whose shapes the HF folder's config.json has."""
-    config = checkpoint_hf.read_config(folder)
-    for flavor, args in spec.flavors.items():
-        try:
-            spec.state_dict_adapter(args).check_hf_config(config, str(folder))
-            return flavor
-        except ConfigError:
-            continue
-    raise ConfigError(f"{folder}: no {spec.name} flavor has its shapes; pass --flavor")
-
-
 def to_hf(step: Path, out: Path, module: str | None, flavor: str | None, dtype: str) -> None:
     if (module is None or flavor is None) and (step / CONFIG_FILE).is_file():
         saved = tomllib.loads((step / CONFIG_FILE).read_text())["model"]
@@ -74,7 +62,7 @@ def to_hf(step: Path, out: Path, module: str | None, flavor: str | None, dtype: 
 
 def from_hf(folder: Path, out: Path, module: str, flavor: str | None) -> None:
     spec = get_model_spec(module)
-    flavor = flavor or _matching_flavor(spec, folder)
+    flavor = flavor or checkpoint_hf.matching_flavor(spec, folder)
     model = _model(spec, flavor)
     checkpoint_hf.load_hf_([model], spec.state_dict_adapter(spec.flavors[flavor]), folder)
     manager = CheckpointManager(

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from torchtitan import dry_run, launcher
+from torchtitan import dry_run, generate, launcher
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
@@ -78,6 +78,8 @@ def _run(config: JobConfig) -> None:
         else:
             trainer = Trainer(config)
             trainer.train()
+            if config.validation.sample_prompt:
+                generate.print_sample(trainer, config.validation)
     finally:
         if trainer is not None:
             trainer.close()

@@ -3,6 +3,8 @@ FSDP 2 x TP 2 starts from the same first loss as one process, and ``--checkpoint
 under FSDP 2 and PP 2 writes what one process writes, which ``transformers`` loads."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from launch import REPO, records, run_train  # noqa: E402
+from launch import REPO, clean_env, records, run_train  # noqa: E402
 
 from torchtitan.models.llama3.args import flavors  # noqa: E402
 
@@ -94,3 +96,22 @@ def test_hf_import_in_any_layout_and_export_from_sharded_runs(tmp_path):
             torch.testing.assert_close(exported[name][key], want, rtol=0, atol=5e-5, msg=key)
     model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "pp2/checkpoint/hf-step-3")
     assert not model.config.tie_word_embeddings and model.config.num_hidden_layers == 6
+
+    # Sampling from the run's checkpoint: tensor parallel gives the one-process text.
+    sample = ["-m", "torchtitan.generate", str(tmp_path / "1"), "--prompt", "The ",
+              "--max_new_tokens", "12", "--temperature", "0.8", "--seed", "1"]  # fmt: skip
+    torchrun = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
+                "--rdzv_endpoint", "localhost:0"]  # fmt: skip
+    texts = [
+        subprocess.run(
+            [sys.executable, *cmd],
+            cwd=REPO,
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        ).stdout  # fmt: skip
+        for cmd in (sample, [*torchrun, *sample, "--tp", "2"])
+    ]
+    assert texts[0].startswith("The ") and texts[0] == texts[1]

@@ -150,6 +150,19 @@ def test_features_of_later_issues_are_refused_not_ignored(tmp_path, capfd):
     assert "--float8.enable" in err and "not implemented yet" in err
 
 
+def test_a_sample_is_printed_after_training(tmp_path, capfd):
+    """``--validation.sample_prompt`` (what ``make train`` passes): the trained model's seeded
+    continuation, the same text for the same weights."""
+    flags = ["--training.steps", "2", "--validation.sample_prompt", "The "]
+    texts = []
+    for run in ("a", "b"):
+        capfd.readouterr()
+        assert main([*SMALL, "--job.dump_folder", str(tmp_path / run), *flags]) == 0
+        out = capfd.readouterr()
+        texts.append((out.out + out.err).split("INFO Sample (40 tokens", 1)[1])
+    assert texts[0] == texts[1] and texts[0].split("\n    ", 1)[1].startswith("The ")
+
+
 def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -72,6 +72,18 @@ def read_config(folder: str | os.PathLike) -> dict[str, Any]:
     return json.loads((Path(folder) / CONFIG).read_text())
 
 
+def matching_flavor(spec, folder: str | os.PathLike) -> str:
+    """The flavor of ``spec`` whose shapes the HF folder's ``config.json`` has."""
+    config = read_config(folder)
+    for flavor, args in spec.flavors.items():
+        try:
+            spec.state_dict_adapter(args).check_hf_config(config, str(folder))
+            return flavor
+        except ConfigError:
+            continue
+    raise ConfigError(f"{folder}: no {spec.name} flavor has its shapes; pass --flavor")
+
+
 class _Shards:
     """The tensors of an HF folder by name, read lazily from memory-mapped files."""
 

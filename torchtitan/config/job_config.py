@@ -474,6 +474,14 @@ class Validation:
     """Batches per validation; -1 runs the whole dataset once (its last partial batch left
     out)."""
 
+    sample_prompt: str = ""
+    """After the last step, print the model's continuation of this prompt (temperature 0.7,
+    top-k 50, seeded; one process or data parallel, skipped with a notice under TP, CP or PP).
+    ``python -m torchtitan.generate`` samples from any checkpoint."""
+
+    sample_tokens: int = 40
+    """Tokens to generate for ``sample_prompt``."""
+
 
 @dataclass
 class JobConfig:
