@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	@# A progress bar on a terminal; in a log (CI) it would print thousands of lines.
 	$(PY) -m pip install $$([ -t 1 ] && echo --progress-bar on || echo --quiet) "$(TORCH_SPEC)"
 	@echo "[3/3] installing torchtitan and its dependencies"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev,float8]"
 	@echo "done: $(VENV) is ready"
 	touch $(STAMP)
 

@@ -272,6 +272,15 @@ CASES = {
     ),
 }
 
+# float8 (torchao) under FSDP 2: not equal to float32, close to it (compared with fsdp2).
+FLOAT8_CASES = {
+    f"float8_fsdp2_{recipe}": (
+        2,
+        f"--training.local_batch_size 4 --float8.enable --float8.recipe_name {recipe}",
+    )
+    for recipe in ("tensorwise", "rowwise")
+}
+
 pytestmark = pytest.mark.integration
 
 
@@ -303,8 +312,9 @@ def results(tmp_path_factory) -> Path:
     references = (REFERENCE, BLOCK_CAUSAL_REFERENCE, MOE_REFERENCE, VALIDATION_REFERENCE)
     references += (WHOLE_SPLIT,)
     _launch(out, 1, [(name, flags) for name, _, flags in references])
-    for world in sorted({ranks for ranks, _ in CASES.values()}):
-        _launch(out, world, [(n, f) for n, (r, f) in CASES.items() if r == world])
+    cases = CASES | FLOAT8_CASES
+    for world in sorted({ranks for ranks, _ in cases.values()}):
+        _launch(out, world, [(n, f) for n, (r, f) in cases.items() if r == world])
     return out
 
 
@@ -384,3 +394,11 @@ def test_validation_loss_is_the_mean_token_loss_of_the_whole_split(results):
             tokens += labels.numel()
     assert tokens == record["validation_tokens"] == 72 * 8 * 64
     assert record["validation_loss"] == pytest.approx(total / tokens, rel=1e-6)
+
+
+@pytest.mark.parametrize("case", sorted(FLOAT8_CASES))
+def test_float8_under_fsdp_trains_close_to_float32(results, case):
+    losses = [r["loss"] for r in _load(results, case)["records"]]
+    want = [r["loss"] for r in _load(results, "fsdp2")["records"]]
+    assert losses[-1] < losses[0] - 0.5
+    assert losses == pytest.approx(want, rel=0.02)

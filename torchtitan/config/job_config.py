@@ -305,19 +305,23 @@ class Compile:
 @dataclass
 class Float8:
     enable: bool = False
-    """Train linear layers in float8 via torchao. (not implemented yet)"""
+    """Train linear layers in float8 via torchao (``pip install torchao``; ``make setup``
+    installs it): real ``_scaled_mm`` on CPU (slower than bf16 there) and on CUDA 8.9+."""
 
     recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
-    """torchao float8 scaling recipe."""
+    """torchao float8 scaling recipe: one scale per tensor, per row, or per row with the
+    weight gradient in high precision."""
 
     enable_fsdp_float8_all_gather: bool = False
-    """All-gather FSDP parameters in float8."""
+    """All-gather FSDP parameters in float8 (``tensorwise``; needs NCCL: gloo cannot move
+    float8 tensors)."""
 
     filter_fqns: list[str] = field(default_factory=lambda: ["output"])
-    """Linear layers whose name contains one of these stay in high precision."""
+    """Linear layers whose name contains one of these stay in high precision (so do layers
+    whose dims are not multiples of 16)."""
 
     emulate: bool = False
-    """Emulate float8 matmuls (for CPU testing; no speed-up)."""
+    """Emulate float8 matmuls in high precision (a GPU below compute capability 8.9)."""
 
 
 @dataclass

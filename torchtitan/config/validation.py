@@ -115,7 +115,7 @@ def validate(config: JobConfig) -> None:
         )
     checks += _checkpoint_checks(config)
     checks += _path_checks(config)
-    checks += _unimplemented_checks(config)
+    checks += _float8_checks(config)
     checks += _activation_checkpoint_checks(config)
     checks += _compile_checks(config)
     checks += _local_tensor_checks(config)
@@ -157,6 +157,11 @@ def validate(config: JobConfig) -> None:
 def validate_environment(config: JobConfig, device_type: str) -> None:
     """The rules that depend on the machine (``device_type``: ``cuda`` or ``cpu``, found by the
     caller with torch). Every rank reaches the same verdict before it builds anything."""
+    if config.float8.enable_fsdp_float8_all_gather and device_type != "cuda":
+        raise ConfigError(
+            "--float8.enable_fsdp_float8_all_gather needs CUDA (NCCL): gloo cannot move float8 "
+            "tensors; remove it on CPU (float8 matmuls still run)"
+        )
     if config.parallelism.enable_async_tensor_parallel and device_type != "cuda":
         raise ConfigError(
             "--parallelism.enable_async_tensor_parallel needs CUDA (symmetric memory); "
@@ -224,14 +229,18 @@ def validate_launch(config: JobConfig) -> None:
         )
 
 
-def _unimplemented_checks(config: JobConfig) -> list[tuple[bool, str]]:
-    """Features whose config fields exist but whose implementation lands later."""
-    requested = {
-        "--float8.enable": config.float8.enable,
-    }
+def _float8_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    f = config.float8
     return [
-        (not asked, f"{flag} is not implemented yet; remove the flag to train without it")
-        for flag, asked in requested.items()
+        (
+            not f.enable_fsdp_float8_all_gather or f.recipe_name == "tensorwise",
+            f"--float8.enable_fsdp_float8_all_gather with --float8.recipe_name "
+            f"{f.recipe_name}: torchao gathers float8 weights for tensorwise scaling only",
+        ),
+        (
+            f.enable or not f.enable_fsdp_float8_all_gather,
+            "--float8.enable_fsdp_float8_all_gather does nothing without --float8.enable; add it",
+        ),
     ]
 
 

@@ -621,7 +621,11 @@ def test_compiling_tensor_parallel_blocks_is_refused() -> None:
 @pytest.mark.parametrize(
     ("world", "argv", "expected"),
     [
-        (None, "--float8.enable", "--float8.enable is not implemented yet"),
+        (
+            None,
+            "--float8.enable --float8.recipe_name rowwise --float8.enable_fsdp_float8_all_gather",
+            "torchao gathers float8 weights for tensorwise scaling only",
+        ),
         (
             None,
             "--validation.enable --training.seq_len 64 --validation.seq_len 128",

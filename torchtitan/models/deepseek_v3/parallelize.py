@@ -1,7 +1,8 @@
 """How DeepSeek-V3 is parallelized: which modules each technique wraps. Plans only.
 
-Order: tensor parallel -> context parallel -> expert parallel -> activation checkpointing ->
-torch.compile -> data parallel (FSDP), for Llama 3's reasons (``models/llama3/parallelize.py``);
+Order: float8 (linear layers; the routed experts stay in high precision) -> tensor parallel ->
+context parallel -> expert parallel -> activation checkpointing -> torch.compile -> data parallel
+(FSDP), for Llama 3's reasons (``models/llama3/parallelize.py``);
 expert parallelism shards the routed experts' weights before anything wraps the blocks, and FSDP
 shards the experts over the data-parallel ranks EP leaves (``efsdp``) before their blocks.
 """
@@ -17,6 +18,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torchtitan.components.float8 import apply_float8
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.context_parallel import apply_cp
@@ -35,6 +37,10 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
     """Apply every technique ``context`` asks for to ``model`` (one model part)."""
     dims, parallelism = context.parallel_dims, context.parallelism
     experts = [b.moe.experts for b in model.layers.values() if b.moe_enabled]
+    if context.float8.enable:  # first: the parallel plans then wrap float8 linears
+        casts = dims.fsdp_enabled or dims.dp_replicate_enabled  # else bf16 comes by autocast
+        bf16 = context.training.mixed_precision_param != "float32"
+        apply_float8(model, context.float8, autocast=bf16 and not casts)
     if dims.tp_enabled:
         apply_tp(
             model,

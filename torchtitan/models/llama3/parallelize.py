@@ -1,7 +1,8 @@
 """How Llama 3 is parallelized: which modules each technique wraps. Plans only, no machinery.
 
-Order: tensor parallel -> context parallel -> activation checkpointing -> torch.compile -> data
-parallel (FSDP). TP first because it rewrites parameters into DTensors that the later wrappers
+Order: float8 -> tensor parallel -> context parallel -> activation checkpointing -> torch.compile
+-> data parallel (FSDP). float8 swaps linear modules, so it comes before anything wraps them. TP
+then because it rewrites parameters into DTensors that the later wrappers
 must see; CP hooks the attention product inside the block, before anything wraps the block; AC
 wraps the TP'd block so recomputation replays its collectives (the CP ring included); compile
 traces the block with its checkpointing; FSDP last so it shards (and gathers) the final
@@ -19,6 +20,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torchtitan.components.float8 import apply_float8
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.context_parallel import apply_cp
@@ -31,6 +33,10 @@ from torchtitan.models.spec import ParallelizeContext
 def parallelize_llama3(model: nn.Module, context: ParallelizeContext) -> nn.Module:
     """Apply every technique ``context`` asks for to ``model`` (one model part)."""
     dims, parallelism, compile = context.parallel_dims, context.parallelism, context.compile
+    if context.float8.enable:  # first: the parallel plans then wrap float8 linears
+        casts = dims.fsdp_enabled or dims.dp_replicate_enabled  # else bf16 comes by autocast
+        bf16 = context.training.mixed_precision_param != "float32"
+        apply_float8(model, context.float8, autocast=bf16 and not casts)
     if dims.tp_enabled:
         tp_mesh = dims.mesh("tp")
         apply_tp(
