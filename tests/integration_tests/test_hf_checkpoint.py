@@ -2,7 +2,7 @@
 FSDP 2 x TP 2 starts from the same first loss as one process, and ``--checkpoint.last_save_in_hf``
 under FSDP 2 and PP 2 writes what one process writes, which ``transformers`` loads."""
 
-import json
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from launch import REPO, clean_env, records, run_train  # noqa: E402
 
+from torchtitan.components import checkpoint_hf  # noqa: E402
 from torchtitan.models.llama3.args import flavors  # noqa: E402
 
 BASE = [
@@ -43,7 +43,7 @@ def _hf_folder(path: Path) -> Path:
     return path
 
 
-def _hf_loss(folder: Path) -> float:
+def _hf_loss(model_or_folder) -> float:
     from torchtitan.components.dataloader import build_dataloader
     from torchtitan.components.tokenizer import build_tokenizer
 
@@ -52,18 +52,12 @@ def _hf_loss(folder: Path) -> float:
         tokenizer=build_tokenizer(REPO / "tests/assets/tokenizer"), dp_rank=0, dp_world_size=1,
     )  # fmt: skip
     inputs, labels = next(iter(loader))
-    model = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+    model = model_or_folder
+    if isinstance(model, Path):
+        model = transformers.LlamaForCausalLM.from_pretrained(model).eval()
     with torch.no_grad():
         logits = model(inputs["input"]).logits
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
-
-
-def _read(folder: Path) -> dict[str, torch.Tensor]:
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    tensors = {}
-    for file in set(index["weight_map"].values()):
-        tensors |= safetensors_torch.load_file(folder / file)
-    return tensors
 
 
 def test_hf_import_in_any_layout_and_export_from_sharded_runs(tmp_path):
@@ -88,7 +82,7 @@ def test_hf_import_in_any_layout_and_export_from_sharded_runs(tmp_path):
     exported = {}
     for name, (ngpu, flags) in runs.items():
         _run(tmp_path / name, ngpu, *export, *flags)
-        exported[name] = _read(tmp_path / name / "checkpoint" / "hf-step-3")
+        exported[name] = checkpoint_hf.read_tensors(tmp_path / name / "checkpoint" / "hf-step-3")
     assert len(exported["1"]) == 2 + 6 * 9 + 1  # embedding, 6 blocks of 9, norm; lm_head below
     for name in ("fsdp2", "pp2"):
         assert exported[name].keys() == exported["1"].keys()
@@ -115,3 +109,28 @@ def test_hf_import_in_any_layout_and_export_from_sharded_runs(tmp_path):
         for cmd in (sample, [*torchrun, *sample, "--tp", "2"])
     ]
     assert texts[0].startswith("The ") and texts[0] == texts[1]
+
+
+def test_deepseek_hf_import_under_expert_parallelism(tmp_path):
+    """A DeepSeek-V3 HF folder (per-expert tensors) read by EP 2 ranks, each keeping its own
+    experts: the losses of one process, the first one the HF model's own."""
+    from torchtitan.models.deepseek_v3.args import flavors as deepseek_flavors
+    from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+
+    args = dataclasses.replace(deepseek_flavors["debugmodel"], max_seq_len=64)
+    fields = DeepSeekV3StateDictAdapter(args).hf_config(
+        tied=False, dtype=torch.float32, bos_id=None, eos_id=None
+    )
+    config = transformers.DeepseekV3Config(**fields)
+    torch.manual_seed(0)
+    transformers.DeepseekV3ForCausalLM(config).save_pretrained(tmp_path / "hf")
+    flags = ["--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel", "--training.steps",
+             "2", "--checkpoint.initial_load_path", str(tmp_path / "hf")]  # fmt: skip
+    one = _run(tmp_path / "one", 1, *flags, "--training.local_batch_size", "8")
+    ep = _run(
+        tmp_path / "ep2", 2, *flags, "--training.local_batch_size", "4",
+        "--parallelism.expert_parallel_degree", "2",
+    )  # fmt: skip
+    assert ep == pytest.approx(one, rel=1e-5)
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert one[0] == pytest.approx(_hf_loss(model), rel=1e-5)

@@ -284,7 +284,7 @@ FLOAT8_CASES = {
 pytestmark = pytest.mark.integration
 
 
-def _launch(out: Path, ranks: int, cases: list[tuple[str, str]]) -> None:
+def _launch(out: Path, ranks: int, cases: list[tuple[str, str]], *, retried: bool = False) -> None:
     args = [f"{name}:{BASE} {flags}" for name, flags in cases]
     if ranks == 1:
         cmd = [sys.executable, str(HARNESS), str(out), *args]
@@ -295,15 +295,23 @@ def _launch(out: Path, ranks: int, cases: list[tuple[str, str]]) -> None:
             str(HARNESS), str(out), *args,
         ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    result = subprocess.run(
-        cmd,
-        cwd=REPO,
-        env=env | {"OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    # A crash prints the Python stack of every thread (faulthandler).
+    env |= {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    crashed = result.returncode < 0 or _killed_by_signal(result.stderr)
+    if result.returncode != 0 and not retried and crashed:
+        # torch 2.13's CPU build crashes a rank now and then inside C++ (SIGSEGV seen once in a
+        # 17-case 4-rank launch, not reproduced in the next full launch; SIGABRT at exit is
+        # known): run the cases without a result again, once, and say so.
+        left = [(n, f) for n, f in cases if not (out / f"{n}.pt").is_file()]
+        print(f"numerics launch of {ranks} ranks crashed; rerunning {[n for n, _ in left]}")
+        print(result.stderr[-4000:])
+        return _launch(out, ranks, left, retried=True)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def _killed_by_signal(stderr: str) -> bool:
+    return "(SIGSEGV)" in stderr or "(SIGABRT)" in stderr or "(SIGBUS)" in stderr
 
 
 @pytest.fixture(scope="module")

@@ -104,6 +104,12 @@ class _Shards:
         return self._open[file].get_tensor(name)
 
 
+def read_tensors(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF folder, by name (small models: it loads them all)."""
+    shards = _Shards(Path(folder))
+    return {name: shards.get(name) for name in shards.files}
+
+
 def _clean(name: str) -> str:
     for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
         name = name.replace(wrapper, "")
@@ -121,26 +127,27 @@ def load_hf_(model_parts: Sequence[nn.Module], adapter, folder: str | os.PathLik
     available = set(shards.files)
     for part in model_parts:
         full_state = {}
-        for name, param in part.named_parameters():
+        for name, tensor in _mapped_tensors(part, adapter):
             ours = _clean(name)
-            source = adapter.source_name(ours, available)
-            if source not in available:
-                raise ConfigError(f"{where}: no tensor {source} (for our {ours}) in the folder")
-            full = adapter.from_hf(ours, shards.get(source)).to(param.dtype)
-            if tuple(full.shape) != tuple(param.shape):
+            sources = adapter.source_names(ours, available)
+            missing = [s for s in sources if s not in available]
+            if missing:
+                raise ConfigError(f"{where}: no tensor {missing[0]} (for our {ours}) in the folder")
+            full = adapter.from_hf(ours, {s: shards.get(s) for s in sources}).to(tensor.dtype)
+            if tuple(full.shape) != tuple(tensor.shape):
                 raise ConfigError(
-                    f"{where}: {source} has shape {tuple(full.shape)}, our {ours} "
-                    f"{tuple(param.shape)}"
+                    f"{where}: {sources[0]} gives shape {tuple(full.shape)}, our {ours} "
+                    f"{tuple(tensor.shape)}"
                 )
             if local_tensor.is_simulating():
                 full_state[ours] = full  # every simulated rank cuts its shards below
-            elif isinstance(param, DTensor):
+            elif isinstance(tensor, DTensor):
                 mine = distribute_tensor(
-                    full, param.device_mesh, param.placements, src_data_rank=None
+                    full, tensor.device_mesh, tensor.placements, src_data_rank=None
                 )
-                param.to_local().copy_(mine.to_local())
+                tensor.to_local().copy_(mine.to_local())
             else:
-                param.copy_(full)
+                tensor.copy_(full)
         if full_state:
             local_tensor.copy_full_state_(part, full_state)
     logger.info(f"Loaded {len(available)} tensors of the Hugging Face model {folder}")
@@ -165,7 +172,7 @@ def save_hf(
     tensors: dict[str, torch.Tensor] = {}
     embedding = output = None
     for part in model_parts:
-        for name, param in part.named_parameters():
+        for name, param in _mapped_tensors(part, adapter):
             full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
             ours = _clean(name)
             if ours == "tok_embeddings.weight":
@@ -173,7 +180,8 @@ def save_hf(
             elif ours == "output.weight":
                 output = full
             if writer:
-                tensors[adapter.hf_name(ours)] = adapter.to_hf(ours, full).to(dtype).contiguous()
+                for hf, t in adapter.to_hf(ours, full).items():
+                    tensors[hf] = t.to(dtype).contiguous()
     # Tied when our output is the embedding (a tied flavor, or untouched since a tied import);
     # stages of a pipeline hold them apart: exported untied.
     tied = not pipelined and (
@@ -204,6 +212,19 @@ def save_hf(
         (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         logger.info(f"Hugging Face model written to {folder} ({total} shard(s), {size:,} bytes)")
     _barrier()
+
+
+def _mapped_tensors(part: nn.Module, adapter) -> list[tuple[str, torch.Tensor]]:
+    """The parameters of ``part``, and the buffers the adapter maps (e.g. MoE expert biases),
+    by name."""
+    buffers = []
+    for name, buffer in part.named_buffers():
+        try:
+            adapter.hf_names(_clean(name))
+        except KeyError:
+            continue
+        buffers.append((name, buffer))
+    return [*part.named_parameters(), *buffers]
 
 
 def _chunks(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:

@@ -332,7 +332,8 @@ class MoE:
     load_balance_coeff: float = 1e-3
     """Auxiliary-loss-free balancing: after each optimizer step every expert's routing bias
     moves by this much towards balance (up when the expert got fewer tokens than the mean over
-    the global batch, down when more). 0 turns it off."""
+    the global batch, down when more). 0 stops the updates (a learned or loaded bias still
+    steers the routing)."""
 
     aux_loss_coeff: float = 0.0
     """Weight of the sequence-wise balance loss (DeepSeek-V3's complementary loss: per sequence,

@@ -14,7 +14,6 @@ from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
 transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
 
 ARGS = dataclasses.replace(flavors["debugmodel"], n_layers=2, max_seq_len=64)
 TOKENS = torch.randint(0, ARGS.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -68,11 +67,8 @@ def test_import_export_and_round_trip(tmp_path, tied):
     )
     config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert config["tie_word_embeddings"] is tied
-    original = safetensors_torch.load_file(tmp_path / "hf" / "model.safetensors")
-    index = json.loads((tmp_path / "back" / checkpoint_hf.INDEX).read_text())
-    back = {}
-    for file in set(index["weight_map"].values()):
-        back |= safetensors_torch.load_file(tmp_path / "back" / file)
+    original = checkpoint_hf.read_tensors(tmp_path / "hf")
+    back = checkpoint_hf.read_tensors(tmp_path / "back")
     assert back.keys() == original.keys()
     for name, tensor in original.items():
         assert torch.equal(back[name], tensor), name
@@ -137,8 +133,8 @@ def test_convert_script_round_trips_through_a_dcp_checkpoint(tmp_path):
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
     assert convert.main(["from_hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
     assert convert.main(["to_hf", str(tmp_path / "ckpt/step-0"), str(tmp_path / "back")]) == 0
-    original = safetensors_torch.load_file(tmp_path / "hf" / "model.safetensors")
-    back = safetensors_torch.load_file(tmp_path / "back" / "model-00001-of-00001.safetensors")
+    original = checkpoint_hf.read_tensors(tmp_path / "hf")
+    back = checkpoint_hf.read_tensors(tmp_path / "back")
     assert back.keys() == original.keys()
     assert all(torch.equal(back[k], original[k]) for k in original)
 

@@ -651,12 +651,6 @@ def test_compiling_tensor_parallel_blocks_is_refused() -> None:
             "--checkpoint.last_save_in_hf does nothing without --checkpoint.enable",
         ),
         (
-            None,
-            "--module deepseek_v3 --config deepseek_v3_debugmodel --checkpoint.enable "
-            "--checkpoint.last_save_in_hf",
-            "--checkpoint.last_save_in_hf: model deepseek_v3 has no Hugging Face state-dict",
-        ),
-        (
             "2",
             "--parallelism.context_parallel_degree 2 --training.seq_len 102",
             "--parallelism.context_parallel_degree=2: --training.seq_len=102 must split into 2 x "

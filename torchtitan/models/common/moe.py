@@ -237,8 +237,8 @@ class MoE(nn.Module):
         a = self.args
         bs, seq, dim = x.shape
         flat = x.reshape(-1, dim)
-        bias = self.expert_bias if a.load_balance_coeff > 0 else None
-        weights, indices, scores = self.router(flat, bias)
+        # Zero unless balancing moved it (or it was loaded): it steers the choice either way.
+        weights, indices, scores = self.router(flat, self.expert_bias)
         routed = indices.flatten()  # [T * k]: token t's j-th choice at t * k + j
         if _no_values(routed):
             # Fake or meta tensors (dry runs, pipeline shape inference) have shapes, not

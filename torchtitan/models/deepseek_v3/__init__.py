@@ -56,4 +56,7 @@ model_spec = ModelSpec(
     forward_keywords=("positions", "document_ids"),
     has_experts=True,
     after_optimizer_step=lazy("torchtitan.models.common.moe:update_expert_biases"),
+    state_dict_adapter=lazy(
+        "torchtitan.models.deepseek_v3.state_dict_adapter:DeepSeekV3StateDictAdapter"
+    ),
 )

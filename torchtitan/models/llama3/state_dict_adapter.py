@@ -37,39 +37,44 @@ _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
 class Llama3StateDictAdapter:
-    """Converts one tensor at a time (full tensors, any dtype) for ``args``' shapes."""
+    """Converts one tensor at a time (full tensors, any dtype) for ``args``' shapes. The
+    interface every family's adapter has (``components/checkpoint_hf.py`` calls it): HF names
+    per parameter, ``to_hf`` / ``from_hf`` between one of our tensors and its HF tensors,
+    ``hf_config`` and ``check_hf_config``."""
 
     architecture = "LlamaForCausalLM"
 
     def __init__(self, args: Llama3Args):
         self.args = args
 
-    def hf_name(self, name: str) -> str:
-        """The HF name of our parameter ``name`` (``KeyError`` for a name HF has no place for)."""
+    def hf_names(self, name: str) -> list[str]:
+        """The HF tensors of our parameter ``name`` (``KeyError``: HF has no place for it)."""
         if name in _TOP:
-            return _TOP[name]
+            return [_TOP[name]]
         match = _LAYER.fullmatch(name)
         if match is None or match.group(2) not in _BLOCK:
             raise KeyError(name)
-        return f"model.layers.{match.group(1)}.{_BLOCK[match.group(2)]}"
+        return [f"model.layers.{match.group(1)}.{_BLOCK[match.group(2)]}"]
 
-    def to_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Our ``name``'s full tensor in HF layout."""
+    def to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Our ``name``'s full tensor as HF tensors."""
         heads = self._rotary_heads(name)
-        return tensor if heads is None else _pairs_to_halves(tensor, heads)
+        (hf,) = self.hf_names(name)
+        return {hf: tensor if heads is None else _pairs_to_halves(tensor, heads)}
 
-    def from_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """HF's tensor for our parameter ``name``, in our layout."""
+    def from_hf(self, name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """HF's tensors (by name) for our parameter ``name``, in our layout."""
         heads = self._rotary_heads(name)
+        (tensor,) = tensors.values()
         return tensor if heads is None else _halves_to_pairs(tensor, heads)
 
-    def source_name(self, name: str, available: set[str]) -> str:
-        """Which HF tensor fills our ``name``: its own, or for our output layer of a tied HF
+    def source_names(self, name: str, available: set[str]) -> list[str]:
+        """Which HF tensors fill our ``name``: its own, or for our output layer of a tied HF
         model (no ``lm_head``), the embedding."""
-        hf = self.hf_name(name)
-        if hf == "lm_head.weight" and hf not in available:
-            return "model.embed_tokens.weight"
-        return hf
+        names = self.hf_names(name)
+        if names == ["lm_head.weight"] and "lm_head.weight" not in available:
+            return ["model.embed_tokens.weight"]
+        return names
 
     def _rotary_heads(self, name: str) -> int | None:
         if name.endswith("attention.wq.weight"):
