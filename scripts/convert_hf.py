@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from torchtitan.components import checkpoint_hf
-from torchtitan.components.checkpoint import CheckpointManager, read_full_model
-from torchtitan.components.checkpoint_files import CONFIG_FILE
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.checkpoint_files import CONFIG_FILE, read_full_model
 from torchtitan.components.checkpoint_states import ModelState
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.config.errors import ConfigError

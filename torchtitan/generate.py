@@ -110,8 +110,11 @@ def load_model(
     model's tensor-parallel plan over this torchrun's ranks (without sequence and loss
     parallelism: every rank gets the whole logits and samples the same token)."""
     from torchtitan.components import checkpoint_hf
-    from torchtitan.components.checkpoint import read_full_model
-    from torchtitan.components.checkpoint_files import CONFIG_FILE, complete_checkpoints
+    from torchtitan.components.checkpoint_files import (
+        CONFIG_FILE,
+        complete_checkpoints,
+        read_full_model,
+    )
     from torchtitan.models.spec import get_model_spec
 
     tokenizer = DEFAULT_TOKENIZER

@@ -50,9 +50,9 @@ from torchtitan.components.checkpoint_files import (
     is_os_error,
     manifest_entries,
     model_mismatch,
+    read_full_model,
     saved_config,
     saved_state_keys,
-    saved_tensor_metadata,
     verify,
     write_durably,
 )
@@ -498,23 +498,6 @@ class CheckpointManager:
         self.finish_pending()
         self._join_prestage()
         close_stager(self._stager)
-
-
-def read_full_model(path: Path) -> dict[str, torch.Tensor]:
-    """Every model tensor of a checkpoint, whole, as host tensors (one process's view)."""
-    with local_tensor.host_only():
-        state = {
-            fqn.removeprefix("model."): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-            for fqn, meta in saved_tensor_metadata(path).items()
-            if fqn.startswith("model.")
-        }
-        dcp.load(
-            {"model": state},
-            storage_reader=SafeFileSystemReader(str(path)),
-            planner=SafeLoadPlanner(),
-            no_dist=True,
-        )
-    return state
 
 
 def _no_dist() -> bool:

@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.distributed import local_tensor
 
 MANIFEST = "manifest.json"
 CONFIG_FILE = "config.toml"
@@ -274,3 +276,20 @@ def free_name(path: Path) -> Path:
         n += 1
         candidate = path.with_name(f"{path.name}-{n}")
     return candidate
+
+
+def read_full_model(path: Path) -> dict[str, torch.Tensor]:
+    """Every model tensor of a checkpoint, whole, as host tensors (one process's view)."""
+    with local_tensor.host_only():
+        state = {
+            fqn.removeprefix("model."): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+            for fqn, meta in saved_tensor_metadata(path).items()
+            if fqn.startswith("model.")
+        }
+        dcp.load(
+            {"model": state},
+            storage_reader=SafeFileSystemReader(str(path)),
+            planner=SafeLoadPlanner(),
+            no_dist=True,
+        )
+    return state
