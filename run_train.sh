@@ -7,6 +7,8 @@
 #   MODULE     model module (default llama3)
 #   CONFIG     named config of that module's config_registry (default llama3_debugmodel)
 #   COMM_MODE  empty for real collectives; fake_backend / local_tensor are debugging modes
+#   MAX_RESTARTS  restarts of every rank after one dies, each resuming from the last complete
+#              checkpoint (default 0; see docs/fault_tolerance.md)
 #   PYTHON     interpreter (default: .venv/bin/python if present, else python3)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -31,6 +33,11 @@ if ! "$PYTHON" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec
 fi
 if ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
   echo "config error: NGPU=$NGPU must be a positive integer (ranks to start)" >&2
+  exit 2
+fi
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+if ! [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]]; then
+  echo "config error: MAX_RESTARTS=$MAX_RESTARTS must be a whole number (restarts after a rank dies)" >&2
   exit 2
 fi
 LOG_RANK=${LOG_RANK:-0}
@@ -73,7 +80,7 @@ fi
 # torchrun through torchtitan.launcher: a rank's refusal comes back as its one line and exit
 # code, not as torchrun's traceback. Overrides are passed as separate, quoted words.
 exec "$PYTHON" -m torchtitan.launcher \
-  --nproc_per_node="$NGPU" \
+  --nproc_per_node="$NGPU" --max-restarts "$MAX_RESTARTS" \
   --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   -m torchtitan.train --module "$MODULE" --config "$CONFIG" "$@"

@@ -9,6 +9,19 @@ rank, whatever ``LOG_RANK`` shows, and exits with that rank's code. torchrun's o
 not refusals: crashes, kills and unexpected exceptions, whose traceback is what a user needs.
 ``run_train.sh`` and ``multinode_trainer.slurm`` start ranks through it.
 
+Two more things a long job needs:
+
+- **Preemption**: SIGTERM or SIGUSR1 (to this process, or to the ranks as Slurm sends it)
+  makes the ranks finish their step and save a checkpoint (``components/preemption.py``); the
+  launcher then exits with ``preemption.EXIT_CODE`` (75) so a job script can requeue. torchrun
+  is told to pass SIGUSR1 on (``--signals_to_handle``) and, on torch >= 2.13, to wait up to
+  ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (600 here by default; 30, fixed, on torch 2.11)
+  for the ranks to save before it kills them.
+- **Restarts** (``--max-restarts N``, ``MAX_RESTARTS`` in the scripts): when a rank dies, torchrun
+  restarts every rank and they resume from the last complete checkpoint. Each restart is
+  printed with its cause; a refusal (bad input, a non-finite step) is not retried, since it would
+  only fail again.
+
 The rank side is :func:`refuse`. This module imports torch only inside :func:`main`.
 """
 
@@ -23,32 +36,65 @@ from collections.abc import Sequence
 from pathlib import Path
 
 FAILURE_DIR_ENV = "TITAN_FAILURE_DIR"
+PREEMPTED_EXIT_CODE = 75  # components/preemption.EXIT_CODE (this module imports no torch)
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
 def refuse(code: int, message: str) -> bool:
     """Record this rank's reason to stop (``code`` 2: bad input, 3: non-finite step) for the
     launcher. Returns whether a launcher will print it (else log it yourself)."""
+    return _write_record("rank", {"code": code, "message": message, "time": time.time()})
+
+
+def note_preempted(signal_name: str, step: int, checkpoint: str | None) -> bool:
+    """Record that this rank stopped for a preemption signal after ``step`` (having saved
+    ``checkpoint``). Returns whether a launcher will report it; this rank then exits 0, so that
+    torchrun does not count it as a failure to restart from."""
+    record = {"signal": signal_name, "step": step, "checkpoint": checkpoint}
+    return _write_record("preempted-rank", record)
+
+
+def _write_record(name: str, record: dict) -> bool:
+    """``<folder>/<name><rank>.json``, whole or not at all; False without a launcher."""
     folder = os.environ.get(FAILURE_DIR_ENV)
     if not folder or not os.path.isdir(folder):
         return False
     rank = int(os.environ.get("RANK", "0"))
-    record = {"rank": rank, "code": code, "message": message, "time": time.time()}
-    path = Path(folder) / f"rank{rank}.json"
+    path = Path(folder) / f"{name}{rank}.json"
     partial = path.with_suffix(".tmp")
-    partial.write_text(json.dumps(record))
+    partial.write_text(json.dumps({"rank": rank, **record}))
     partial.replace(path)  # the launcher never reads half a record
     return True
 
 
+def _preempted(folder: str | Path) -> dict | None:
+    """Rank 0's (or the lowest rank's) preemption record, if the ranks were preempted."""
+    records = _read_records(folder, "preempted-rank")
+    return min(records, key=lambda r: r["rank"]) if records else None
+
+
+def _preemption_line(record: dict) -> str:
+    saved = record["checkpoint"]
+    where = f"saved {saved}" if saved else "nothing saved (checkpointing is off)"
+    return (
+        f"preempted by {record['signal']} after step {record['step']}: {where}; "
+        f"exit code {PREEMPTED_EXIT_CODE}, the same command resumes"
+    )
+
+
 def refusals(folder: str | Path) -> list[dict]:
     """Every rank's record in ``folder``, earliest first (empty if no rank refused)."""
+    return sorted(_read_records(folder, "rank"), key=lambda r: (r["time"], r["rank"]))
+
+
+def _read_records(folder: str | Path, name: str) -> list[dict]:
     records = []
-    for path in Path(folder).glob("rank*.json"):
+    for path in Path(folder).glob(f"{name}*.json"):
         try:
             records.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue
-    return sorted(records, key=lambda r: (r["time"], r["rank"]))
+    return records
 
 
 def format_refusal(record: dict, *, also: Sequence[int] = ()) -> str:
@@ -60,6 +106,7 @@ def format_refusal(record: dict, *, also: Sequence[int] = ()) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     # torchrun's own log lines (OMP_NUM_THREADS defaults, closing signals, "failed (exitcode:
@@ -73,9 +120,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ["TITAN_LAUNCHER"] = "1"  # torchrun prefixes the ranks' lines itself
     os.environ.setdefault("TITAN_RUN_ID", time.strftime("%Y%m%d-%H%M%S"))  # one log folder
     os.environ.setdefault("TITAN_TERMINAL", "1" if sys.stderr.isatty() else "0")
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")  # torch >= 2.13 reads it
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not any(a.split("=")[0] in ("--signals_to_handle", "--signals-to-handle") for a in args):
+        args = ["--signals_to_handle", SIGNALS_TO_HANDLE, *args]
+    if _max_restarts(args) > 0:
+        # The ranks' store is the agent's by default, shared by every attempt, and the keys of
+        # the process group's first attempt are still in it: restarted gloo ranks can read
+        # their dead predecessors' addresses and hang (pytorch/pytorch#135712). Without
+        # sharing, each attempt's rank 0 hosts a fresh store on a fresh port.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    _report_restarts(folder)
     try:
-        torchrun.run(torchrun.parse_args(list(sys.argv[1:] if argv is None else argv)))
+        torchrun.run(torchrun.parse_args(args))
+        if (record := _preempted(folder)) is not None:
+            print(_preemption_line(record), file=sys.stderr)
+            return PREEMPTED_EXIT_CODE
         return 0
+    except SignalException as e:
+        # This process was signalled: torchrun passed the signal to the ranks and waited.
+        if (record := _preempted(folder)) is not None:
+            print(_preemption_line(record), file=sys.stderr)
+            return PREEMPTED_EXIT_CODE
+        print(f"stopped by {e.sigval.name} before the ranks could save", file=sys.stderr)
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         records = refusals(folder)
         if not records:
@@ -87,6 +155,59 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(first["code"])
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _max_restarts(args: Sequence[str]) -> int:
+    """torchrun's ``--max-restarts`` (or ``--max_restarts``) in ``args``; 0 when absent."""
+    for i, arg in enumerate(args):
+        name, _, value = arg.partition("=")
+        if name in ("--max-restarts", "--max_restarts"):
+            value = value or (args[i + 1] if i + 1 < len(args) else "0")
+            return int(value) if value.isdigit() else 0
+    return 0
+
+
+def _report_restarts(folder: str) -> None:
+    """Print each restart of the ranks with its cause, and do not restart after a refusal.
+
+    torchrun's agent decides restarts in its monitoring loop and logs them without the cause;
+    the failure is in the ``RunResult`` that ``_monitor_workers`` (the method an agent
+    implements) returns, so this wraps that method of the local agent."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monitor = LocalElasticAgent._monitor_workers
+    if getattr(monitor, "reports_restarts", False):
+        return
+
+    def monitor_and_report(agent, worker_group):
+        result = monitor(agent, worker_group)
+        if not result.is_failed():
+            return result
+        left = getattr(agent, "_remaining_restarts", 0)
+        if refusals(folder):
+            agent._remaining_restarts = 0  # the launcher prints the refusal
+        elif left > 0:
+            spec = worker_group.spec
+            done = spec.max_restarts - left + 1
+            causes = "; ".join(_cause(rank, f) for rank, f in sorted(result.failures.items()))
+            print(
+                f"[launcher] restart {done} of {spec.max_restarts}: {causes}; restarting every "
+                f"rank from the last complete checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+        return result
+
+    monitor_and_report.reports_restarts = True
+    LocalElasticAgent._monitor_workers = monitor_and_report
+
+
+def _cause(rank: int, failure) -> str:
+    """``rank 1 was killed by SIGKILL`` / ``rank 0 exited with code 124 (the hang watchdog)``."""
+    if failure.exitcode < 0:
+        return f"rank {rank} was killed by {failure.signal_name()}"
+    known = {124: " (the hang watchdog)", 1: " (an exception; its traceback is above)"}
+    return f"rank {rank} exited with code {failure.exitcode}{known.get(failure.exitcode, '')}"
 
 
 class _Dropping:

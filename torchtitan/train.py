@@ -2,7 +2,7 @@
 
 Parses the config, checks what needs torch, chooses the run (train | seed checkpoint | dry run)
 and maps its outcome to an exit code: 0 done, 2 bad input (one line, no traceback per rank),
-3 a non-finite step. Launch several ranks with ``./run_train.sh``. The ``Trainer`` itself is in
+3 a non-finite step, 75 preempted with a checkpoint saved (``components/preemption.py``). Launch several ranks with ``./run_train.sh``. The ``Trainer`` itself is in
 ``torchtitan.trainer``; nothing imports this module.
 """
 
@@ -10,11 +10,14 @@ import copy
 import logging
 import os
 import sys
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Callable, Sequence
 
 import torch
 
 from torchtitan import dry_run, generate, launcher
+from torchtitan.components import preemption
+from torchtitan.components.preemption import Preempted
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
@@ -45,7 +48,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         pp = config.parallelism.pipeline_parallel_degree
         # One config per simulated pipeline rank (threads), copied before any of them runs.
         configs = [config] + [copy.deepcopy(config) for _ in range(pp - 1)]
-        local_tensor.run(config.comm.mode, pp, lambda pp_rank: _run(configs[pp_rank]))
+        preempted: list[Preempted] = []
+        local_tensor.run(config.comm.mode, pp, lambda r: _run(configs[r], preempted.append))
+        if preempted:
+            # The launcher reports it and exits with EXIT_CODE; torchrun must see this rank
+            # succeed, or it would restart the ranks in a job that is being stopped.
+            p = preempted[0]
+            under_launcher = launcher.note_preempted(p.signal.name, p.step, p.checkpoint)
+            return 0 if under_launcher else preemption.EXIT_CODE
         return 0
     except (ConfigError, FileNotFoundError) as e:
         return _stop(2, str(e))
@@ -65,7 +75,7 @@ def _stop(code: int, message: str) -> int:
     return code
 
 
-def _run(config: JobConfig) -> None:
+def _run(config: JobConfig, on_preempted: Callable[[Preempted], None]) -> None:
     """One job: a training run, a seed checkpoint or a dry run."""
     trainer = None
     try:
@@ -78,11 +88,28 @@ def _run(config: JobConfig) -> None:
         else:
             trainer = Trainer(config)
             trainer.train()
-            if config.validation.sample_prompt:
+            if trainer.preempted is not None:
+                on_preempted(trainer.preempted)
+            elif config.validation.sample_prompt:
                 generate.print_sample(trainer, config.validation)
+            trainer.close()
+            if trainer.rank == 0 and config.metrics.report:
+                _write_report(config.job.dump_folder)
     finally:
         if trainer is not None:
             trainer.close()
+
+
+def _write_report(dump_folder: str) -> None:
+    """The run report (``torchtitan.tools.report``): its summary and where the plots are."""
+    from torchtitan.tools import report
+
+    try:
+        png, summary = report.write_report(dump_folder)
+    except Exception as e:  # the run itself is done and saved; a report is not worth failing it
+        logger.warning(f"No run report: {type(e).__name__}: {e}")
+        return
+    logger.info(f"Run report{f': {png}' if png else ''}\n" + textwrap.indent(summary, "   "))
 
 
 if __name__ == "__main__":

@@ -16,14 +16,15 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from torchtitan.batch_runner import Batch, BatchRunner, pipeline_dtypes
-from torchtitan.components import checkpoint_hf
+from torchtitan.components import checkpoint_hf, preemption
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_states import build_checkpoint_states
 from torchtitan.components.dataloader import build_dataloader
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.components.lr_scheduler import build_lr_schedulers, resumed_schedule_note
+from torchtitan.components.lr_scheduler import build_lr_schedulers, resumed_note_for
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.run_events import RunEvents
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.components.train_state import StepResult, TrainState
 from torchtitan.components.validate import Validator
@@ -111,7 +112,14 @@ class Trainer:
         if self.checkpointer is not None and config.checkpoint.enable:
             self.checkpointer.load()
             self.lr_schedulers.reapply(config.optimizer.lr)
-            self._note_resumed_schedule()
+            saved = self.checkpointer.saved_config(config)
+            if (note := resumed_note_for(config, saved, self.step)) is not None:
+                logger.warning(note)
+        self.events = RunEvents(config.job.dump_folder, enabled=self.rank == 0 and not on_meta)
+        self.preemption = None if on_meta else preemption.PreemptionWatch(
+            agree=torch.distributed.is_initialized() and not dist_utils.fake_collectives()
+        )  # fmt: skip
+        self.preempted: preemption.Preempted | None = None  # what stopped the run, if a signal
         if config.lr_scheduler.warmup_steps > config.training.steps:
             logger.warning(
                 f"--lr_scheduler.warmup_steps {config.lr_scheduler.warmup_steps} is longer than "
@@ -144,16 +152,7 @@ class Trainer:
         self.dp_rank = dims.mesh("dp").get_local_rank() if dims.meshes_built else 0
         logger.info(f"{dims} on {self.device}, gradient accumulation {self.grad_accum_steps}")
         if dims.cp_enabled:
-            p = config.parallelism
-            work = context_parallel.attention_work(
-                t.seq_len, dims.cp, p.context_parallel_load_balance
-            )
-            logger.info(
-                f"Context parallel: {t.seq_len // dims.cp} of {t.seq_len} tokens per rank, K/V "
-                f"rotated by {p.context_parallel_rotate_method}, load balancing "
-                f"{'on' if p.context_parallel_load_balance else 'off'}: attention work per rank "
-                + ", ".join(f"{w:.0%}" for w in work)
-            )
+            context_parallel.log_layout(config.parallelism, t.seq_len)
         self.seed = dist_utils.shared_seed(config.debug.seed, self.parallel_dims.meshes_built)
         # Pipeline stages draw distinct random numbers (reproducibly); the initial weights
         # still come from ``self.seed`` alone (init_weights).
@@ -311,6 +310,7 @@ class Trainer:
         )
         data_iter = iter(self.dataloader)
         first_step = self.step
+        self.events.start(first_step, self.parallel_dims.world_size)
         self.metrics.start_run(first_step=first_step, last_step=stop)
         where = dict(dump_folder=self.config.job.dump_folder, rank=self.rank, first_step=first_step)
         with (
@@ -347,12 +347,21 @@ class Trainer:
                     profiler.step()
                 if snapshots is not None:
                     snapshots.step()
+                saved = False
                 if self.checkpointer is not None:
                     self.checkpointer.poll()
                     last = self.step == t.steps
-                    if self.checkpointer.should_save(self.step, last=last):
-                        self.checkpointer.save(self.step, last=last)
-        logger.info("Training finished")
+                    if saved := self.checkpointer.should_save(self.step, last=last):
+                        self._save(last=last)
+                if self.step < stop and self.preemption and (signum := self.preemption.requested()):
+                    if not saved and preemption.can_save(self.checkpointer, self.step):
+                        self._save(last=False)  # a full checkpoint, even if the last is not
+                    self.preempted = preemption.stop(signum, self.step, self.checkpointer)
+                    self.events.write("preempt", step=self.step, signal=signum.name)
+                    break
+        status = "preempted" if self.preempted else "finished" if self.step == t.steps else "paused"
+        self.events.write("end", step=self.step, status=status)
+        logger.info(f"Training {status}")
 
     def train_step(self, batches: Sequence[Batch]) -> StepResult:
         """Forward and backward over this rank's accumulation batches (host tensors), clip,
@@ -395,6 +404,12 @@ class Trainer:
         return result
 
     def close(self) -> None:
+        """Finish pending checkpoint writes, flush the metrics; once (later calls do nothing)."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        if self.preemption is not None:
+            self.preemption.close()
         if self.watchdog is not None:
             self.watchdog.close()
         if self.checkpointer is not None:
@@ -402,6 +417,11 @@ class Trainer:
         self.metrics.close()
 
     # ---- helpers ---------------------------------------------------------------------------
+
+    def _save(self, *, last: bool) -> None:
+        start = time.perf_counter()
+        self.checkpointer.save(self.step, last=last)
+        self.events.write("checkpoint", step=self.step, seconds=time.perf_counter() - start)
 
     def _skip_nonfinite_step(self, result: StepResult) -> None:
         """Stop the run on a non-finite gradient norm, or skip the update when asked to."""
@@ -421,20 +441,6 @@ class Trainer:
             f"{last if last is not None else 'none'}. Lower --optimizer.lr, check the data, "
             "or pass --debug.skip_nonfinite_steps to skip such updates"
         )
-
-    def _note_resumed_schedule(self) -> None:
-        """One warning when the checkpoint's run had another LR schedule (``lr_scheduler``'s
-        rule: this run's flags decide)."""
-        c, saved = self.config, self.checkpointer.saved_config(self.config)
-        if saved is None:
-            return
-        note = resumed_schedule_note(
-            c.lr_scheduler, training_steps=c.training.steps, lr=c.optimizer.lr,
-            saved=saved.lr_scheduler, saved_steps=saved.training.steps,
-            saved_lr=saved.optimizer.lr, step=self.step,
-        )  # fmt: skip
-        if note is not None:
-            logger.warning(note)
 
     def _watch_step(self, first_step: int) -> None:
         """Arm the hang watchdog; after the first step collectives get the train timeout."""

@@ -8,7 +8,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 # A short sequence and a fixed seed: multi-rank runs that finish in seconds.
-SMALL = ["--training.seq_len", "64", "--debug.seed", "0", "--metrics.log_freq", "1"]
+SMALL = [
+    "--training.seq_len", "64", "--debug.seed", "0", "--metrics.log_freq", "1",
+    "--metrics.no_report",
+]  # fmt: skip
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 # a 20-step one, so "train 10, stop, resume to 20" must reproduce "train 20".
 BASE = [
     "--training.seq_len", "64", "--debug.seed", "0", "--debug.deterministic",
-    "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
+    "--metrics.log_freq", "1", "--metrics.no_report", "--lr_scheduler.warmup_steps", "2",
     "--lr_scheduler.decay_type", "constant", "--checkpoint.enable",
     "--checkpoint.interval", "5", "--checkpoint.no_last_save_model_only",
 ]  # fmt: skip

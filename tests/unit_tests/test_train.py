@@ -11,7 +11,10 @@ from torchtitan.config.manager import parse_args
 from torchtitan.train import main
 from torchtitan.trainer import Trainer
 
-SMALL = ["--training.seq_len", "64", "--debug.seed", "0", "--metrics.log_freq", "1"]
+SMALL = [
+    "--training.seq_len", "64", "--debug.seed", "0", "--metrics.log_freq", "1",
+    "--metrics.no_report",
+]  # fmt: skip
 
 
 def _trainer(tmp_path, *flags: str) -> Trainer:

@@ -104,6 +104,18 @@ def resumed_schedule_note(
     )
 
 
+def resumed_note_for(current: Any, saved: Any, step: int) -> str | None:
+    """:func:`resumed_schedule_note` between two ``JobConfig``s (``saved``: the checkpoint's
+    run's, None when unknown)."""
+    if saved is None:
+        return None
+    return resumed_schedule_note(
+        current.lr_scheduler, training_steps=current.training.steps, lr=current.optimizer.lr,
+        saved=saved.lr_scheduler, saved_steps=saved.training.steps, saved_lr=saved.optimizer.lr,
+        step=step,
+    )  # fmt: skip
+
+
 class LRSchedulers(Stateful):
     """One schedule per optimizer of :class:`Optimizers`, all the same curve, stepped together.
 

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.distributed import local_tensor
+from torchtitan.tools.logging import logger
 
 ROTATE_METHODS = ("allgather", "alltoall")
 
@@ -101,6 +102,18 @@ def apply_cp(
     )
     for module in modules:
         style._apply(module, cp_mesh)
+
+
+def log_layout(parallelism, seq_len: int) -> None:
+    """One start-up line: tokens per rank, the K/V rotation, each rank's attention work."""
+    p, cp = parallelism, parallelism.context_parallel_degree
+    work = attention_work(seq_len, cp, p.context_parallel_load_balance)
+    logger.info(
+        f"Context parallel: {seq_len // cp} of {seq_len} tokens per rank, K/V rotated by "
+        f"{p.context_parallel_rotate_method}, load balancing "
+        f"{'on' if p.context_parallel_load_balance else 'off'}: attention work per rank "
+        + ", ".join(f"{w:.0%}" for w in work)
+    )
 
 
 def attention_work(seq_len: int, cp: int, load_balance: bool) -> list[float]:

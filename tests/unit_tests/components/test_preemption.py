@@ -1,0 +1,54 @@
+"""The preemption handler in one process, and the launcher's side of preemption and restarts
+(the real launches are in ``tests/integration_tests/test_fault_tolerance.py``)."""
+
+import os
+import signal
+
+import pytest
+
+from torchtitan import launcher
+from torchtitan.components import preemption
+
+
+def test_a_signal_is_only_noted_and_asks_to_stop_at_the_next_check():
+    before = signal.getsignal(signal.SIGUSR1)
+    watch = preemption.PreemptionWatch(agree=False)
+    try:
+        assert watch.requested() is None
+        os.kill(os.getpid(), signal.SIGUSR1)  # would end the process without the handler
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert watch.requested() == signal.SIGUSR1  # the first signal names the stop
+    finally:
+        watch.close()
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_the_launcher_and_the_ranks_agree_on_the_exit_code_and_records(tmp_path, monkeypatch):
+    assert launcher.PREEMPTED_EXIT_CODE == preemption.EXIT_CODE == 75
+    assert not launcher.note_preempted("SIGTERM", 7, None)  # no launcher: the rank exits 75
+    monkeypatch.setenv(launcher.FAILURE_DIR_ENV, str(tmp_path))
+    for rank in (1, 0):
+        monkeypatch.setenv("RANK", str(rank))
+        assert launcher.note_preempted("SIGUSR1", 7, "ckpt/step-7")
+    record = launcher._preempted(tmp_path)
+    assert record == {"rank": 0, "signal": "SIGUSR1", "step": 7, "checkpoint": "ckpt/step-7"}
+    assert launcher._preemption_line(record).startswith("preempted by SIGUSR1 after step 7: saved")
+    assert launcher.refusals(tmp_path) == []  # a preemption is not a refusal
+
+
+@pytest.mark.parametrize(
+    "args, restarts",
+    [
+        (["--nproc_per_node=2", "-m", "x"], 0),
+        (["--max-restarts", "3", "-m", "x"], 3),
+        (["--max_restarts=2", "-m", "x"], 2),
+    ],
+)
+def test_max_restarts_is_read_from_torchruns_arguments(args, restarts):
+    assert launcher._max_restarts(args) == restarts
+
+
+def test_a_preempted_message_says_what_was_saved():
+    saved = preemption.Preempted(signal.SIGTERM, 12, "out/checkpoint/step-12")
+    assert "saved out/checkpoint/step-12" in saved.message()
+    assert "nothing was saved" in preemption.Preempted(signal.SIGUSR1, 3, None).message()
