@@ -155,16 +155,22 @@ def self_times(path: Path) -> tuple[float, dict[str, float]]:
     return step["dur"] / 1e3, {k: v / 1e3 for k, v in out.items()}
 
 
+def print_operators(first: tuple[str, dict], second: tuple[str, dict], n: int = 20) -> None:
+    """The ``n`` operators whose exclusive ms differ most between two ``self_times``."""
+    (a_name, a), (b_name, b) = first, second
+    names = sorted(set(a) | set(b), key=lambda k: -abs(b.get(k, 0) - a.get(k, 0)))
+    print(f"{'operator (exclusive ms)':<48}{a_name:>10}{b_name:>10}{'diff':>10}")
+    for name in names[:n]:
+        x, y = a.get(name, 0.0), b.get(name, 0.0)
+        print(f"{name[:47]:<48}{x:>10.1f}{y:>10.1f}{y - x:>+10.1f}")
+
+
 def compare_profiles(folder: Path) -> None:
     """Print the recorded step of both sides and the operators whose time differs most."""
     bare_wall, bare = self_times(folder / "bare.json")
     ours_wall, ours = self_times(folder / "ours.json")
     print(f"profiled step: bare loop {bare_wall:,.1f} ms, run_train.sh {ours_wall:,.1f} ms")
-    names = sorted(set(bare) | set(ours), key=lambda n: -abs(ours.get(n, 0) - bare.get(n, 0)))
-    print(f"{'operator (exclusive ms)':<48}{'bare':>10}{'ours':>10}{'diff':>10}")
-    for name in names[:20]:
-        b, o = bare.get(name, 0.0), ours.get(name, 0.0)
-        print(f"{name[:47]:<48}{b:>10.1f}{o:>10.1f}{o - b:>+10.1f}")
+    print_operators(("bare", bare), ("ours", ours))
     print(f"traces: {folder}/bare.json, {folder}/ours.json (Perfetto or chrome://tracing)")
 
 

@@ -19,9 +19,11 @@ equal FLOPs, peak RSS of the largest process (``/usr/bin/time``), and each side'
 """
 
 import argparse
+import gzip
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,6 +35,8 @@ REF_VENV = Path(os.environ.get("VENV", "/tmp/tt-venv"))
 REF_WORK = Path(os.environ.get("WORK", "/tmp/tt-assets"))
 STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?tps:\s*([\d,]+)")
 DEFAULT_ROWS = ["1x4x512", "2x4x512", "1x8x2048", "2x8x2048"]
+PROFILED_STEP = 6
+MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm", "aten::matmul"}
 
 
 def timed(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[str, float]:
@@ -51,8 +55,9 @@ def timed(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[str, float]:
 
 
 def ours(
-    procs: int, batch: int, seq: int, dtype: str, steps: int
+    procs: int, batch: int, seq: int, dtype: str, steps: int, profile: Path | None = None
 ) -> tuple[list[float], float, float]:
+    """``profile``: also trace step ``PROFILED_STEP`` into ``profile/ours.json``."""
     with tempfile.TemporaryDirectory() as dump:
         cmd = [
             "./run_train.sh",
@@ -67,15 +72,26 @@ def ours(
             "--debug.seed", "42",
             "--job.dump_folder", dump,
         ]  # fmt: skip
+        if profile is not None:
+            cmd += [
+                "--profiling.enable_profiling", "--profiling.profile_freq", str(PROFILED_STEP),
+                "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1",
+            ]  # fmt: skip
         env = os.environ | {"NGPU": str(procs), "PYTHON": sys.executable}
         _, rss = timed(cmd, REPO, env)
+        if profile is not None:
+            trace = (
+                Path(dump) / "profile_traces" / f"iteration_{PROFILED_STEP}" / "rank0_trace.json"
+            )
+            shutil.copy(trace, profile / "ours.json")
         records = [json.loads(x) for x in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
     return [r["tps"] for r in records], records[-1]["loss"], rss
 
 
 def reference(
-    procs: int, batch: int, seq: int, dtype: str, steps: int
+    procs: int, batch: int, seq: int, dtype: str, steps: int, profile: Path | None = None
 ) -> tuple[list[float], float, float]:
+    """``profile``: also trace step ``PROFILED_STEP`` into ``profile/reference.json``."""
     with tempfile.TemporaryDirectory() as dump:
         cmd = [
             str(REF_VENV / "bin" / "torchrun"), "--standalone", f"--nproc_per_node={procs}",
@@ -91,14 +107,40 @@ def reference(
         if procs > 1:
             cmd += ["--parallelism.data_parallel_shard_degree", str(procs)]
             cmd += ["--parallelism.spmd_backend", "partial_dtensor"]
+        if profile is not None:
+            cmd += [
+                "--profiler.enable_profiling", "--profiler.profile_freq", str(PROFILED_STEP),
+                "--profiler.profiler_warmup", "1", "--profiler.profiler_active", "1",
+            ]  # fmt: skip
         cmd.append("activation-checkpoint:none")
         env = os.environ | {"PATH": f"{REF_VENV / 'bin'}:{os.environ['PATH']}"}
         out, rss = timed(cmd, REF_WORK, env)
+        if profile is not None:
+            traces = Path(dump) / "profiling" / "traces" / f"iteration_{PROFILED_STEP}"
+            with gzip.open(traces / "rank0_trace.json.gz") as f:
+                (profile / "reference.json").write_bytes(f.read())
     plain = re.sub(r"\x1b\[[0-9;]*m", "", out)
     steps_seen = [
         (int(s), float(loss), float(t.replace(",", ""))) for s, loss, t in STEP_LINE.findall(plain)
     ]
     return [t for _, _, t in steps_seen], steps_seen[-1][1], rss
+
+
+def compare_profiles(folder: Path, row: str, dtype: str) -> None:
+    """The traced step of both sides, and the operators whose exclusive time differs most."""
+    from bench_overhead import print_operators, self_times
+
+    ours_wall, mine = self_times(folder / "ours.json")
+    ref_wall, theirs = self_times(folder / "reference.json")
+    print(f"\nprofiled step {PROFILED_STEP} of {row} {dtype}: ours {ours_wall:,.1f} ms, "
+          f"reference {ref_wall:,.1f} ms")  # fmt: skip
+    for name, times in (("ours", mine), ("reference", theirs)):
+        matmul = sum(v for k, v in times.items() if k in MATMULS)
+        attention = sum(v for k, v in times.items() if "attention" in k or "sdpa" in k.lower())
+        print(f"  {name:<10} matmuls {matmul:8.1f} ms, attention {attention:7.1f} ms, "
+              f"python/idle {times['(python/idle)']:7.1f} ms")  # fmt: skip
+    print_operators(("ref", theirs), ("ours", mine))
+    print(f"traces: {folder}/ours.json, {folder}/reference.json (Perfetto or chrome://tracing)")
 
 
 def flops_ratio() -> float:
@@ -121,6 +163,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the median")
     parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help=f"then trace step {PROFILED_STEP} of one more run of each side on the first row "
+        "and dtype into DIR, and compare their operators",
+    )
     args = parser.parse_args()
     if not (REF_VENV / "bin" / "torchrun").exists() or not (REF_WORK / "tt_cpu.py").exists():
         sys.exit(
@@ -154,6 +202,13 @@ def main() -> None:
                 f"{max(r for _, _, r in theirs):7.2f}G {mine[-1][1]:10.4f} {theirs[-1][1]:9.4f}",
                 flush=True,
             )
+    if args.profile:  # one more run of each side, traced, kept out of the figures above
+        folder = Path(args.profile)
+        folder.mkdir(parents=True, exist_ok=True)
+        procs, batch, seq = map(int, args.rows[0].split("x"))
+        ours(procs, batch, seq, args.dtypes[0], PROFILED_STEP, profile=folder)
+        reference(procs, batch, seq, args.dtypes[0], PROFILED_STEP, profile=folder)
+        compare_profiles(folder, args.rows[0], args.dtypes[0])
 
 
 if __name__ == "__main__":

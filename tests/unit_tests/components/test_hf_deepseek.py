@@ -15,12 +15,14 @@ from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDict
 transformers = pytest.importorskip("transformers")
 
 ARGS = dataclasses.replace(flavors["debugmodel"], n_layers=3, max_seq_len=64)
-TOKENS = torch.randint(0, ARGS.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+# YaRN on: a table longer than the pretraining length, with the 671B flavor's temperature.
+YARN = dataclasses.replace(ARGS, original_seq_len=16, rope_factor=4.0, mscale=0.707)
+TOKENS = torch.randint(0, ARGS.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
 
 
-def _hf_model():
-    """A random HF model of ``ARGS``' shapes (its config as our export writes it)."""
-    fields = DeepSeekV3StateDictAdapter(ARGS).hf_config(
+def _hf_model(args=ARGS):
+    """A random HF model of ``args``' shapes (its config as our export writes it)."""
+    fields = DeepSeekV3StateDictAdapter(args).hf_config(
         tied=False, dtype=torch.float32, bos_id=None, eos_id=None
     )
     config = transformers.DeepseekV3Config(**fields)
@@ -35,19 +37,22 @@ def _hf_model():
     return model
 
 
-def _ours() -> Transformer:
+def _ours(args=ARGS) -> Transformer:
     with torch.device("meta"):
-        model = Transformer(ARGS)
+        model = Transformer(args)
     model.to_empty(device="cpu")
     model.init_weights()
     return model.eval()
 
 
-def test_import_export_and_round_trip(tmp_path):
-    hf = _hf_model()
+@pytest.mark.parametrize("args", [ARGS, YARN], ids=["rope", "yarn"])
+def test_import_export_and_round_trip(tmp_path, args):
+    hf = _hf_model(args)
+    if args is YARN:  # the export says so, and transformers reads it
+        assert hf.config.rope_scaling["rope_type"] == "yarn"
     hf.save_pretrained(tmp_path / "hf")
-    ours = _ours()
-    adapter = DeepSeekV3StateDictAdapter(ARGS)
+    ours = _ours(args)
+    adapter = DeepSeekV3StateDictAdapter(args)
     checkpoint_hf.load_hf_([ours], adapter, tmp_path / "hf")
     assert ours.layers["2"].moe.expert_bias.abs().sum() > 0  # the routing bias came along
     with torch.no_grad():
