@@ -5,8 +5,10 @@ from exactly that step.
 Slurm sends SIGTERM at the end of a job's time (``KillWait`` seconds before SIGKILL), the
 signal of ``--signal=USR1@SECONDS`` that long before it, and whatever ``scancel --signal``
 names. The signal reaches each rank at its own moment; the ranks agree on the step to stop at
-with one small all-reduce (MAX) per step over the default group's CPU backend (gloo), which
-holds no device stream.
+with a one-integer all-reduce (MAX) over the default group's CPU backend (gloo: no device
+stream is held). It runs in the background: started after step N, read after step N+1, so a
+signal costs one more step and the check never stalls a step (a blocking reduce would put a
+barrier of all ranks, with gloo's latency growing with their count, into every step).
 """
 
 import signal
@@ -33,6 +35,7 @@ class PreemptionWatch:
         self._agree = agree
         self._received: int = 0
         self._announced = False
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None  # the reduce in flight
         # Handlers belong to the main thread (simulated pipeline ranks run in others).
         main = threading.current_thread() is threading.main_thread()
         self._previous = {s: signal.signal(s, self._note) for s in SIGNALS} if main else {}
@@ -42,19 +45,31 @@ class PreemptionWatch:
         self._received = self._received or signum
 
     def requested(self) -> signal.Signals | None:
-        """The signal that asks every rank to stop now, or None to go on."""
+        """The signal that asks every rank to stop now, or None to go on. Call it once per
+        step on every rank: with ``agree``, it answers what the ranks had received by the
+        previous call."""
         received = self._received
         if received and not self._announced:
             self._announced = True
-            logger.warning(f"Received {signal.Signals(received).name}: stopping after this step")
-        if self._agree:
-            flag = torch.tensor([received], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            received = int(flag.item())
-        return signal.Signals(received) if received else None
+            logger.warning(f"Received {signal.Signals(received).name}: stopping at a step end")
+        if not self._agree:
+            return signal.Signals(received) if received else None
+        agreed = self._finish_pending()
+        flag = torch.tensor([received], dtype=torch.int64)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        return signal.Signals(agreed) if agreed else None
+
+    def _finish_pending(self) -> int:
+        if self._pending is None:
+            return 0
+        (work, flag), self._pending = self._pending, None
+        work.wait()
+        return int(flag.item())
 
     def close(self) -> None:
-        """Put back the handlers that were there before."""
+        """Wait for the reduce in flight (no collective may outlive the run), then put back
+        the handlers that were there before."""
+        self._finish_pending()
         for s, previous in self._previous.items():
             signal.signal(s, previous if previous is not None else signal.SIG_DFL)
 
