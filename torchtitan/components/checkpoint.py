@@ -54,6 +54,7 @@ from torchtitan.components.checkpoint_files import (
     saved_config,
     saved_state_keys,
     verify,
+    weights_only_message,
     write_durably,
 )
 from torchtitan.components.checkpoint_states import (
@@ -205,7 +206,7 @@ class CheckpointManager:
         if keys == {"model"}:
             # A seed checkpoint (or, with load_only, any weights): start from these weights.
             if path.name != "step-0" and not self.config.load_only:
-                raise ConfigError(self._weights_only_message(path))
+                raise ConfigError(weights_only_message(self.folder, path))
             self._load_model_only(path)
             return 0
         if local_tensor.is_simulating():
@@ -233,22 +234,6 @@ class CheckpointManager:
             no_dist=_no_dist(),
         )
         return int(STEP_DIR.match(path.name).group(1))
-
-    def _weights_only_message(self, path: Path) -> str:
-        full = [
-            p.name for p in complete_checkpoints(self.folder) if saved_state_keys(p) != {"model"}
-        ]
-        earlier = (
-            f"resume from {full[-1]} with --checkpoint.load_step {full[-1].removeprefix('step-')}"
-            if full
-            else "no earlier checkpoint here holds optimizer state"
-        )
-        return (
-            f"checkpoint {path} holds only model weights (a final save with "
-            "--checkpoint.last_save_model_only), so training cannot resume from it: "
-            f"{earlier}; or start a new run from these weights with "
-            f"--checkpoint.initial_load_path {path} and another --job.dump_folder"
-        )
 
     def _check_model_fits(self, path: Path, *, flag: str) -> None:
         """Names and shapes of the saved model tensors against this model's, before loading."""

@@ -106,6 +106,22 @@ def saved_state_keys(path: Path) -> set[str]:
     return {fqn.split(".", 1)[0] for fqn in _metadata(path)}
 
 
+def weights_only_message(folder: Path, path: Path) -> str:
+    """Why the model-only checkpoint ``path`` cannot be resumed, and what can be."""
+    full = [p.name for p in complete_checkpoints(folder) if saved_state_keys(p) != {"model"}]
+    earlier = (
+        f"resume from {full[-1]} with --checkpoint.load_step {full[-1].removeprefix('step-')}"
+        if full
+        else "no earlier checkpoint here holds optimizer state"
+    )
+    return (
+        f"checkpoint {path} holds only model weights (a final save with "
+        "--checkpoint.last_save_model_only), so training cannot resume from it: "
+        f"{earlier}; or start a new run from these weights with "
+        f"--checkpoint.initial_load_path {path} and another --job.dump_folder"
+    )
+
+
 def saved_ranks(path: Path, key: str) -> int:
     return sum(1 for fqn in _metadata(path) if fqn.startswith(f"{key}.rank_"))
 
