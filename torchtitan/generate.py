@@ -72,9 +72,9 @@ def generate(
 
 def print_sample(trainer, validation) -> None:
     """After training: a continuation of ``validation.sample_prompt`` by the trained model
-    (sampled at ``SAMPLE_TEMPERATURE``, seeded), logged by rank 0. Every rank runs the same forward passes (data-parallel ranks
-    gather their parameters together); layouts that split the sequence, the vocabulary or the
-    model (TP, CP, PP) are skipped with a notice."""
+    (sampled at ``SAMPLE_TEMPERATURE``, seeded), logged by rank 0. Every rank runs the same
+    forward passes (data-parallel ranks gather their parameters together); layouts that split
+    the sequence, the vocabulary or the model (TP, CP, PP) are skipped with a notice."""
     from torchtitan.tools.logging import logger
 
     dims = trainer.parallel_dims

@@ -2,7 +2,8 @@
 
 Parses the config, checks what needs torch, chooses the run (train | seed checkpoint | dry run)
 and maps its outcome to an exit code: 0 done, 2 bad input (one line, no traceback per rank),
-3 a non-finite step, 75 preempted with a checkpoint saved (``components/preemption.py``). Launch several ranks with ``./run_train.sh``. The ``Trainer`` itself is in
+3 a non-finite step, 75 preempted with a checkpoint saved (``components/preemption.py``).
+Launch several ranks with ``./run_train.sh``. The ``Trainer`` itself is in
 ``torchtitan.trainer``; nothing imports this module.
 """
 

@@ -416,8 +416,9 @@ class CheckpointManager:
         if is_disk_full(error) or (free is not None and free < 1 << 20):
             return ConfigError(
                 f"no space left on device saving checkpoint step-{step} in {self.folder}: it "
-                f"needs about {format_bytes(self._state_bytes()).strip()} on this rank, {format_bytes(free or 0).strip()} are "
-                f"free; free space or choose another --checkpoint.folder ({kept})"
+                f"needs about {format_bytes(self._state_bytes()).strip()} on this rank, "
+                f"{format_bytes(free or 0).strip()} are free; free space or choose another "
+                f"--checkpoint.folder ({kept})"
             )
         reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         return ConfigError(

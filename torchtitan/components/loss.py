@@ -10,8 +10,9 @@ IGNORE_INDEX = -100
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy of ``logits [bs, seq, vocab]`` against ``labels [bs, seq]``.
 
-    The trainer divides by the number of valid tokens over all accumulation batches and data-parallel
-    ranks, so every token weighs the same however the batch is split. Computed in float32.
+    The trainer divides by the number of valid tokens over all accumulation batches and
+    data-parallel ranks, so every token weighs the same however the batch is split. Computed in
+    float32.
     """
     return F.cross_entropy(
         logits.flatten(0, 1).float(),

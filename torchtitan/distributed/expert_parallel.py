@@ -18,7 +18,8 @@ complete on their rank (every token that used an expert sent its rows there), so
 module scales them by ``1 / ep`` (``weight_grad_scale``) and FSDP averages over the ranks
 that hold the same experts (``efsdp``): together the mean over every data-parallel rank, as
 for the rest of the model. With TP, the EP group spans the TP ranks: each routes its own
-sequence shard (``models/deepseek_v3/parallelize.py``), and the scale is ``tp / ep``. (FSDP's own divide factor would need a reduce op gloo lacks.)
+sequence shard (``models/deepseek_v3/parallelize.py``), and the scale is ``tp / ep``. (FSDP's
+own divide factor would need a reduce op gloo lacks.)
 The experts module must have a ``weight_grad_scale`` attribute.
 """
 

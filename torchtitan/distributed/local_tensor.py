@@ -14,7 +14,8 @@ that is *not* a tensor op:
   the same value (after a reduction); otherwise ``.item()`` raises ``AssertionError`` and
   ``int()`` ``AttributeError``.
 - Per-rank inputs (each data-parallel rank its own batch) are built with
-  :func:`for_each_coordinate` (e.g. of the ``dp`` mesh); one rank's own value is read with :func:`value_on_rank`.
+  :func:`for_each_coordinate` (e.g. of the ``dp`` mesh); one rank's own value is read with
+  :func:`value_on_rank`.
 
 These helpers also work in a real multi-process run, where they act on this rank only.
 """
