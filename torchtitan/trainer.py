@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from torchtitan.batch_runner import Batch, BatchRunner, pipeline_dtypes
-from torchtitan.components import checkpoint_hf, preemption
+from torchtitan.components import checkpoint_hf, float8, preemption
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_states import build_checkpoint_states
 from torchtitan.components.dataloader import build_dataloader
@@ -91,6 +91,7 @@ class Trainer:
             else None
         )
         self.optimizers = build_optimizers(self.model_parts, config.optimizer, self.device)
+        float8.after_sharding(self.model_parts, self.optimizers, config.float8)
         self.lr_schedulers = build_lr_schedulers(
             self.optimizers, config.lr_scheduler, training_steps=config.training.steps
         )

@@ -8,7 +8,7 @@ the same weights (one-process init for the seed) and, at every step, consumes th
 batch: the first windows of the bundled corpus, split by data-parallel rank. With
 ``--trainer-data`` the trainer keeps its own dataloader instead (and whatever position a
 checkpoint gives it). Rank 0 writes ``OUT_DIR/<name>.pt`` with the per-step losses and grad
-norms and the full final weights.
+norms, the full final weights and the bytes its all-gathers sent by dtype.
 """
 
 import json
@@ -60,12 +60,41 @@ def _clean(name: str) -> str:
     return name
 
 
+class AllGatherBytes:
+    """Bytes each all-gather into one tensor sends from this rank, by dtype (FSDP's weights:
+    ``all_gather_single`` in torch 2.13, ``all_gather_into_tensor`` before)."""
+
+    NAMES = ("all_gather_single", "all_gather_into_tensor")
+
+    def __init__(self):
+        self.bytes: dict[str, int] = {}
+        self.originals = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
+
+    def __enter__(self):
+        for name, original in self.originals.items():
+            setattr(dist, name, self._counting(original))
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self.originals.items():
+            setattr(dist, name, original)
+
+    def _counting(self, original):
+        def call(output, input, *args, **kwargs):
+            key = str(input.dtype)
+            self.bytes[key] = self.bytes.get(key, 0) + input.numel() * input.element_size()
+            return original(output, input, *args, **kwargs)
+
+        return call
+
+
 def run_case(out_dir: Path, name: str, flags: list[str], *, trainer_data: bool = False) -> None:
     dump = out_dir / name
     trainer = Trainer(parse_args([*flags, "--job.dump_folder", str(dump)], console_outputs=False))
     if not trainer_data:
         trainer.dataloader = GlobalBatchSlices(trainer, trainer.config.training.steps)
-    trainer.train()
+    with AllGatherBytes() as all_gathers:
+        trainer.train()
     weights = {}
     for part in trainer.model_parts:
         # Parameters and the buffers a checkpoint saves (MoE expert biases).
@@ -82,7 +111,8 @@ def run_case(out_dir: Path, name: str, flags: list[str], *, trainer_data: bool =
     if not dist.is_initialized() or dist.get_rank() == 0:
         lines = (dump / "metrics.jsonl").read_text().splitlines()
         records = [json.loads(line) for line in lines]
-        torch.save({"records": records, "weights": weights}, out_dir / f"{name}.pt")
+        saved = {"records": records, "weights": weights, "all_gather_bytes": all_gathers.bytes}
+        torch.save(saved, out_dir / f"{name}.pt")
 
 
 def main() -> None:

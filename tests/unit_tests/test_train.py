@@ -165,12 +165,6 @@ def test_float8_trains_like_high_precision(tmp_path, recipe):
         assert got == pytest.approx(want, rel=0.02)
 
 
-def test_float8_all_gather_is_refused_on_gloo(tmp_path, capfd):
-    flags = ["--float8.enable", "--float8.enable_fsdp_float8_all_gather"]
-    err = _main_error(capfd, *flags, "--job.dump_folder", str(tmp_path))
-    assert "gloo cannot move float8 tensors" in err
-
-
 def test_a_sample_is_printed_after_training(tmp_path, capfd):
     """``--validation.sample_prompt`` (what ``make train`` passes): the trained model's seeded
     continuation, the same text for the same weights."""

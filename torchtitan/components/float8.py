@@ -7,15 +7,22 @@ matmul casts its inputs to float8 (e4m3, scaled per tensor or per row by the rec
 
 On CPU this is the real path (torch 2.13 has ``_scaled_mm`` for e4m3 there) but slower than
 bf16: the CPU has no float8 units. On CUDA it needs compute capability 8.9+ (H100, L40, 4090)
-unless ``--float8.emulate``. Communication in float8 (FSDP's float8 all-gather, tensorwise only)
-needs NCCL: gloo cannot move float8 tensors, so it is refused on CPU before any rank starts.
+unless ``--float8.emulate``.
+
+FSDP's float8 all-gather (tensorwise only) sends each weight's float8 bytes plus its scale.
+gloo cannot move float8 tensors, but FSDP gathers a unit whose inputs mix dtypes (float8
+weights with high-precision norms) as one byte buffer, which gloo moves: every unit of our
+families mixes, and :func:`after_sharding` refuses, in one line, a unit that would not.
 """
 
 import dataclasses
 import functools
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from torchtitan.config.errors import ConfigError
@@ -83,3 +90,94 @@ def wanted(module: nn.Module, fqn: str, *, filter_fqns: list[str]) -> bool:
 def _linears(model: nn.Module) -> int:
     """Plain ``nn.Linear`` modules (torchao's float8 linear is a subclass of its own type)."""
     return sum(type(m) is nn.Linear for m in model.modules())
+
+
+def after_sharding(
+    model_parts: Sequence[nn.Module], optimizers: Any, config: Float8Config
+) -> None:
+    """Once the parts are sharded and their optimizers built: check that gloo can gather every
+    FSDP unit holding float8 weights and, with ``precompute_float8_dynamic_scale_for_fsdp``,
+    compute the weights' scales after each optimizer step (one all-reduce per part)."""
+    if not (config.enable and config.enable_fsdp_float8_all_gather):
+        return
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    for part in model_parts:
+        _check_units_gloo_can_gather(part)
+    if config.precompute_float8_dynamic_scale_for_fsdp:
+        # Until the first step each all-gather computes its weight's scale itself (the weights
+        # a checkpoint loads after this call included): the same value, one reduction each.
+        optimizers.register_step_post_hook(
+            lambda: [precompute_float8_dynamic_scale_for_fsdp(part) for part in model_parts]
+        )
+
+
+def float8_gathered(param: torch.Tensor) -> bool:
+    """Whether FSDP gathers ``param`` (a sharded parameter) in float8."""
+    local = getattr(param, "_local_tensor", param)
+    return type(local).__name__ == "WeightWithDynamicFloat8CastTensor"
+
+
+def _check_units_gloo_can_gather(model: nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, module in model.named_modules():
+        state = module._get_fsdp_state() if isinstance(module, FSDPModule) else None
+        group = getattr(state, "_fsdp_param_group", None) if state is not None else None
+        if group is None or not group.fsdp_params:
+            continue
+        process_group = getattr(group.mesh_info, "shard_process_group", None)
+        if process_group is None or dist.get_backend(process_group) != "gloo":
+            continue
+        if all(float8_gathered(p.sharded_param) for p in group.fsdp_params):
+            raise ConfigError(
+                f"--float8.enable_fsdp_float8_all_gather: the FSDP unit {name or 'model'!r} "
+                f"holds only float8 weights, which gloo cannot gather; shard it with a "
+                f"high-precision parameter (e.g. its block's norm) or remove the flag on CPU"
+            )
+
+
+def tp_in_float8(config: Float8Config, tp_mesh: Any, *, sequence_parallel: bool) -> bool:
+    """Whether tensor parallelism moves float8 activations (torchao's float8 TP styles:
+    ``tensorwise`` only). With sequence parallelism the styles all-gather float8 tensors,
+    which gloo cannot move: there the activations cross ranks in high precision (the matmuls
+    stay float8), said in one line."""
+    if not (config.enable and config.recipe_name == "tensorwise"):
+        return False
+    if sequence_parallel and dist.get_backend(tp_mesh.get_group()) == "gloo":
+        logger.info(
+            "float8: tensor parallelism gathers activations in high precision on gloo (it "
+            "cannot move float8 tensors); the matmuls are float8, NCCL gathers in float8"
+        )
+        return False
+    return True
+
+
+def tp_style(style: type, modules: Sequence[nn.Module], *, float8: bool, **kwargs: Any) -> Any:
+    """``style(**kwargs)`` (``ColwiseParallel``, ``RowwiseParallel`` or
+    ``PrepareModuleInput``), or torchao's float8 counterpart when ``float8`` and every module
+    it feeds is a float8 linear (the input is then cast once, before any all-gather)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+    )
+
+    if float8 and all(is_float8(module) for module in modules):
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
+
+        style = {
+            ColwiseParallel: Float8ColwiseParallel,
+            RowwiseParallel: Float8RowwiseParallel,
+            PrepareModuleInput: PrepareFloat8ModuleInput,
+        }[style]
+    return style(**kwargs)
+
+
+def is_float8(module: nn.Module) -> bool:
+    """Whether ``module`` is one of torchao's float8 linears."""
+    return nn.Linear in type(module).__mro__ and type(module).__name__ == "Float8Linear"

@@ -7,7 +7,7 @@ with the module holding its parameters; the state dicts use flattened, fully qua
 loads into any other split of the same model (one part, or other stages).
 """
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,10 +34,18 @@ class Optimizers(Stateful):
     ):
         self.model_parts = list(model_parts)
         self.optimizers = list(optimizers)
+        self._post_step_hooks: list[Callable[[], object]] = []
 
     def step(self) -> None:
         for optimizer in self.optimizers:
             optimizer.step()
+        for hook in self._post_step_hooks:
+            hook()
+
+    def register_step_post_hook(self, hook: Callable[[], object]) -> None:
+        """Call ``hook()`` after every step of all the optimizers (e.g. float8 weight scales
+        computed from the new weights)."""
+        self._post_step_hooks.append(hook)
 
     def zero_grad(self) -> None:
         for optimizer in self.optimizers:

@@ -158,11 +158,6 @@ def validate(config: JobConfig) -> None:
 def validate_environment(config: JobConfig, device_type: str) -> None:
     """The rules that depend on the machine (``device_type``: ``cuda`` or ``cpu``, found by the
     caller with torch). Every rank reaches the same verdict before it builds anything."""
-    if config.float8.enable_fsdp_float8_all_gather and device_type != "cuda":
-        raise ConfigError(
-            "--float8.enable_fsdp_float8_all_gather needs CUDA (NCCL): gloo cannot move float8 "
-            "tensors; remove it on CPU (float8 matmuls still run)"
-        )
     if config.parallelism.enable_async_tensor_parallel and device_type != "cuda":
         raise ConfigError(
             "--parallelism.enable_async_tensor_parallel needs CUDA (symmetric memory); "

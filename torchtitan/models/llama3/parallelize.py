@@ -9,6 +9,8 @@ traces the block with its checkpointing; FSDP last so it shards (and gathers) th
 parameters of each unit, over dp_shard x cp.
 """
 
+import functools
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -20,7 +22,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtitan.components.float8 import apply_float8
+from torchtitan.components import float8
+from torchtitan.components.float8 import tp_style
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.context_parallel import apply_cp
@@ -36,14 +39,18 @@ def parallelize_llama3(model: nn.Module, context: ParallelizeContext) -> nn.Modu
     if context.float8.enable:  # first: the parallel plans then wrap float8 linears
         casts = dims.fsdp_enabled or dims.dp_replicate_enabled  # else bf16 comes by autocast
         bf16 = context.training.mixed_precision_param != "float32"
-        apply_float8(model, context.float8, autocast=bf16 and not casts)
+        float8.apply_float8(model, context.float8, autocast=bf16 and not casts)
     if dims.tp_enabled:
         tp_mesh = dims.mesh("tp")
+        sequence_parallel = parallelism.enable_sequence_parallel
         apply_tp(
             model,
             tp_mesh,
             loss_parallel=not parallelism.disable_loss_parallel,
-            sequence_parallel=parallelism.enable_sequence_parallel,
+            sequence_parallel=sequence_parallel,
+            float8_styles=float8.tp_in_float8(
+                context.float8, tp_mesh, sequence_parallel=sequence_parallel
+            ),
         )
         if parallelism.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh)
@@ -90,7 +97,12 @@ def parallelize_llama3(model: nn.Module, context: ParallelizeContext) -> nn.Modu
 
 
 def apply_tp(
-    model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, sequence_parallel: bool
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    loss_parallel: bool,
+    sequence_parallel: bool,
+    float8_styles: bool = False,
 ) -> None:
     """Megatron-style TP: attention heads and FFN hidden units split over ``tp_mesh``.
 
@@ -98,30 +110,39 @@ def apply_tp(
     w2 row-parallel (partial sums reduced at the end). With sequence parallelism the activations
     between those regions are sharded along the sequence (dim 1), so norms and residual adds
     run on 1/tp of the tokens and the all-reduces become reduce-scatter + all-gather. With loss
-    parallelism the logits stay sharded over the vocabulary into the cross-entropy.
+    parallelism the logits stay sharded over the vocabulary into the cross-entropy. With
+    ``float8_styles`` float8 linears get torchao's float8 styles (each region's input cast to
+    float8 once, before its all-gather).
     """
     between = Shard(1) if sequence_parallel else Replicate()
     apply_tp_embedding_and_output(
         model, tp_mesh, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel
     )
 
+    style = functools.partial(tp_style, float8=float8_styles)
     for block in model.layers.values():
+        attn, ffn = block.attention, block.feed_forward
         plan = {
             # The RoPE table and the document numbers (or None) are plain, replicated tensors.
-            "attention": PrepareModuleInput(
+            "attention": style(
+                PrepareModuleInput,
+                [attn.wq, attn.wk, attn.wv],
                 input_layouts=(between, None, None),
                 desired_input_layouts=(Replicate(), None, None),
             ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=between),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(between,), desired_input_layouts=(Replicate(),)
+            "attention.wq": style(ColwiseParallel, [attn.wq]),
+            "attention.wk": style(ColwiseParallel, [attn.wk]),
+            "attention.wv": style(ColwiseParallel, [attn.wv]),
+            "attention.wo": style(RowwiseParallel, [attn.wo], output_layouts=between),
+            "feed_forward": style(
+                PrepareModuleInput,
+                [ffn.w1, ffn.w3],
+                input_layouts=(between,),
+                desired_input_layouts=(Replicate(),),
             ),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=between),
-            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w1": style(ColwiseParallel, [ffn.w1]),
+            "feed_forward.w2": style(RowwiseParallel, [ffn.w2], output_layouts=between),
+            "feed_forward.w3": style(ColwiseParallel, [ffn.w3]),
         }
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
