@@ -265,6 +265,13 @@ CASES = {
         f"{MOE} --training.local_batch_size 4 --parallelism.context_parallel_degree 2 "
         "--parallelism.expert_parallel_degree 4",
     ),
+    # MoE blocks compile around the routed experts (eager, with EP's exchange hooks), under
+    # full activation checkpointing.
+    "moe_ep2_compile_ac": (
+        2,
+        f"{MOE} --training.local_batch_size 4 --parallelism.expert_parallel_degree 2 "
+        "--compile.enable --activation_checkpoint.mode full",
+    ),
     "moe_tp2_cp2_ep4": (
         4,
         f"{MOE} --training.local_batch_size 8 --parallelism.context_parallel_degree 2 "

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import (
 
 from torchtitan.components.float8 import apply_float8
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.compile import apply_compile, apply_compile_around
 from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.expert_parallel import apply_ep
 from torchtitan.distributed.fsdp import (
@@ -30,6 +30,7 @@ from torchtitan.distributed.fsdp import (
     mixed_precision_policy,
 )
 from torchtitan.distributed.tensor_parallel import SumGradients, apply_tp_embedding_and_output
+from torchtitan.models.common.moe import GroupedExperts, MoE
 from torchtitan.models.spec import ParallelizeContext
 
 
@@ -64,11 +65,16 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
         apply_ep(experts, dims.mesh("ep"), data_parallel_ranks=dims.ep_data_parallel)
     apply_ac(model.layers, context.activation_checkpoint)
     if context.compile.enable and "model" in context.compile.components:
-        # Routing has data-dependent shapes (rows per expert): only dense blocks compile.
+        # Routing has data-dependent shapes (rows per expert, the EP exchange): MoE blocks
+        # compile their attention, norms, router and shared experts; the routed experts and
+        # the dispatch between them run eager.
         dense = nn.ModuleDict({n: b for n, b in model.layers.items() if not _is_moe(b)})
         apply_compile(dense, context.compile)
-        for name, block in dense.items():
-            model.layers[name] = block
+        for name, block in model.layers.items():
+            if name in dense:
+                model.layers[name] = dense[name]
+            else:
+                apply_compile_around(block, context.compile, eager=_moe_or_experts)
     if not dims.meshes_built:
         return model
     training = context.training
@@ -106,6 +112,10 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
         reshard_after_forward=reshard,
         cpu_offload=training.enable_cpu_offload,
     )
+
+
+def _moe_or_experts(module: nn.Module) -> bool:
+    return isinstance(module, (MoE, GroupedExperts))
 
 
 def _is_moe(block: nn.Module) -> bool:
