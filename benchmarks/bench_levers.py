@@ -37,6 +37,8 @@ LEVERS: dict[str, tuple[list[str], dict[str, str], str]] = {
         {},
         "FSDP keeps gathered blocks from forward to backward",
     ),
+    "prefetch_1": (["--parallelism.fsdp_prefetch", "1"], {}, "FSDP gathers the next block early"),
+    "prefetch_2": (["--parallelism.fsdp_prefetch", "2"], {}, "FSDP gathers 2 blocks early"),
     "simple_fsdp": (["--parallelism.fsdp_impl", "simple"], {}, "per-parameter DTensor FSDP"),
     "gc_off": (["--training.gc_freq", "0"], {}, "no scheduled GC (Python's own)"),
 }

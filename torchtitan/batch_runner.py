@@ -17,6 +17,7 @@ accumulation batch further inside a pipeline schedule.
 """
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -120,11 +121,11 @@ class BatchRunner:
         dims = context.parallel_dims
         self.autocast = autocast_context(dims, context.training.mixed_precision_param, device.type)
         self.loss_parallel = dims.tp_enabled and not context.parallelism.disable_loss_parallel
-        loss_fn = cross_entropy_sum
+        loss_fn = functools.partial(cross_entropy_sum, chunks=context.training.loss_chunks)
         c = context.compile
         # Compiled, the vocab-sharded loss ignores loss_parallel and returns a wrong value.
         if c.enable and "loss" in c.components and not self.loss_parallel:
-            loss_fn = torch.compile(cross_entropy_sum, backend=c.backend)
+            loss_fn = torch.compile(loss_fn, backend=c.backend)
         self.loss_fn = ScaledLoss(loss_fn)
         # Modules that add a loss term of their own (MoE balance losses) weigh it like the
         # tokens it was computed on: they read the gradient weight of one token's loss.

@@ -58,21 +58,27 @@ CASES = {
         "--parallelism.data_parallel_shard_degree 1",
     ),
     "tp2": (2, "--training.local_batch_size 8 --parallelism.tensor_parallel_degree 2"),
+    # The vocab-sharded cross-entropy in chunks of tokens (each recomputed in backward).
     "tp2_no_sequence_parallel": (
         2,
         "--training.local_batch_size 8 --parallelism.tensor_parallel_degree 2 "
-        "--parallelism.no_enable_sequence_parallel",
+        "--parallelism.no_enable_sequence_parallel --training.loss_chunks 4",
     ),
     "tp2_no_loss_parallel": (
         2,
         "--training.local_batch_size 8 --parallelism.tensor_parallel_degree 2 "
         "--parallelism.disable_loss_parallel",
     ),
-    "fsdp2_ac_full": (2, "--training.local_batch_size 4 --activation_checkpoint.mode full"),
+    # Prefetching (all-gathers of the next blocks started early) changes timing only.
+    "fsdp2_ac_full": (
+        2,
+        "--training.local_batch_size 4 --activation_checkpoint.mode full "
+        "--parallelism.fsdp_prefetch 2",
+    ),
     "fsdp2_ac_every_2nd_block": (
         2,
         "--training.local_batch_size 4 --activation_checkpoint.mode selective "
-        "--activation_checkpoint.selective_ac_option 2",
+        "--activation_checkpoint.selective_ac_option 2 --training.loss_chunks 3",
     ),
     "fsdp2_ac_ops": (
         2,
@@ -92,7 +98,11 @@ CASES = {
         "--training.local_batch_size 4 --parallelism.tensor_parallel_degree 2 "
         "--parallelism.fsdp_impl simple",
     ),
-    "hsdp2x2": (4, "--training.local_batch_size 2 --parallelism.data_parallel_replicate_degree 2"),
+    "hsdp2x2": (
+        4,
+        "--training.local_batch_size 2 --parallelism.data_parallel_replicate_degree 2 "
+        "--parallelism.fsdp_prefetch 1",
+    ),
     # Pipeline: 4 micro-batches of 2; multi-stage schedules hold 2 stages per rank (4 stages).
     **{
         f"pp2_{schedule.lower()}": (

@@ -87,6 +87,11 @@ class Training:
     mixed_precision_reduce: Literal["float32"] = "float32"
     """Dtype of gradient reductions across data-parallel ranks."""
 
+    loss_chunks: int = 1
+    """Compute the cross-entropy over this many chunks of tokens, each in float32 and
+    recomputed in backward, so the float32 full-vocabulary logits never exist for every token
+    at once (a large vocabulary's memory; 1: one piece)."""
+
     gc_freq: int = 50
     """Run Python garbage collection every N steps (automatic collection is disabled during
     training to avoid random pauses); 0 keeps Python's automatic collection."""
@@ -156,6 +161,11 @@ class Parallelism:
     """Free gathered parameters after forward (``always``), keep them (``never``), or let the
     framework choose (``default``: free them, except the last block's, which backward needs
     first)."""
+
+    fsdp_prefetch: int = 0
+    """Blocks whose FSDP all-gather is issued ahead of their use: 0 keeps FSDP2's own order
+    (in forward a block's gather starts when the block does, in backward one block ahead);
+    N >= 1 starts the next N blocks' gathers when a block starts, in forward and backward."""
 
     fsdp_impl: Literal["auto", "fsdp2", "simple"] = "auto"
     """How parameters are sharded over data-parallel ranks: ``fsdp2`` (``fully_shard``: per-block

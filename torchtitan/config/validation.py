@@ -37,6 +37,7 @@ def validate(config: JobConfig) -> None:
         (t.seq_len >= 1, f"--training.seq_len={t.seq_len} must be >= 1"),
         (t.gc_freq >= 0, f"--training.gc_freq={t.gc_freq} must be >= 0"),
         (t.num_workers >= 0, f"--training.num_workers={t.num_workers} must be >= 0"),
+        (t.loss_chunks >= 1, f"--training.loss_chunks={t.loss_chunks} must be >= 1"),
         (0 < o.lr < math.inf, f"--optimizer.lr={o.lr} must be > 0 and finite"),
         (
             math.isfinite(t.max_norm),
@@ -356,6 +357,11 @@ def _local_tensor_checks(config: JobConfig) -> list[tuple[bool, str]]:
             not (simple and p.fsdp_reshard_after_forward == "always"),
             "--parallelism.fsdp_reshard_after_forward always needs --parallelism.fsdp_impl "
             "fsdp2 (simple keeps gathered parameters until backward)",
+        ),
+        (
+            p.fsdp_prefetch >= 0,
+            f"--parallelism.fsdp_prefetch={p.fsdp_prefetch} must be >= 0 (blocks gathered "
+            "ahead; 0 keeps FSDP2's own order)",
         ),
     ]
 

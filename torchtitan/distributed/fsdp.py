@@ -55,8 +55,11 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy,
     reshard_after_forward: Literal["default", "always", "never"] = "default",
     cpu_offload: bool = False,
+    prefetch: int = 0,
 ) -> nn.Module:
-    """Shard ``blocks`` then ``model`` over ``mesh`` (1D: FSDP; 2D replicate x shard: HSDP)."""
+    """Shard ``blocks`` then ``model`` over ``mesh`` (1D: FSDP; 2D replicate x shard: HSDP).
+    ``prefetch`` >= 1: each block starts the all-gathers of the next ``prefetch`` blocks (in
+    forward order, and in reverse order in backward)."""
     offload = _offload_policy(cpu_offload)
     blocks = list(blocks)
     for i, block in enumerate(blocks):
@@ -70,6 +73,10 @@ def apply_fsdp(
     fully_shard(
         model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=False
     )
+    if prefetch > 0:
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + prefetch])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch) : i][::-1])
     return model
 
 

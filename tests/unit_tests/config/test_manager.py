@@ -628,6 +628,11 @@ def test_compiling_tensor_parallel_blocks_is_refused() -> None:
         ),
         (
             None,
+            "--parallelism.fsdp_prefetch -1",
+            "--parallelism.fsdp_prefetch=-1 must be >= 0",
+        ),
+        (
+            None,
             "--validation.enable --training.seq_len 64 --validation.seq_len 128",
             "--validation.seq_len=128 must be in [1, --training.seq_len=64]",
         ),

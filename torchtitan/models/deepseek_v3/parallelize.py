@@ -111,6 +111,7 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
         mp_policy=mp_policy,
         reshard_after_forward=reshard,
         cpu_offload=training.enable_cpu_offload,
+        prefetch=parallelism.fsdp_prefetch,
     )
 
 

@@ -90,6 +90,7 @@ def parallelize_llama3(model: nn.Module, context: ParallelizeContext) -> nn.Modu
             mp_policy=mp_policy,
             reshard_after_forward=parallelism.fsdp_reshard_after_forward,
             cpu_offload=training.enable_cpu_offload,
+            prefetch=parallelism.fsdp_prefetch,
         )
     if dims.dp_replicate_enabled:
         return apply_replicate(model, blocks, dims.mesh("dp_replicate"), mp_policy=mp_policy)
