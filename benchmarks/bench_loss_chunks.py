@@ -34,7 +34,11 @@ def measure(tokens: int, vocab: int, dtype: str, chunks: int) -> dict:
         logits.grad = None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     logits_mib = logits.numel() * logits.element_size() / 2**20
-    return {"above_mib": (peak - baseline) / 1024, "s": statistics.median(times), "logits_mib": logits_mib}
+    return {
+        "above_mib": (peak - baseline) / 1024,
+        "s": statistics.median(times),
+        "logits_mib": logits_mib,
+    }
 
 
 def main() -> None:

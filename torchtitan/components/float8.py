@@ -18,7 +18,7 @@ families mixes, and :func:`after_sharding` refuses, in one line, a unit that wou
 import dataclasses
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -92,49 +92,89 @@ def _linears(model: nn.Module) -> int:
     return sum(type(m) is nn.Linear for m in model.modules())
 
 
-def after_sharding(
-    model_parts: Sequence[nn.Module], optimizers: Any, config: Float8Config
-) -> None:
+def after_sharding(model_parts: Sequence[nn.Module], optimizers: Any, config: Float8Config) -> None:
     """Once the parts are sharded and their optimizers built: check that gloo can gather every
     FSDP unit holding float8 weights and, with ``precompute_float8_dynamic_scale_for_fsdp``,
-    compute the weights' scales after each optimizer step (one all-reduce per part)."""
+    compute the weights' scales before the first forward (after any checkpoint load) and after
+    each optimizer step, one all-reduce per device mesh."""
     if not (config.enable and config.enable_fsdp_float8_all_gather):
         return
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-    for part in model_parts:
-        _check_units_gloo_can_gather(part)
-    if config.precompute_float8_dynamic_scale_for_fsdp:
-        # Until the first step each all-gather computes its weight's scale itself (the weights
-        # a checkpoint loads after this call included): the same value, one reduction each.
-        optimizers.register_step_post_hook(
-            lambda: [precompute_float8_dynamic_scale_for_fsdp(part) for part in model_parts]
+    units = [unit for part in model_parts for unit in _float8_units(part)]
+    if not units:
+        logger.warning(
+            "--float8.enable_fsdp_float8_all_gather does nothing here: no FSDP unit holds "
+            "float8 weights (FSDP2 is not sharding this layout)"
         )
-
-
-def float8_gathered(param: torch.Tensor) -> bool:
-    """Whether FSDP gathers ``param`` (a sharded parameter) in float8."""
-    local = getattr(param, "_local_tensor", param)
-    return type(local).__name__ == "WeightWithDynamicFloat8CastTensor"
-
-
-def _check_units_gloo_can_gather(model: nn.Module) -> None:
-    from torch.distributed.fsdp import FSDPModule
-
-    for name, module in model.named_modules():
-        state = module._get_fsdp_state() if isinstance(module, FSDPModule) else None
-        group = getattr(state, "_fsdp_param_group", None) if state is not None else None
-        if group is None or not group.fsdp_params:
-            continue
-        process_group = getattr(group.mesh_info, "shard_process_group", None)
-        if process_group is None or dist.get_backend(process_group) != "gloo":
-            continue
-        if all(float8_gathered(p.sharded_param) for p in group.fsdp_params):
+        return
+    for name, group, only_float8 in units:
+        if only_float8 and _backend(group) == "gloo":
             raise ConfigError(
                 f"--float8.enable_fsdp_float8_all_gather: the FSDP unit {name or 'model'!r} "
                 f"holds only float8 weights, which gloo cannot gather; shard it with a "
                 f"high-precision parameter (e.g. its block's norm) or remove the flag on CPU"
             )
+    if config.precompute_float8_dynamic_scale_for_fsdp:
+        optimizers.register_step_post_hook(lambda: precompute_scales(model_parts))
+        # Before the first forward, so that step takes the same scales as every later one
+        # (without it each all-gather reduces its weight's maximum over the FSDP ranks only,
+        # which under TP is a shard's, not the weight's).
+        for part in model_parts:
+            _once_before_forward(part, functools.partial(precompute_scales, [part]))
+
+
+def _once_before_forward(module: nn.Module, fn: Callable[[], object]) -> None:
+    handles = []
+
+    def hook(module: nn.Module, args: Any) -> None:
+        handles.pop().remove()
+        fn()
+
+    handles.append(module.register_forward_pre_hook(hook, prepend=True))
+
+
+def precompute_scales(model_parts: Sequence[nn.Module]) -> None:
+    """Every float8 weight's scale from its current values, in one all-reduce per device mesh
+    (torchao's precompute stacks the weights' maxima, which takes one mesh: under TP some
+    weights are sharded over the data-parallel ranks only, others over data and TP ranks)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    by_mesh: dict[Any, list[nn.Module]] = {}
+    for part in model_parts:
+        for module in part.modules():
+            weight = getattr(module, "weight", None)
+            if is_float8(module) and float8_gathered(weight) and hasattr(weight, "device_mesh"):
+                by_mesh.setdefault(weight.device_mesh, []).append(module)
+    for linears in by_mesh.values():
+        precompute_float8_dynamic_scale_for_fsdp(nn.ModuleList(linears))
+
+
+def float8_gathered(param: torch.Tensor | None) -> bool:
+    """Whether ``param`` is a weight FSDP would gather in float8 (torchao's wrapper, alone or
+    inside a DTensor)."""
+    local = getattr(param, "_local_tensor", param)
+    return type(local).__name__ == "WeightWithDynamicFloat8CastTensor"
+
+
+def _float8_units(model: nn.Module) -> list[tuple[str, Any, bool]]:
+    """``(name, param group, whether it holds only float8 weights)`` of each FSDP2 unit of
+    ``model`` holding float8 weights."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = []
+    for name, module in model.named_modules():
+        state = module._get_fsdp_state() if isinstance(module, FSDPModule) else None
+        group = getattr(state, "_fsdp_param_group", None) if state is not None else None
+        if group is None or not group.fsdp_params:
+            continue
+        float8 = [float8_gathered(p.sharded_param) for p in group.fsdp_params]
+        if any(float8):
+            units.append((name, group, all(float8)))
+    return units
+
+
+def _backend(group: Any) -> str | None:
+    process_group = getattr(group.mesh_info, "shard_process_group", None)
+    return None if process_group is None else dist.get_backend(process_group)
 
 
 def tp_in_float8(config: Float8Config, tp_mesh: Any, *, sequence_parallel: bool) -> bool:

@@ -16,9 +16,9 @@ def cross_entropy_sum(
     The trainer divides by the number of valid tokens over all accumulation batches and
     data-parallel ranks, so every token weighs the same however the batch is split. Computed in
     float32. With ``chunks`` > 1 the tokens are taken in that many chunks, each cast to float32
-    and recomputed in backward, so the float32 copy of the full-vocabulary logits (and the
-    log-probabilities the loss keeps for backward) never exist for all tokens at once; the
-    logits themselves and their gradient still do.
+    and recomputed in backward, so the float32 copy of bf16 logits and the log-probabilities
+    the loss keeps for backward exist for one chunk at a time; the logits themselves and their
+    gradient still exist whole.
     """
     logits, labels = logits.flatten(0, 1), labels.flatten(0, 1)
     if chunks <= 1:
@@ -26,7 +26,13 @@ def cross_entropy_sum(
     total = None
     # One split: its backward writes every chunk's gradient into one buffer.
     for part, part_labels in zip(logits.chunk(chunks), labels.chunk(chunks), strict=True):
-        loss = checkpoint(_float32_cross_entropy_sum, part, part_labels, use_reentrant=False)
+        loss = checkpoint(
+            _float32_cross_entropy_sum,
+            part,
+            part_labels,
+            use_reentrant=False,
+            preserve_rng_state=False,  # no randomness to replay
+        )
         total = loss if total is None else total + loss
     return total
 

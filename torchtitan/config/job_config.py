@@ -88,9 +88,10 @@ class Training:
     """Dtype of gradient reductions across data-parallel ranks."""
 
     loss_chunks: int = 1
-    """Compute the cross-entropy over this many chunks of tokens, each in float32 and
-    recomputed in backward, so the float32 full-vocabulary logits never exist for every token
-    at once (a large vocabulary's memory; 1: one piece)."""
+    """Compute the cross-entropy over this many chunks of tokens, each cast to float32 and
+    recomputed in backward, so the loss's float32 copies of the full-vocabulary logits (the
+    cast of bf16 logits, the log-probabilities kept for backward) exist for one chunk at a
+    time; the logits and their gradient still exist whole (1: one piece)."""
 
     gc_freq: int = 50
     """Run Python garbage collection every N steps (automatic collection is disabled during

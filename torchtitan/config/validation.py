@@ -363,6 +363,16 @@ def _local_tensor_checks(config: JobConfig) -> list[tuple[bool, str]]:
             f"--parallelism.fsdp_prefetch={p.fsdp_prefetch} must be >= 0 (blocks gathered "
             "ahead; 0 keeps FSDP2's own order)",
         ),
+        (
+            not (simple and p.fsdp_prefetch > 0),
+            "--parallelism.fsdp_prefetch needs --parallelism.fsdp_impl fsdp2 (simple gathers "
+            "each parameter when a module reads it)",
+        ),
+        (
+            not (simple and config.float8.enable_fsdp_float8_all_gather),
+            "--float8.enable_fsdp_float8_all_gather needs --parallelism.fsdp_impl fsdp2 (simple "
+            "FSDP, which COMM_MODE=local_tensor uses, gathers in high precision)",
+        ),
     ]
 
 

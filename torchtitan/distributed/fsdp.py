@@ -7,7 +7,7 @@ are gathered (and its gradients reduced) on their own while neighbours compute.
 """
 
 import inspect
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import torch
@@ -56,10 +56,13 @@ def apply_fsdp(
     reshard_after_forward: Literal["default", "always", "never"] = "default",
     cpu_offload: bool = False,
     prefetch: int = 0,
+    inner_units: Sequence[Sequence[nn.Module]] = (),
 ) -> nn.Module:
     """Shard ``blocks`` then ``model`` over ``mesh`` (1D: FSDP; 2D replicate x shard: HSDP).
     ``prefetch`` >= 1: each block starts the all-gathers of the next ``prefetch`` blocks (in
-    forward order, and in reverse order in backward)."""
+    forward order, and in reverse order in backward), with their ``inner_units`` (per block,
+    the units sharded separately inside it, in forward order: e.g. MoE experts), which an
+    explicit prefetch list would otherwise leave to be gathered only when they start."""
     offload = _offload_policy(cpu_offload)
     blocks = list(blocks)
     for i, block in enumerate(blocks):
@@ -74,9 +77,13 @@ def apply_fsdp(
         model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=False
     )
     if prefetch > 0:
+        inner = list(inner_units) or [()] * len(blocks)
+        units = [[block, *inside] for block, inside in zip(blocks, inner, strict=True)]
         for i, block in enumerate(blocks):
-            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + prefetch])
-            block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch) : i][::-1])
+            ahead = units[i + 1 : i + 1 + prefetch]
+            behind = units[max(0, i - prefetch) : i][::-1]
+            block.set_modules_to_forward_prefetch([u for group in ahead for u in group])
+            block.set_modules_to_backward_prefetch([u for group in behind for u in group[::-1]])
     return model
 
 

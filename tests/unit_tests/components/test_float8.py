@@ -7,7 +7,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    parallelize_module,
+)
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
 from torchtitan.components.float8 import (
     after_sharding,
@@ -39,8 +45,6 @@ def gloo_mesh():
 
 
 def _float8_model(*, with_norm: bool) -> nn.Module:
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
     block = nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 16, bias=False))
     if with_norm:
         block.append(nn.RMSNorm(16))
@@ -101,3 +105,77 @@ def test_tp_moves_float8_activations_only_where_gloo_need_not(
 ):
     config = Float8Config(enable=True, recipe_name=recipe)
     assert tp_in_float8(config, gloo_mesh, sequence_parallel=sequence_parallel) is float8_styles
+
+
+def test_scales_precomputed_per_mesh_before_the_first_forward_and_after_each_step(gloo_mesh):
+    """Under TP some float8 weights are sharded over data and TP ranks, others over the data
+    ranks only (a linear without a TP style); torchao's precompute takes one mesh, so scales
+    are computed per mesh, first before the first forward (after a checkpoint would load)."""
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    model = _float8_model(with_norm=True)
+    parallelize_module(model[0], mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    extra = nn.Sequential(nn.Linear(16, 16, bias=False))  # no TP style: on the data mesh only
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(extra, config=config)
+    model[0].append(extra[0])
+    fully_shard(model[0], mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    meshes = {linear.weight.device_mesh.ndim for linear in (model[0][0], model[0][3])}
+    assert meshes == {1, 2}
+    optimizers = Optimizers([model], [torch.optim.SGD(model.parameters(), lr=0.1)])
+    after_sharding(
+        [model], optimizers, Float8Config(enable=True, enable_fsdp_float8_all_gather=True)
+    )
+    float8_linears = [model[0][0], model[0][1], model[0][3]]
+    assert all(m.weight._local_tensor._precomputed_scale is None for m in float8_linears)
+    model(torch.randn(4, 16)).sum().backward()
+    before = [m.weight._local_tensor._precomputed_scale.item() for m in float8_linears]
+    optimizers.step()
+    after = [m.weight._local_tensor._precomputed_scale.item() for m in float8_linears]
+    assert before != after
+    for linear, scale in zip(float8_linears, after, strict=True):
+        weight = linear.weight.full_tensor()
+        want = torch.finfo(torch.float8_e4m3fn).max / weight.abs().max().double()
+        assert scale == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_the_float8_all_gather_flag_says_when_nothing_gathers(caplog):
+    model = _float8_model(with_norm=True)  # no FSDP
+    optimizers = Optimizers([model], [torch.optim.SGD(model.parameters(), lr=0.1)])
+    config = Float8Config(enable=True, enable_fsdp_float8_all_gather=True)
+    with caplog.at_level("WARNING"):
+        after_sharding([model], optimizers, config)
+    assert "does nothing here" in caplog.text
+    assert not optimizers._post_step_hooks
+
+
+@pytest.mark.parametrize("float8_styles", [True, False])
+def test_llama3_tp_plan_feeds_float8_linears_float8_inputs(gloo_mesh, float8_styles):
+    """With the float8 styles each region's input is cast to float8 before it reaches (or is
+    gathered for) the linears; without them the linears get high-precision inputs."""
+    from torchtitan.models.llama3.args import Llama3Args
+    from torchtitan.models.llama3.model import Transformer
+    from torchtitan.models.llama3.parallelize import apply_tp
+
+    args = Llama3Args(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=16)
+    model = Transformer(args)
+    model.init_weights()
+    convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn != "output")
+    apply_tp(
+        model, gloo_mesh, loss_parallel=False, sequence_parallel=False, float8_styles=float8_styles
+    )
+    seen = {}
+
+    def record(name):
+        def hook(module, inputs):
+            x = inputs[0]
+            seen[name] = type(getattr(x, "_local_tensor", x)).__name__
+
+        return hook
+
+    block = model.layers["0"]
+    for name in ("attention.wq", "feed_forward.w1", "feed_forward.w2"):
+        block.get_submodule(name).register_forward_pre_hook(record(name))  # after the style
+    model(torch.randint(0, 128, (2, 16)))
+    kind = "Float8TrainingTensor" if float8_styles else "Tensor"
+    assert seen == {name: kind for name in seen} and len(seen) == 3

@@ -633,6 +633,17 @@ def test_compiling_tensor_parallel_blocks_is_refused() -> None:
         ),
         (
             None,
+            "--parallelism.fsdp_prefetch 1 --parallelism.fsdp_impl simple",
+            "--parallelism.fsdp_prefetch needs --parallelism.fsdp_impl fsdp2",
+        ),
+        (
+            None,
+            "--float8.enable --float8.enable_fsdp_float8_all_gather --parallelism.fsdp_impl simple",
+            "--float8.enable_fsdp_float8_all_gather needs --parallelism.fsdp_impl fsdp2",
+        ),
+        (None, "--training.loss_chunks 0", "--training.loss_chunks=0 must be >= 1"),
+        (
+            None,
             "--validation.enable --training.seq_len 64 --validation.seq_len 128",
             "--validation.seq_len=128 must be in [1, --training.seq_len=64]",
         ),

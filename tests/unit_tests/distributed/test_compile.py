@@ -40,4 +40,3 @@ def test_moe_blocks_compile_all_but_the_routed_experts_through_checkpointing():
     assert isinstance(inner.moe.router, OptimizedModule)
     assert isinstance(inner.moe.shared_experts, OptimizedModule)
     assert type(inner.moe.experts) is GroupedExperts
-

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -49,3 +50,29 @@ def test_reshard_after_forward_decides_what_backward_gathers_again(mesh, reshard
 def test_no_gradient_reduction_while_accumulating(mesh):
     counts = _backward_collectives(mesh, "default", sync=False)
     assert c10d._reduce_scatter_base_ not in counts
+
+
+def _prefetched(module, units: list) -> tuple[list, list]:
+    """The units ``module`` prefetches in forward and in backward (among ``units``)."""
+    owner = {u._get_fsdp_state(): u for u in units}
+    state = module._get_fsdp_state()
+    forward = [owner[s] for s in state._states_to_forward_prefetch]
+    return forward, [owner[s] for s in state._states_to_backward_prefetch]
+
+
+def test_prefetch_lists_the_next_blocks_and_their_inner_units(mesh):
+    """``prefetch=2``: each block gathers the next two blocks ahead, with the units sharded
+    inside them (MoE experts), in the order they run: forward in block order, backward in
+    reverse."""
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    blocks = list(model.layers.values())
+    inner = [block.feed_forward for block in blocks]  # stand-ins for separately sharded experts
+    for unit in inner:
+        fully_shard(unit, mesh=mesh)
+    policy = mixed_precision_policy("float32", "float32")
+    apply_fsdp(model, blocks, mesh, mp_policy=policy, prefetch=2, inner_units=[[u] for u in inner])
+    b, f, units = blocks, inner, [*blocks, *inner]
+    assert _prefetched(b[0], units) == ([b[1], f[1], b[2], f[2]], [])
+    assert _prefetched(b[2], units) == ([], [f[1], b[1], f[0], b[0]])
+    assert _prefetched(f[0], units) == ([], [])  # the inner units keep FSDP's own order

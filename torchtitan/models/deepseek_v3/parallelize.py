@@ -112,6 +112,7 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
         reshard_after_forward=reshard,
         cpu_offload=training.enable_cpu_offload,
         prefetch=parallelism.fsdp_prefetch,
+        inner_units=[[b.moe.experts] if b.moe_enabled else [] for b in _inner_blocks(model)],
     )
 
 
@@ -122,6 +123,15 @@ def _moe_or_experts(module: nn.Module) -> bool:
 def _is_moe(block: nn.Module) -> bool:
     inner = getattr(block, "_checkpoint_wrapped_module", block)
     return inner.moe_enabled
+
+
+def _inner_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks under any activation checkpointing or compile wrapper."""
+    blocks = []
+    for block in model.layers.values():
+        block = getattr(block, "_orig_mod", block)
+        blocks.append(getattr(block, "_checkpoint_wrapped_module", block))
+    return blocks
 
 
 def apply_tp(
