@@ -203,6 +203,24 @@ def test_local_tensor_simulates_fsdp_x_cp_x_tp(tmp_path, fsdp_tp_run):
         assert sim["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
 
 
+def test_local_tensor_simulates_mixture_of_experts_under_fsdp_x_tp(tmp_path):
+    """DeepSeek-V3's debug model, FSDP 2 x TP 2 on 4 simulated ranks, reads the data of the
+    real FSDP 2 run: the same losses up to TP's order of sums, the same expert loads (each
+    simulated rank routes its own tokens; the grouped GEMM's sizes differ between ranks)."""
+    moe = ["--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel"]
+    moe += ["--training.steps", "3", "--moe.aux_loss_coeff", "0.01", *LR]
+    real = _run_train(tmp_path / "real", *moe, "--training.local_batch_size", "4", ngpu=2)
+    assert real.returncode == 0, real.stderr[-3000:]
+    flags = [*moe, "--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]
+    _simulate(tmp_path / "simulated", 4, *flags)
+    simulated, reference = records(tmp_path / "simulated"), records(tmp_path / "real")
+    assert [r["step"] for r in simulated] == [1, 2, 3]
+    for sim, ref in zip(simulated, reference, strict=True):
+        assert sim["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert sim["moe_load_max_over_mean"] == pytest.approx(ref["moe_load_max_over_mean"])
+        assert sim["moe_aux_loss"] == pytest.approx(ref["moe_aux_loss"], rel=1e-4)
+
+
 def test_local_tensor_simulates_a_v_shaped_schedule(tmp_path):
     """DualPipeV (two stages per rank, V placement, split backward) simulated on 2 ranks
     gives the losses of one process."""

@@ -202,9 +202,22 @@ def test_parameter_count_matches_the_built_debug_model():
         (
             "deepseek_v3",
             2,
-            ["--parallelism.fsdp_impl", "simple"],
-            "--parallelism.fsdp_impl simple is not implemented for deepseek_v3",
+            ["--parallelism.fsdp_impl", "simple", "--parallelism.expert_parallel_degree", "2"],
+            "--parallelism.fsdp_impl simple with expert parallelism is not implemented",
         ),
+        (
+            "deepseek_v3",
+            2,
+            ["--comm.mode", "local_tensor", "--parallelism.expert_parallel_degree", "2"],
+            "--parallelism.expert_parallel_degree > 1 under COMM_MODE=local_tensor",
+        ),
+        (
+            "deepseek_v3",
+            2,
+            ["--comm.mode", "local_tensor", "--moe.capacity_factor", "1.5"],
+            "--moe.capacity_factor > 0 under COMM_MODE=local_tensor",
+        ),
+        ("deepseek_v3", 4, ["--comm.mode", "local_tensor", "--parallelism.tensor_parallel_degree", "2"], None),
         (
             "deepseek_v3",
             4,

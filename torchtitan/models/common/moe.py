@@ -21,8 +21,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed._local_tensor import LocalTensor
 from torch.distributed.tensor import DTensor
 
+from torchtitan.distributed import local_tensor
 from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.moe_args import MoEArgs
 
@@ -161,7 +163,9 @@ def _grouped_mm_experts(
     dest = torch.arange(x.shape[0], device=x.device) + torch.repeat_interleave(
         shift, counts, output_size=x.shape[0]
     )
-    if _no_values(x):  # shapes only (dry runs): the most padding there can be
+    if _no_values(x) or isinstance(x, LocalTensor):
+        # Shapes only (dry runs), or simulated ranks whose routings differ: the most padding
+        # there can be (rows past the last group are left out of every GEMM).
         total = x.shape[0] + (ALIGN_ROWS - 1) * counts.shape[0]
     else:
         total = int(ends[-1]) if len(ends) else 0
@@ -418,7 +422,7 @@ def update_expert_biases(
         total = torch.stack(aux).sum()
         for mesh in layers[0][1].sequence_splits():  # each rank holds its shard's part
             dist.all_reduce(total, group=mesh.get_group())
-        metrics["moe_aux_loss"] = float(total)
+        metrics["moe_aux_loss"] = float(local_tensor.value_on_rank(total, local_tensor.own_rank()))
     if pp_group is not None:
         metrics = _merge_stages(metrics, pp_group)
     return metrics

@@ -29,6 +29,7 @@ from torchtitan.distributed.fsdp import (
     apply_replicate,
     mixed_precision_policy,
 )
+from torchtitan.distributed.simple_fsdp import apply_simple_fsdp
 from torchtitan.distributed.tensor_parallel import SumGradients, apply_tp_embedding_and_output
 from torchtitan.models.common.moe import GroupedExperts, MoE
 from torchtitan.models.spec import ParallelizeContext
@@ -81,6 +82,17 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
     mp_policy = mixed_precision_policy(
         training.mixed_precision_param, training.mixed_precision_reduce
     )
+    if parallelism.fsdp_impl == "simple" and (dims.fsdp_enabled or dims.dp_replicate_enabled):
+        dp_dims = ("dp_shard_cp",)
+        if dims.dp_replicate_enabled:
+            dp_dims = ("dp_replicate", "dp_shard_cp") if dims.fsdp_enabled else ("dp_replicate",)
+        return apply_simple_fsdp(
+            model,
+            dp_mesh=dims.mesh(*dp_dims),
+            tp_mesh=dims.mesh("tp") if dims.tp_enabled else None,
+            param_dtype=mp_policy.param_dtype,
+            reduce_dtype=mp_policy.reduce_dtype,
+        )
     if not dims.fsdp_enabled:
         if dims.dp_replicate_enabled:  # replicated: experts are ordinary parameters
             return apply_replicate(
