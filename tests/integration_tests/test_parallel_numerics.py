@@ -233,9 +233,11 @@ CASES = {
         "--parallelism.module_fqns_per_model_part tok_embeddings,layers.0 "
         "layers.1,layers.2,layers.3,norm,output",
     ),
+    # Prefetch lists hold each block's expert unit too.
     "moe_ep2_fsdp2": (
         4,
-        f"{MOE} --training.local_batch_size 2 --parallelism.expert_parallel_degree 2",
+        f"{MOE} --training.local_batch_size 2 --parallelism.expert_parallel_degree 2 "
+        "--parallelism.fsdp_prefetch 1",
     ),
     "moe_hsdp2x2_ep2": (
         4,

@@ -217,6 +217,15 @@ class ParallelDims:
         """Whether ``build_mesh`` has run (every run with more than one rank)."""
         return "world" in self._meshes
 
+    def data_parallel_mesh(self) -> "DeviceMesh":
+        """What data parallelism shards or replicates over: ``dp_shard_cp`` (FSDP),
+        ``(dp_replicate, dp_shard_cp)`` (HSDP) or ``dp_replicate`` (replicas only)."""
+        if not self.dp_replicate_enabled:
+            return self.mesh("dp_shard_cp")
+        if self.fsdp_enabled:
+            return self.mesh("dp_replicate", "dp_shard_cp")
+        return self.mesh("dp_replicate")
+
     def mesh(self, *names: str) -> "DeviceMesh":
         """A dimension of the world mesh (named or flattened), or several named ones as one
         mesh, e.g. ``mesh("dp_replicate", "dp_shard_cp")`` for HSDP. Needs ``build_mesh``."""

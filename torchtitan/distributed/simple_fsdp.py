@@ -30,11 +30,17 @@ block ``(dp coordinate along the FSDP dim) x (tp coordinate along the TP dim)``.
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from torchtitan.distributed.parallel_dims import ParallelDims
 
 _ACTIVE_ATTR = "_simple_fsdp_gather"
 
@@ -222,3 +228,17 @@ def sharded_access(model: nn.Module) -> Iterator[None]:
     finally:
         for m in modules:
             object.__setattr__(m, _ACTIVE_ATTR, True)
+
+
+def apply_simple_fsdp_over(
+    model: nn.Module, dims: "ParallelDims", mp_policy: "MixedPrecisionPolicy"
+) -> nn.Module:
+    """:func:`apply_simple_fsdp` over the run's data-parallel mesh (and TP mesh), in the
+    precision of FSDP's policy."""
+    return apply_simple_fsdp(
+        model,
+        dp_mesh=dims.data_parallel_mesh(),
+        tp_mesh=dims.mesh("tp") if dims.tp_enabled else None,
+        param_dtype=mp_policy.param_dtype,
+        reduce_dtype=mp_policy.reduce_dtype,
+    )

@@ -29,7 +29,7 @@ from torchtitan.distributed.fsdp import (
     apply_replicate,
     mixed_precision_policy,
 )
-from torchtitan.distributed.simple_fsdp import apply_simple_fsdp
+from torchtitan.distributed.simple_fsdp import apply_simple_fsdp_over
 from torchtitan.distributed.tensor_parallel import SumGradients, apply_tp_embedding_and_output
 from torchtitan.models.common.moe import GroupedExperts, MoE
 from torchtitan.models.spec import ParallelizeContext
@@ -83,16 +83,7 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
         training.mixed_precision_param, training.mixed_precision_reduce
     )
     if parallelism.fsdp_impl == "simple" and (dims.fsdp_enabled or dims.dp_replicate_enabled):
-        dp_dims = ("dp_shard_cp",)
-        if dims.dp_replicate_enabled:
-            dp_dims = ("dp_replicate", "dp_shard_cp") if dims.fsdp_enabled else ("dp_replicate",)
-        return apply_simple_fsdp(
-            model,
-            dp_mesh=dims.mesh(*dp_dims),
-            tp_mesh=dims.mesh("tp") if dims.tp_enabled else None,
-            param_dtype=mp_policy.param_dtype,
-            reduce_dtype=mp_policy.reduce_dtype,
-        )
+        return apply_simple_fsdp_over(model, dims, mp_policy)  # experts: plain parameters
     if not dims.fsdp_enabled:
         if dims.dp_replicate_enabled:  # replicated: experts are ordinary parameters
             return apply_replicate(
@@ -105,9 +96,7 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
         if dims.ep_enabled:
             expert_mesh = dims.mesh("dp_replicate", "efsdp") if hsdp else dims.mesh("efsdp")
         else:
-            expert_mesh = (
-                dims.mesh("dp_replicate", "dp_shard_cp") if hsdp else dims.mesh("dp_shard_cp")
-            )
+            expert_mesh = dims.data_parallel_mesh()
         apply_fsdp_experts(
             experts,
             expert_mesh,
@@ -115,11 +104,10 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
             reshard_after_forward=reshard,
             cpu_offload=training.enable_cpu_offload,
         )
-    dense_mesh = dims.mesh("dp_replicate", "dp_shard_cp") if hsdp else dims.mesh("dp_shard_cp")
     return apply_fsdp(
         model,
         model.layers.values(),
-        dense_mesh,
+        dims.data_parallel_mesh(),
         mp_policy=mp_policy,
         reshard_after_forward=reshard,
         cpu_offload=training.enable_cpu_offload,

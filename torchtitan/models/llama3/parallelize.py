@@ -28,7 +28,7 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.fsdp import apply_fsdp, apply_replicate, mixed_precision_policy
-from torchtitan.distributed.simple_fsdp import apply_simple_fsdp
+from torchtitan.distributed.simple_fsdp import apply_simple_fsdp_over
 from torchtitan.distributed.tensor_parallel import apply_tp_embedding_and_output, enable_async_tp
 from torchtitan.models.spec import ParallelizeContext
 
@@ -71,22 +71,13 @@ def parallelize_llama3(model: nn.Module, context: ParallelizeContext) -> nn.Modu
         training.mixed_precision_param, training.mixed_precision_reduce
     )
     blocks = model.layers.values()
-    dp_dims = ("dp_shard_cp",)
-    if dims.dp_replicate_enabled:
-        dp_dims = ("dp_replicate", "dp_shard_cp") if dims.fsdp_enabled else ("dp_replicate",)
     if parallelism.fsdp_impl == "simple" and (dims.fsdp_enabled or dims.dp_replicate_enabled):
-        return apply_simple_fsdp(
-            model,
-            dp_mesh=dims.mesh(*dp_dims),
-            tp_mesh=dims.mesh("tp") if dims.tp_enabled else None,
-            param_dtype=mp_policy.param_dtype,
-            reduce_dtype=mp_policy.reduce_dtype,
-        )
+        return apply_simple_fsdp_over(model, dims, mp_policy)
     if dims.fsdp_enabled:
         return apply_fsdp(
             model,
             blocks,
-            dims.mesh(*dp_dims),
+            dims.data_parallel_mesh(),
             mp_policy=mp_policy,
             reshard_after_forward=parallelism.fsdp_reshard_after_forward,
             cpu_offload=training.enable_cpu_offload,
