@@ -19,6 +19,7 @@ import torch
 from torchtitan import dry_run, generate, launcher
 from torchtitan.components import preemption
 from torchtitan.components.preemption import Preempted
+from torchtitan.components.train_state import NonFiniteError
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
@@ -32,7 +33,7 @@ from torchtitan.tools.logging import (
     logger,
     quiet_known_torch_notices,
 )
-from torchtitan.trainer import NonFiniteError, Trainer
+from torchtitan.trainer import Trainer
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,7 +26,7 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.run_events import RunEvents
 from torchtitan.components.tokenizer import build_tokenizer
-from torchtitan.components.train_state import StepResult, TrainState
+from torchtitan.components.train_state import NonFiniteError, StepResult, TrainState
 from torchtitan.components.validate import Validator
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
@@ -46,10 +46,6 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.memory_estimate import held_mib
 from torchtitan.tools.paths import resolve_path
 from torchtitan.tools.watchdog import StepWatchdog
-
-
-class NonFiniteError(RuntimeError):
-    """A step produced a NaN or infinite gradient norm."""
 
 
 class Trainer:
@@ -436,12 +432,7 @@ class Trainer:
             )
             return
         last = self.checkpointer.last_complete() if self.checkpointer is not None else None
-        raise NonFiniteError(
-            f"step {self.step}: the gradient norm is {grad_norm.item()} (rank {self.rank}: "
-            f"its own loss is {local_loss}); last good checkpoint: "
-            f"{last if last is not None else 'none'}. Lower --optimizer.lr, check the data, "
-            "or pass --debug.skip_nonfinite_steps to skip such updates"
-        )
+        raise NonFiniteError.at_step(self.step, grad_norm.item(), self.rank, local_loss, last)
 
     def _watch_step(self, first_step: int) -> None:
         """Arm the hang watchdog; after the first step collectives get the train timeout."""

@@ -6,6 +6,23 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 
+class NonFiniteError(RuntimeError):
+    """A step produced a NaN or infinite gradient norm."""
+
+    @classmethod
+    def at_step(
+        cls, step: int, grad_norm: float, rank: int, local_loss: float, last_checkpoint: object
+    ) -> "NonFiniteError":
+        """The one line that stops the run, with what to do about it."""
+        return cls(
+            f"step {step}: the gradient norm is {grad_norm} (rank {rank}: its own loss is "
+            f"{local_loss}); last good checkpoint: "
+            f"{last_checkpoint if last_checkpoint is not None else 'none'}. Lower "
+            "--optimizer.lr, check the data, or pass --debug.skip_nonfinite_steps to skip such "
+            "updates"
+        )
+
+
 @dataclasses.dataclass
 class TrainState(Stateful):
     """Where training stands; restored from a checkpoint with everything else."""
