@@ -153,9 +153,17 @@ def _loop_experts(
 
 
 def _grouped_mm_experts(
-    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    *,
+    max_padding: bool = False,
 ) -> torch.Tensor:
-    """All experts in three grouped GEMMs; each expert's rows are padded to ``ALIGN_ROWS``."""
+    """All experts in three grouped GEMMs; each expert's rows are padded to ``ALIGN_ROWS``.
+    ``max_padding`` sizes the padded buffer for the most padding there can be instead of
+    reading the padded total on the host (no device sync)."""
     padded_counts = (counts + ALIGN_ROWS - 1) // ALIGN_ROWS * ALIGN_ROWS
     ends = torch.cumsum(padded_counts, 0)
     # Row i of expert e moves from its place in x to the start of e's padded group + its rank.
@@ -163,7 +171,7 @@ def _grouped_mm_experts(
     dest = torch.arange(x.shape[0], device=x.device) + torch.repeat_interleave(
         shift, counts, output_size=x.shape[0]
     )
-    if _no_values(x) or isinstance(x, LocalTensor):
+    if max_padding or _no_values(x) or isinstance(x, LocalTensor):
         # Shapes only (dry runs), or simulated ranks whose routings differ: the most padding
         # there can be (rows past the last group are left out of every GEMM).
         total = x.shape[0] + (ALIGN_ROWS - 1) * counts.shape[0]
