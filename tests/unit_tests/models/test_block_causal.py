@@ -1,13 +1,20 @@
 """Block-causal attention over packed documents: each document of a window trains as if it
 were alone (outputs and gradients), and a window of one document trains as plain causal."""
 
+import contextlib
 import unittest.mock
 
+import pytest
 import torch
 
 from torchtitan.components.dataloader import document_ids
 from torchtitan.components.loss import cross_entropy_sum
-from torchtitan.models.common.attention import ScaledDotProductAttention, block_causal_mask
+from torchtitan.models.common.attention import (
+    BlockMask,
+    ScaledDotProductAttention,
+    attention_documents,
+    block_causal_mask,
+)
 from torchtitan.models.llama3.args import Llama3Args
 from torchtitan.models.llama3.model import Transformer
 
@@ -139,3 +146,42 @@ class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(func)
         return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's block mask: CUDA only")
+def test_cuda_takes_a_flex_block_mask_equal_to_the_dense_mask():
+    """On CUDA the model builds a FlexAttention block mask once per forward; its logits and
+    gradients equal the dense-mask SDPA path's (fp32, documents crossing the 128-token blocks
+    FlexAttention skips by)."""
+    args = Llama3Args(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=512)
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(2, 128, (2, 512), generator=g)
+    tokens[0, [0, 100, 300, 301]] = BOS
+    tokens[1, [0, 255, 256]] = BOS
+    tokens, labels = tokens.cuda(), torch.randint(2, 128, (2, 512), generator=g).cuda()
+    documents = document_ids(tokens, BOS)
+    assert isinstance(attention_documents(documents), BlockMask)
+
+    def run(flex: bool):
+        torch.manual_seed(0)
+        model = Transformer(args).cuda()
+        model.init_weights()
+        patch = unittest.mock.patch(
+            "torchtitan.models.llama3.model.attention_documents", side_effect=lambda d: d
+        )
+        with contextlib.nullcontext() if flex else patch:
+            logits = model(tokens, document_ids=documents)
+        cross_entropy_sum(logits, labels).backward()
+        return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    flex_logits, flex_grads = run(flex=True)
+    dense_logits, dense_grads = run(flex=False)
+    torch.testing.assert_close(flex_logits, dense_logits, rtol=1e-4, atol=1e-4)
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(flex_grads[name], grad, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_off_cuda_the_document_numbers_pass_through():
+    documents = torch.tensor([[0, 0, 1, 1]])
+    assert attention_documents(documents) is documents
+    assert attention_documents(None) is None

@@ -11,9 +11,16 @@ batch runner gives the model each token's document number (``components.dataload
 document_ids``), which every block's attention takes.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+except ImportError:  # a torch built without it: every device takes the dense mask
+    BlockMask = create_block_mask = flex_attention = None
 
 
 def block_causal_mask(documents: torch.Tensor) -> torch.Tensor:
@@ -37,8 +44,10 @@ class ScaledDotProductAttention(nn.Module):
     DTensors, simulated or fake ranks, accelerators) the shapes must not depend on the data:
     SDPA with the dense :func:`block_causal_mask`. On an accelerator K/V heads are then
     repeated: CUDA's flash kernel (the only one that takes ``enable_gqa`` up to torch 2.13)
-    refuses masks, and the math kernel left would hold every score. Unmeasured on a GPU;
-    FlexAttention with a block mask is the intended path there.
+    refuses masks, and the math kernel left would hold every score. On CUDA the model hands
+    a FlexAttention ``BlockMask`` instead (:func:`attention_documents`): measured on one H100
+    with Llama 3 1B at 2 x 8,192 tokens, the dense mask ran at 65% of causal attention's
+    tokens/s (docs/performance.md).
 
     ``scale``: the softmax temperature (default ``1 / sqrt(head dim)``). Value heads may be
     narrower than query/key heads (multi-head latent attention): they are padded with zeros to
@@ -56,7 +65,7 @@ class ScaledDotProductAttention(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        documents: torch.Tensor | None = None,
+        documents: "torch.Tensor | BlockMask | None" = None,
     ) -> torch.Tensor:
         value_width = v.shape[-1]
         if value_width < q.shape[-1]:
@@ -69,9 +78,13 @@ class ScaledDotProductAttention(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        documents: torch.Tensor | None,
+        documents: "torch.Tensor | BlockMask | None",
     ) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]
+        if isinstance(documents, BlockMask):
+            return _flex_attention()(
+                q, k, v, block_mask=documents, scale=self.scale, enable_gqa=gqa
+            )
         if documents is None:
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, enable_gqa=gqa, scale=self.scale
@@ -86,6 +99,33 @@ class ScaledDotProductAttention(nn.Module):
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=gqa, scale=self.scale
         )
+
+
+def attention_documents(document_ids: torch.Tensor | None) -> "torch.Tensor | BlockMask | None":
+    """What a model's blocks hand their attention for block-causal masking: on a GPU, a
+    FlexAttention ``BlockMask`` built once per forward (outside compiled blocks), whose kernel
+    skips the blocks of scores that the mask empties; elsewhere the document numbers as they
+    are (see :class:`ScaledDotProductAttention`). Called by a model's top-level ``forward``."""
+    if (
+        document_ids is None
+        or type(document_ids) is not torch.Tensor  # DTensors, simulated or fake ranks
+        or document_ids.device.type != "cuda"
+        or BlockMask is None
+    ):
+        return document_ids
+    bs, seq = document_ids.shape
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+
+    return create_block_mask(same_document_causal, bs, None, seq, seq, device=document_ids.device)
+
+
+@functools.cache
+def _flex_attention():
+    """FlexAttention compiled once (eager FlexAttention materialises every score); inside a
+    compiled block it is traced into the block's graph."""
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _eager_cpu(*tensors: torch.Tensor) -> bool:

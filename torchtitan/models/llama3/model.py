@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.attention import ScaledDotProductAttention, attention_documents
 from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.rope import apply_rope
 from torchtitan.models.llama3.args import Llama3Args, RopeScaling
@@ -161,7 +161,8 @@ class Transformer(nn.Module):
         tokens of its own document."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope_cis if positions is None else self.rope_cis[positions]
+        documents = attention_documents(document_ids)
         for layer in self.layers.values():
-            h = layer(h, rope, document_ids)
+            h = layer(h, rope, documents)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
