@@ -80,6 +80,26 @@ def apply_float8(model: nn.Module, config: Float8Config, *, autocast: bool) -> N
     )
 
 
+def scalar_cpu_kernels() -> None:
+    """Before compiling float8 linears that compute in bf16 (autocast or FSDP's casting): on
+    CPU with torch >= 2.12, make inductor emit scalar C++ kernels. Its vectorized ones give NaN
+    weight gradients when two float8 linears share a bf16 input (measured on torch 2.13: wq,
+    wk, wv and w3 of every Llama 3 block from step 1; float32, eager, ``aot_eager``, torch
+    2.11 and CUDA are fine; ``tests/unit_tests/components/test_float8.py`` has the smallest
+    case). Slower, and float8 on CPU checks numerics, not speed."""
+    version = tuple(int(p) for p in torch.__version__.split(".")[:2])
+    if torch.cuda.is_available() or version < (2, 12):
+        return
+    import torch._inductor.config as inductor
+
+    if inductor.cpp.simdlen != 0:
+        inductor.cpp.simdlen = 0
+        logger.warning(
+            "float8 + compile in bf16 on CPU: compiling scalar kernels (torch "
+            f"{torch.__version__}'s vectorized CPU kernels give NaN float8 weight gradients)"
+        )
+
+
 def wanted(module: nn.Module, fqn: str, *, filter_fqns: list[str]) -> bool:
     """Whether the linear ``module`` named ``fqn`` trains in float8."""
     if not isinstance(module, nn.Linear) or any(name in fqn for name in filter_fqns):

@@ -19,6 +19,7 @@ from torchtitan.components.float8 import (
     after_sharding,
     float8_gathered,
     is_float8,
+    scalar_cpu_kernels,
     tp_in_float8,
     tp_style,
     wanted,
@@ -179,3 +180,48 @@ def test_llama3_tp_plan_feeds_float8_linears_float8_inputs(gloo_mesh, float8_sty
     model(torch.randint(0, 128, (2, 16)))
     kind = "Float8TrainingTensor" if float8_styles else "Tensor"
     assert seen == {name: kind for name in seen} and len(seen) == 3
+
+
+class _SharedInput(nn.Module):
+    """The smallest case of the CPU kernel bug: two float8 linears reading one bf16 input."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.RMSNorm(256)
+        self.a, self.b = nn.Linear(256, 256, bias=False), nn.Linear(256, 256, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.a(h) + self.b(h)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU kernel workaround")
+def test_compiled_float8_in_bf16_on_cpu_keeps_finite_weight_gradients():
+    """With torch 2.13's vectorized CPU kernels both weights' gradients are NaN; with the
+    scalar kernels ``scalar_cpu_kernels`` picks they are as close to float32's as eager
+    float8's are (2.4% here, in norm)."""
+    import torch._inductor.config as inductor
+
+    saved = inductor.cpp.simdlen  # a process-wide setting: put back for later tests
+    inductor.cpp.simdlen = None
+    torch._dynamo.reset()
+    try:
+        scalar_cpu_kernels()
+        version = tuple(int(p) for p in torch.__version__.split(".")[:2])
+        assert inductor.cpp.simdlen == (0 if version >= (2, 12) else None)
+        torch.manual_seed(0)
+        model, reference = _SharedInput(), _SharedInput()
+        reference.load_state_dict(model.state_dict())
+        convert_to_float8_training(model, config=Float8LinearConfig())
+        model = model.to(torch.bfloat16)
+        x = torch.randn(2, 256, 256)
+        reference(x).sum().backward()
+        torch.compile(model)(x.bfloat16()).float().sum().backward()
+    finally:
+        inductor.cpp.simdlen = saved
+        torch._dynamo.reset()
+    for name in ("a", "b"):
+        grad = getattr(model, name).weight.grad.float()
+        expected = getattr(reference, name).weight.grad
+        assert torch.isfinite(grad).all(), name
+        assert (grad - expected).norm() / expected.norm() < 0.05, name

@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtitan.components.float8 import apply_float8
+from torchtitan.components.float8 import apply_float8, scalar_cpu_kernels
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile, apply_compile_around
 from torchtitan.distributed.context_parallel import apply_cp
@@ -43,6 +43,8 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
         casts = dims.fsdp_enabled or dims.dp_replicate_enabled  # else bf16 comes by autocast
         bf16 = context.training.mixed_precision_param != "float32"
         apply_float8(model, context.float8, autocast=bf16 and not casts)
+        if bf16 and context.compile.enable:
+            scalar_cpu_kernels()
     if dims.tp_enabled:
         apply_tp(
             model,
