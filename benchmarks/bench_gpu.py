@@ -6,7 +6,8 @@
 
 A row is ``FLAVOR[/VARIANT]``: bf16 (FSDP's mixed precision or autocast), torch.compile of
 blocks and loss, selective activation checkpointing per op, plain causal attention, batches of
-``--seq_len`` tokens from the bundled corpus; ``/eager`` drops compile, ``/float8`` adds float8
+``--seq_len`` tokens from the bundled corpus, loaded in the step (no dataloader worker, as the
+reference: ``--ours_flags=--training.num_workers=1`` adds one on our side); ``/eager`` drops compile, ``/float8`` adds float8
 tensorwise linears (all but the output), ``/float8_rowwise`` the rowwise recipe, ``/noac``
 drops activation checkpointing. Each row runs in its own ``run_train.sh`` (one rank: no mesh,
 no FSDP, on both sides), then, with ``--reference``, in the reference trainer
@@ -72,6 +73,7 @@ def run_ours(args: argparse.Namespace, row: str, dump: Path) -> dict:
         "--metrics.no_report",
         "--metrics.no_enable_color_printing",
         "--job.dump_folder", str(dump),
+        "--training.num_workers", "0",  # as the reference; --ours_flags may override
     ]  # fmt: skip
     if variant & {"float8", "float8_rowwise"}:
         recipe = "rowwise" if "float8_rowwise" in variant else "tensorwise"

@@ -239,6 +239,11 @@ def run(trainer: Trainer) -> None:
     )
     if trainer.config.compile.enable:
         logger.info(COMPILED_NOTE)
+    if trainer.config.model.attn_mask == "block_causal":
+        logger.info(
+            "block_causal: the estimate counts the dense mask's attention (what CPU runs "
+            "compiled or on DTensors take); CUDA runs take FlexAttention, which holds less"
+        )
     steps = trainer.config.comm.dry_run_steps
     if steps == 0:
         logger.info("Dry run finished: built and estimated, no step (--comm.dry_run_steps 0)")

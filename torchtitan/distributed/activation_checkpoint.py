@@ -29,6 +29,7 @@ _SAVE_LIST = {
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.higher_order.flex_attention,  # block-causal attention on CUDA
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     # Keeping the max of a softmax avoids a second pass over its input.
     _aten.max.default,

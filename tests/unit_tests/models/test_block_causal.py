@@ -13,6 +13,7 @@ from torchtitan.models.common.attention import (
     BlockMask,
     ScaledDotProductAttention,
     attention_documents,
+    block_causal_block_mask,
     block_causal_mask,
 )
 from torchtitan.models.llama3.args import Llama3Args
@@ -179,6 +180,22 @@ def test_cuda_takes_a_flex_block_mask_equal_to_the_dense_mask():
     torch.testing.assert_close(flex_logits, dense_logits, rtol=1e-4, atol=1e-4)
     for name, grad in dense_grads.items():
         torch.testing.assert_close(flex_grads[name], grad, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_the_flex_block_mask_holds_the_blocks_and_the_mask_of_block_causal_attention():
+    """What CUDA runs take, built here on CPU (compiled, as there): FlexAttention visits the
+    128 x 128 tiles where the dense mask has an entry, and its mask function is the mask."""
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(2, 128, (2, 512), generator=g)
+    tokens[0, [0, 100, 300, 301]] = BOS
+    tokens[1, [0, 255, 256]] = BOS
+    documents = document_ids(tokens, BOS)
+    block_mask = block_causal_block_mask(documents)
+    dense = block_causal_mask(documents)
+    tiles = dense.view(2, 1, 4, 128, 4, 128).any(dim=(3, 5))
+    assert block_mask.to_dense().bool().equal(tiles)
+    b, h, q, kv = torch.meshgrid(*(torch.arange(n) for n in dense.shape), indexing="ij")
+    assert block_mask.mask_mod(b, h, q, kv).equal(dense)
 
 
 def test_off_cuda_the_document_numbers_pass_through():

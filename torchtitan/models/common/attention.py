@@ -11,16 +11,10 @@ batch runner gives the model each token's document number (``components.dataload
 document_ids``), which every block's attention takes.
 """
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-try:
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-except ImportError:  # a torch built without it: every device takes the dense mask
-    BlockMask = create_block_mask = flex_attention = None
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
 def block_causal_mask(documents: torch.Tensor) -> torch.Tensor:
@@ -82,7 +76,7 @@ class ScaledDotProductAttention(nn.Module):
     ) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]
         if isinstance(documents, BlockMask):
-            return _flex_attention()(
+            return _compiled("flex_attention", flex_attention)(
                 q, k, v, block_mask=documents, scale=self.scale, enable_gqa=gqa
             )
         if documents is None:
@@ -110,22 +104,34 @@ def attention_documents(document_ids: torch.Tensor | None) -> "torch.Tensor | Bl
         document_ids is None
         or type(document_ids) is not torch.Tensor  # DTensors, simulated or fake ranks
         or document_ids.device.type != "cuda"
-        or BlockMask is None
     ):
         return document_ids
+    return block_causal_block_mask(document_ids)
+
+
+def block_causal_block_mask(document_ids: torch.Tensor) -> BlockMask:
+    """FlexAttention's block-causal mask of ``document_ids [bs, seq]``, built by a compiled
+    function: eager, it would first fill the whole ``[bs, 1, seq, seq]`` mask (about 15 bytes
+    per entry with temporaries: 2 GiB at 2 x 8,192 tokens)."""
     bs, seq = document_ids.shape
 
     def same_document_causal(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
 
-    return create_block_mask(same_document_causal, bs, None, seq, seq, device=document_ids.device)
+    return _compiled("create_block_mask", create_block_mask)(
+        same_document_causal, bs, None, seq, seq, device=document_ids.device
+    )
 
 
-@functools.cache
-def _flex_attention():
-    """FlexAttention compiled once (eager FlexAttention materialises every score); inside a
-    compiled block it is traced into the block's graph."""
-    return torch.compile(flex_attention, dynamic=False)
+_COMPILED: dict[str, object] = {}
+
+
+def _compiled(name: str, fn):
+    """``torch.compile(fn)``, made once per process. FlexAttention needs compiling (eager,
+    it holds every score); inside a compiled block the call is traced into the block's graph."""
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(fn, dynamic=False)
+    return _COMPILED[name]
 
 
 def _eager_cpu(*tensors: torch.Tensor) -> bool:

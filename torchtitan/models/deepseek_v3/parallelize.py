@@ -43,7 +43,7 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
         casts = dims.fsdp_enabled or dims.dp_replicate_enabled  # else bf16 comes by autocast
         bf16 = context.training.mixed_precision_param != "float32"
         apply_float8(model, context.float8, autocast=bf16 and not casts)
-        if bf16 and context.compile.enable:
+        if bf16 and context.compile.enable and "model" in context.compile.components:
             scalar_cpu_kernels()
     if dims.tp_enabled:
         apply_tp(

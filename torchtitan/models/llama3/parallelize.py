@@ -40,7 +40,7 @@ def parallelize_llama3(model: nn.Module, context: ParallelizeContext) -> nn.Modu
         casts = dims.fsdp_enabled or dims.dp_replicate_enabled  # else bf16 comes by autocast
         bf16 = context.training.mixed_precision_param != "float32"
         float8.apply_float8(model, context.float8, autocast=bf16 and not casts)
-        if bf16 and compile.enable:
+        if bf16 and compile.enable and "model" in compile.components:
             float8.scalar_cpu_kernels()
     if dims.tp_enabled:
         tp_mesh = dims.mesh("tp")
