@@ -198,6 +198,20 @@ def test_the_flex_block_mask_holds_the_blocks_and_the_mask_of_block_causal_atten
     assert block_mask.mask_mod(b, h, q, kv).equal(dense)
 
 
+def test_a_compiler_failure_builds_the_block_mask_eagerly(monkeypatch, caplog):
+    from torchtitan.models.common import attention
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("simulated compiler failure")
+
+    monkeypatch.setitem(attention._COMPILED, "create_block_mask", fails)
+    documents = torch.tensor([[0, 0, 1, 1, 1, 2]])
+    block_mask = block_causal_block_mask(documents)
+    assert isinstance(block_mask, BlockMask)
+    assert attention._COMPILED["create_block_mask"] is attention.create_block_mask
+    assert "building it eagerly" in caplog.text
+
+
 def test_off_cuda_the_document_numbers_pass_through():
     documents = torch.tensor([[0, 0, 1, 1]])
     assert attention_documents(documents) is documents

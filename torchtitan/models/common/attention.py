@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from torchtitan.tools.logging import logger
+
 
 def block_causal_mask(documents: torch.Tensor) -> torch.Tensor:
     """``[bs, 1, seq, seq]`` bool, True where query i may attend to key j: j <= i and both in
@@ -118,9 +120,20 @@ def block_causal_block_mask(document_ids: torch.Tensor) -> BlockMask:
     def same_document_causal(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
 
-    return _compiled("create_block_mask", create_block_mask)(
-        same_document_causal, bs, None, seq, seq, device=document_ids.device
-    )
+    build = _compiled("create_block_mask", create_block_mask)
+    try:
+        return build(same_document_causal, bs, None, seq, seq, device=document_ids.device)
+    except Exception as e:  # a compiler failure must not stop training: build it eagerly
+        if build is create_block_mask:
+            raise
+        logger.warning(
+            f"FlexAttention block mask: compiling create_block_mask failed "
+            f"({type(e).__name__}: {str(e)[:200]}); building it eagerly (more memory)"
+        )
+        _COMPILED["create_block_mask"] = create_block_mask
+        return create_block_mask(
+            same_document_causal, bs, None, seq, seq, device=document_ids.device
+        )
 
 
 _COMPILED: dict[str, object] = {}
