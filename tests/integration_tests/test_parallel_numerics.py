@@ -5,6 +5,7 @@ All cases of one world size share a single torchrun launch (``numerics_harness.p
 """
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -335,6 +336,8 @@ def _launch(out: Path, ranks: int, cases: list[tuple[str, str]], *, retried: boo
         # 17-case 4-rank launch, not reproduced in the next full launch; SIGABRT at exit is
         # known): run the cases without a result again, once, and say so.
         left = [(n, f) for n, f in cases if not (out / f"{n}.pt").is_file()]
+        for name, _ in left:  # the crashed attempt's metrics.jsonl would be appended to
+            shutil.rmtree(out / name, ignore_errors=True)
         print(f"numerics launch of {ranks} ranks crashed; rerunning {[n for n, _ in left]}")
         print(result.stderr[-4000:])
         return _launch(out, ranks, left, retried=True)
