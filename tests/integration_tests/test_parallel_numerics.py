@@ -225,7 +225,16 @@ CASES = {
         f"{MOE} --training.local_batch_size 4 --parallelism.expert_parallel_degree 2 "
         "--moe.experts_impl loop",
     ),
-    "moe_tp2": (2, f"{MOE} --training.local_batch_size 8 --parallelism.tensor_parallel_degree 2"),
+    # TP without EP splits every expert's hidden width (routed and shared).
+    "moe_tp2_no_sp": (
+        2,
+        f"{MOE} --training.local_batch_size 8 --parallelism.tensor_parallel_degree 2 "
+        "--parallelism.no_enable_sequence_parallel",
+    ),
+    "moe_fsdp2_tp2": (
+        4,
+        f"{MOE} --training.local_batch_size 4 --parallelism.tensor_parallel_degree 2",
+    ),
     # The first stage holds only the dense block: it still joins the stages' metric gather.
     "moe_pp2": (
         2,

@@ -1,4 +1,5 @@
-"""Tensor-parallel machinery shared by models: loss parallel, async TP, a gradient-sum style.
+"""Tensor-parallel machinery shared by models: loss parallel, async TP, a gradient-sum style,
+styles for layers whose partial outputs are reduced once (mixture-of-experts layers).
 
 The per-model plans (which module is colwise, rowwise, sequence parallel) live in each model's
 ``parallelize.py``; this module knows nothing about any model.
@@ -11,7 +12,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -95,6 +96,73 @@ class SumGradients(ParallelStyle):
             lambda _module, _inputs, output: _SumGradientsFn.apply(output, device_mesh)
         )
         return module
+
+
+def sum_gradients(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``x`` unchanged; in backward its gradient is summed over ``mesh``: for a plain tensor
+    that is the same on every TP rank but feeds each rank's share of a split computation."""
+    return _SumGradientsFn.apply(x, mesh)
+
+
+class ShardParameters(ParallelStyle):
+    """Split a module's parameters over the TP mesh, each along the given dim (DTensors
+    ``Shard(dim)``, so checkpoints hold them whole under their names); the module runs on
+    the local shards itself (it calls ``to_local()``), with no hooks. For the routed
+    experts, whose ``[experts, hidden, dim]`` weights split along ``hidden``."""
+
+    def __init__(self, dims: dict[str, int]):
+        super().__init__()
+        self.dims = dims
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, dim in self.dims.items():
+            param = getattr(module, name)
+            sharded = distribute_tensor(param.data, device_mesh, [Shard(dim)])
+            module.register_parameter(
+                name, nn.Parameter(sharded, requires_grad=param.requires_grad)
+            )
+        return module
+
+
+class ReplicatedInputPartialGradient(ParallelStyle):
+    """For a module whose input is the same plain tensor on every TP rank but whose input
+    gradient the caller sums over the ranks (with :func:`sum_gradients`, together with other
+    partial gradients of that tensor): the input enters as a ``Replicate`` DTensor, and its
+    gradient leaves as this rank's partial sum, not all-reduced here."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(
+            lambda _module, args: (_ReplicatedPartialGradFn.apply(args[0], device_mesh),) + args[1:]
+        )
+        return module
+
+
+class _ReplicatedPartialGradFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        ctx.ranks = mesh.size()
+        return DTensor.from_local(x.view_as(x), mesh, (Replicate(),), run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        local = grad.to_local()  # Partial: this rank's contributions
+        if not grad.placements[0].is_partial():  # whole on every rank: an equal share each
+            local = local / ctx.ranks
+        return local, None
+
+
+class PartialRowwiseParallel(RowwiseParallel):
+    """Row-parallel linear whose output stays this rank's partial sum, as a plain tensor: the
+    caller adds it to other partial sums and reduces once (a ``Partial`` output layout of the
+    enclosing module's plan). The output's gradient is taken as the whole gradient, the same
+    on every rank, which it is once that reduction's backward ran."""
+
+    def __init__(self):
+        super().__init__(output_layouts=Partial())
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.to_local(grad_placements=(Replicate(),))
 
 
 class _SumGradientsFn(torch.autograd.Function):

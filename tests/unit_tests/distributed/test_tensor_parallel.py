@@ -1,4 +1,4 @@
-"""The Llama 3 TP plan issues exactly the collectives it should (CommDebugMode on the fake
+"""The Llama 3 and DeepSeek-V3 TP plans issue exactly the collectives they should (CommDebugMode on the fake
 backend: one process plays rank 0 of 2; collectives are counted, not executed)."""
 
 import pytest
@@ -30,7 +30,11 @@ def _step(mesh, *, sequence_parallel: bool, loss_parallel: bool):
     torch.manual_seed(0)
     model = Transformer(ARGS)
     apply_tp(model, mesh, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
-    tokens = torch.randint(0, ARGS.vocab_size, (2, 16))
+    return _count_collectives(model, torch.randint(0, ARGS.vocab_size, (2, 16)), loss_parallel)
+
+
+def _count_collectives(model, tokens, loss_parallel: bool):
+    """The collectives of one forward, and of one backward of the summed loss."""
     with CommDebugMode() as forward:
         logits = model(tokens)
     with loss_parallel_context(loss_parallel):
@@ -66,3 +70,40 @@ def test_without_sequence_parallel_row_outputs_are_all_reduced(tp_mesh):
     # wo and w2 of each block, plus the embedding.
     assert _counts(forward) == {AR: 2 * ARGS.n_layers + 1}
     assert _counts(backward) == {AR: 2 * ARGS.n_layers + 1}
+
+
+def test_moe_layers_split_every_experts_hidden_width_and_reduce_once(tp_mesh):
+    """DeepSeek-V3 under TP 2 with sequence parallelism and no expert parallelism: each rank
+    holds half of every expert's hidden width (routed and shared), routes the gathered whole
+    tokens, and returns a partial sum that one reduce-scatter brings back to its shard."""
+    from torchtitan.models.deepseek_v3 import model_spec
+    from torchtitan.models.deepseek_v3.parallelize import apply_tp as apply_deepseek_tp
+
+    args = model_spec.args_for("debugmodel", seq_len=16)
+    torch.manual_seed(0)
+    model = model_spec.build_model(args)
+    model.init_weights()
+    apply_deepseek_tp(model, tp_mesh, loss_parallel=True, sequence_parallel=True)
+    layer = model.layers["1"].moe
+    hidden, dim = args.moe_inter_dim, args.dim
+    assert layer.experts.w1.to_local().shape == (args.moe.num_experts, hidden // 2, dim)
+    assert layer.experts.w2.to_local().shape == (args.moe.num_experts, dim, hidden // 2)
+    assert layer.shared_experts.w1.weight.to_local().shape == (hidden // 2, dim)
+    assert layer.shared_experts.w2.weight.to_local().shape == (dim, hidden // 2)
+    tokens = torch.randint(0, args.vocab_size, (2, 16))
+    forward, backward = _count_collectives(model, tokens, loss_parallel=True)
+    n_moe = args.n_layers - args.n_dense_layers
+    for i in range(args.n_dense_layers, args.n_layers):
+        name = f"Transformer.layers.{i}.moe"
+        # Gather the sequence shards in, reduce-scatter the partial sums out; nothing inside.
+        assert dict(forward.comm_module_counts[name]["forward"]) == {AG: 1, RS: 1}, i
+    # Backward, per MoE layer: the output's gradient gathered, then the gradients of the
+    # tokens (routed and shared experts together) and of the routing weights summed: two
+    # all-reduces. Attention adds three per layer (wq, wkv_b, the shared RoPE key); the dense
+    # FFN and the output projection a reduce-scatter each.
+    assert _counts(backward) == {
+        AG: args.n_layers + args.n_layers + 1,
+        RS: args.n_dense_layers + 1,
+        AR: 3 * args.n_layers + 2 * n_moe,
+    }
+    assert layer.experts.w1.grad is not None and layer.router.gate.weight.grad is not None

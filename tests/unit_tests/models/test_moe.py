@@ -267,3 +267,20 @@ def test_evaluation_forwards_do_not_count_tokens():
     assert layer.tokens_per_expert.sum() == 0
     layer.train()(torch.randn(1, 8, 32))
     assert layer.tokens_per_expert.sum() == 16  # 8 tokens x top 2
+
+
+def test_tensor_parallelism_must_divide_the_routed_experts_hidden_size_without_ep():
+    import dataclasses
+
+    from torchtitan.config.errors import ConfigError
+    from torchtitan.models.deepseek_v3.args import check_parallel_degrees
+
+    # Two shared experts: their joint width (2 x 100) splits over 8 ranks, one expert's not.
+    base = flavors["debugmodel"]
+    args = dataclasses.replace(
+        base, moe_inter_dim=100, moe=dataclasses.replace(base.moe, num_shared_experts=2)
+    )
+    kwargs = dict(flavor="custom", sequence_parallel=False, seq_len=64)
+    with pytest.raises(ConfigError, match="does not divide the routed experts' hidden size=100"):
+        check_parallel_degrees(args, tp=8, ep=1, **kwargs)
+    check_parallel_degrees(args, tp=8, ep=8, **kwargs)  # EP splits the routed experts instead

@@ -10,7 +10,8 @@ scores for the choice of experts only, moved after each optimizer step by
 :func:`update_expert_biases` from the global token counts) and, optionally, the sequence-wise
 balance loss, whose gradient the layer adds itself (the trainer's loss stays the language
 model's). Expert parallelism (``distributed/expert_parallel.py``) hooks :class:`GroupedExperts`:
-rows travel to the rank that holds their expert and back, the layer does not know.
+rows travel to the rank that holds their expert and back, the layer does not know. Tensor
+parallelism without it splits every expert's hidden width (``MoE.hidden_split_mesh``).
 """
 
 import math
@@ -25,6 +26,7 @@ from torch.distributed._local_tensor import LocalTensor
 from torch.distributed.tensor import DTensor
 
 from torchtitan.distributed import local_tensor
+from torchtitan.distributed.tensor_parallel import sum_gradients
 from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.moe_args import MoEArgs
 
@@ -114,8 +116,10 @@ class GroupedExperts(nn.Module):
             return False
         if self.impl == "grouped_mm":
             return True
-        # Inner dims must be 16-byte aligned; compiled on CPU it needs bf16 (torch 2.13).
-        hidden, dim = self.w1.shape[1:]
+        # Inner dims must be 16-byte aligned (this rank's shard's, under TP); compiled on CPU
+        # it needs bf16 (torch 2.13).
+        w1 = self.w1.to_local() if isinstance(self.w1, DTensor) else self.w1
+        hidden, dim = w1.shape[1:]
         size = torch.finfo(dtype).bits // 8
         aligned = (dim * size) % 16 == 0 and (hidden * size) % 16 == 0
         compiling_fp32 = torch.compiler.is_compiling() and dtype != torch.bfloat16
@@ -244,6 +248,12 @@ class MoE(nn.Module):
         self.context_parallel_mesh = None
         """Set by a context-parallel plan: each rank holds a shard of every sequence (its
         token counts are summed with the loss's ranks already)."""
+        self.hidden_split_mesh = None
+        """Set by a tensor-parallel plan that splits every expert's hidden width over the TP
+        ranks (the routed experts' weights, the shared experts column- then row-wise): every
+        rank routes the same whole tokens and returns a partial sum of the output, which the
+        plan reduces after the layer. Here the gradients of what feeds the split experts (the
+        routing weights, the tokens) are summed over the ranks."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.args
@@ -267,7 +277,11 @@ class MoE(nn.Module):
             order, counts, route_weights = _drop_over_capacity(
                 order, counts, route_weights, routed, a.capacity_factor
             )
-        rows = flat[order // a.top_k]
+        expert_input = flat
+        if self.hidden_split_mesh is not None:
+            expert_input = sum_gradients(flat, self.hidden_split_mesh)
+            route_weights = sum_gradients(route_weights, self.hidden_split_mesh)
+        rows = expert_input[order // a.top_k]
         out_rows = self.experts(rows, counts)
         # Back to token order, weighted, summed over each token's k experts.
         combined = flat.new_zeros(routed.shape[0], dim, dtype=out_rows.dtype)
@@ -275,7 +289,7 @@ class MoE(nn.Module):
         mixed = (combined.view(-1, a.top_k, dim) * route_weights.view(-1, a.top_k, 1)).sum(1)
         out = mixed.to(x.dtype)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
+            out = out + self.shared_experts(expert_input)
         if a.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
             splits = self.sequence_splits()
             aux = a.aux_loss_coeff * sequence_balance_loss(

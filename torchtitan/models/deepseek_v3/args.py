@@ -112,6 +112,8 @@ def check_parallel_degrees(
         "the shared experts' hidden size": args.moe_inter_dim * args.moe.num_shared_experts,
         "vocab_size": args.vocab_size,
     }
+    if ep == 1 and args.moe.num_experts:  # else expert parallelism splits the routed experts
+        dims["the routed experts' hidden size"] = args.moe_inter_dim
     for name, value in dims.items():
         if value and value % tp:
             raise ConfigError(f"{flag} does not divide {name}={value} of flavor {flavor}")

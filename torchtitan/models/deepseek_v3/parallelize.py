@@ -8,7 +8,7 @@ shards the experts over the data-parallel ranks EP leaves (``efsdp``) before the
 """
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -30,7 +30,13 @@ from torchtitan.distributed.fsdp import (
     mixed_precision_policy,
 )
 from torchtitan.distributed.simple_fsdp import apply_simple_fsdp_over
-from torchtitan.distributed.tensor_parallel import SumGradients, apply_tp_embedding_and_output
+from torchtitan.distributed.tensor_parallel import (
+    PartialRowwiseParallel,
+    ReplicatedInputPartialGradient,
+    ShardParameters,
+    SumGradients,
+    apply_tp_embedding_and_output,
+)
 from torchtitan.models.common.moe import GroupedExperts, MoE
 from torchtitan.models.spec import ParallelizeContext
 
@@ -151,12 +157,16 @@ def apply_tp(
     computes its heads), ``wo`` row-parallel; the keys' shared RoPE part has its gradient
     summed over the ranks (each uses it for its own heads only).
 
-    Mixture-of-experts layers: without ``split_tokens`` the router and the routed experts run
-    on the whole (replicated) tokens on every TP rank, and the shared experts are split like a
-    dense FFN. With ``split_tokens`` (expert parallelism spans the TP ranks; needs sequence
-    parallelism) each TP rank routes its own sequence shard: the router's gate and the shared
-    experts are replicated weights on sharded tokens (torch's ``SequenceParallel``, gradients
-    summed over the ranks), the routed experts are split by expert parallelism.
+    Mixture-of-experts layers: without ``split_tokens`` every TP rank routes the whole tokens
+    (gathered from the sequence shards under SP) with the replicated router, and every
+    expert's hidden width is split over the ranks, routed (``w1``/``w3`` along their rows,
+    ``w2`` along its columns) and shared (column- then row-parallel) alike: each rank computes
+    a partial sum of the layer's output, reduced once after it (reduce-scattered back to the
+    sequence shards under SP, all-reduced without). With ``split_tokens`` (expert parallelism
+    spans the TP ranks; needs sequence parallelism) each TP rank routes its own sequence
+    shard: the router's gate and the shared experts are replicated weights on sharded tokens
+    (torch's ``SequenceParallel``, gradients summed over the ranks), the routed experts are
+    split by expert parallelism.
     """
     between = Shard(1) if sequence_parallel else Replicate()
     apply_tp_embedding_and_output(
@@ -194,19 +204,23 @@ def apply_tp(
                     )
             block.moe.token_split_mesh = tp_mesh
         elif block.moe_enabled:
-            # The layer runs on a plain replicated tensor and returns one: cut back to this
-            # rank's part of the residual stream (its sequence shard under SP) after it.
+            # The layer runs on the whole tokens as a plain tensor and returns this rank's
+            # partial sum of its output, reduced to the residual stream's layout after it.
             plan["moe"] = PrepareModuleInputOutput(
                 input_layouts=(between,),
                 desired_input_layouts=(Replicate(),),
                 use_local_input=True,
-                output_layouts=(Replicate(),),
+                output_layouts=(Partial(),),
                 desired_output_layouts=(between,),
                 use_local_output=True,
             )
+            plan["moe.experts"] = ShardParameters({"w1": 1, "w2": 2, "w3": 1})
+            block.moe.hidden_split_mesh = tp_mesh
             if block.moe.shared_experts is not None:
+                # Its input gradient is summed with the routed experts' (``MoE.forward``).
+                plan["moe.shared_experts"] = ReplicatedInputPartialGradient()
                 plan["moe.shared_experts.w1"] = ColwiseParallel()
-                plan["moe.shared_experts.w2"] = RowwiseParallel(output_layouts=Replicate())
+                plan["moe.shared_experts.w2"] = PartialRowwiseParallel()
                 plan["moe.shared_experts.w3"] = ColwiseParallel()
         else:
             plan["feed_forward"] = PrepareModuleInput(
