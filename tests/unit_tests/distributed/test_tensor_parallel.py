@@ -1,5 +1,6 @@
-"""The Llama 3 and DeepSeek-V3 TP plans issue exactly the collectives they should (CommDebugMode on the fake
-backend: one process plays rank 0 of 2; collectives are counted, not executed)."""
+"""The Llama 3 and DeepSeek-V3 TP plans issue exactly the collectives they should
+(CommDebugMode on the fake backend: one process plays rank 0 of 2; collectives are counted,
+not executed)."""
 
 import pytest
 import torch
