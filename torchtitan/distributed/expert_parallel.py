@@ -13,7 +13,9 @@ turn that into this rank's experts' rows:
 3. received rows, ordered by source rank then expert, are regrouped by expert;
 4. after the experts ran, the inverse: ungroup, all-to-all back, in the sender's order.
 
-Works on any backend that has all-to-all (gloo, NCCL). Gradients of the expert weights are
+Works on any backend that has all-to-all (gloo, NCCL). Simulated ranks (``COMM_MODE=local_tensor``)
+route differently but must share shapes: there each rank sends every peer a slot of the most
+rows it could send (all of them), padded with zeros (:meth:`_Dispatcher.dispatch_padded`). Gradients of the expert weights are
 complete on their rank (every token that used an expert sent its rows there), so the experts
 module scales them by ``1 / ep`` (``weight_grad_scale``) and FSDP averages over the ranks
 that hold the same experts (``efsdp``): together the mean over every data-parallel rank, as
@@ -28,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed._local_tensor import LocalTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -61,6 +64,8 @@ class _Dispatcher:
 
     def dispatch(self, module: nn.Module, inputs: tuple) -> tuple:
         rows, counts = inputs
+        if isinstance(rows, LocalTensor):
+            return self.dispatch_padded(module, rows, counts)
         ep = self.mesh.size()
         group = self.mesh.get_group()
         num_experts = counts.shape[0]
@@ -97,6 +102,65 @@ class _Dispatcher:
             self._combine.remove()
         self._combine = module.register_forward_hook(combine)
         return received[regroup], received_counts.sum(dim=0)
+
+    def dispatch_padded(self, module: nn.Module, rows: torch.Tensor, counts: torch.Tensor):
+        """:meth:`dispatch` for simulated ranks, in shapes every rank shares: ``n`` rows (all
+        routings: no capacity dropping) go out in ``ep`` slots of ``n`` rows, one per peer,
+        each filled from the front; the received rows, regrouped by (expert, source), come
+        first and the zero padding last. The padding goes to the last expert: zero rows give
+        zero outputs, nobody reads them, and they add nothing to the weights' gradients."""
+        ep, group, n = self.mesh.size(), self.mesh.get_group(), rows.shape[0]
+        local = counts.shape[0] // ep
+        received_counts = torch.empty_like(counts)
+        dist.all_to_all_single(received_counts, counts.contiguous(), group=group)
+        received_counts = received_counts.view(ep, local)
+        # Row i (grouped by expert, so by peer) goes to its peer's slot, from the front.
+        peer_counts = counts.view(ep, local).sum(dim=1)
+        peer = torch.repeat_interleave(
+            torch.arange(ep, device=rows.device), peer_counts, output_size=n
+        )
+        starts = torch.cumsum(peer_counts, 0) - peer_counts
+        slot = peer * n + torch.arange(n, device=rows.device) - starts[peer]
+        sent = rows.new_zeros(ep * n, rows.shape[1]).index_copy(0, slot, rows)
+        received = _EvenAllToAll.apply(sent, group)
+        # Source s's block: its rows for this rank's experts, by expert, then zeros.
+        ends = torch.cumsum(received_counts, dim=1)
+        position = torch.arange(n, device=rows.device).expand(ep, n).contiguous()
+        expert = torch.searchsorted(ends, position, right=True)  # ``local`` past the rows
+        source = torch.arange(ep, device=rows.device).unsqueeze(1).expand(ep, n)
+        key = torch.where(expert < local, expert * ep + source, ep * local)
+        regroup = key.flatten().argsort(stable=True)
+        expert_counts = received_counts.sum(dim=0)
+        expert_counts[-1] += ep * n - expert_counts.sum()
+
+        def combine(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+            self._combine.remove()
+            self._combine = None
+            ungrouped = torch.empty_like(output).index_copy(0, regroup, output)
+            return _EvenAllToAll.apply(ungrouped, group)[slot]
+
+        if self._combine is not None:
+            self._combine.remove()
+        self._combine = module.register_forward_hook(combine)
+        return received[regroup], expert_counts
+
+
+class _EvenAllToAll(torch.autograd.Function):
+    """All-to-all of equal parts; backward sends the gradients back the same way. (The
+    simulation of ranks lacks the autograd-aware functional all-to-all.)"""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
+        return out, None
 
 
 def _even_splits(rows: int, parts: int) -> list[int]:

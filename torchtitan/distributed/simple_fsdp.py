@@ -151,6 +151,8 @@ def apply_simple_fsdp(
 
     Initialise weights with :func:`sharded_access` active (or by replacing the DTensors),
     since inside it ``module.<name>`` is the stored DTensor rather than a gathered copy.
+    Modules already wrapped (e.g. routed experts, over their own ``efsdp`` and ``ep`` meshes
+    first) are left as they are.
     """
     if dp_mesh.ndim not in (1, 2):
         raise ValueError(f"dp_mesh must be 1-D (FSDP) or 2-D (HSDP), got {dp_mesh}")
@@ -158,7 +160,7 @@ def apply_simple_fsdp(
     done: dict[int, nn.Parameter] = {}
     for module_name, module in list(model.named_modules()):
         names = [n for n, p in module.named_parameters(recurse=False) if p is not None]
-        if not names:
+        if not names or hasattr(module, "_simple_fsdp_parametrizations"):
             continue
         parametrizations: dict[str, _GatherOverDP] = {}
         for name in names:

@@ -202,14 +202,8 @@ def test_parameter_count_matches_the_built_debug_model():
         (
             "deepseek_v3",
             2,
-            ["--parallelism.fsdp_impl", "simple", "--parallelism.expert_parallel_degree", "2"],
-            "--parallelism.fsdp_impl simple with expert parallelism is not implemented",
-        ),
-        (
-            "deepseek_v3",
-            2,
-            ["--comm.mode", "local_tensor", "--parallelism.expert_parallel_degree", "2"],
-            "--parallelism.expert_parallel_degree > 1 under COMM_MODE=local_tensor",
+            ["--comm.mode", "local_tensor", "--parallelism.pipeline_parallel_degree", "2"],
+            "--parallelism.pipeline_parallel_degree > 1 under COMM_MODE=local_tensor",
         ),
         (
             "deepseek_v3",

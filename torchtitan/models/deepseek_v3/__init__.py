@@ -13,18 +13,12 @@ __all__ = ["DeepSeekV3Args", "config_registry", "flavors", "model_spec"]
 def validate(config, parallel_dims) -> None:
     """Model-specific checks of a config against its parallel degrees (no torch import)."""
     flavor = config.model.flavor
-    p, moe = config.parallelism, config.moe
+    moe = config.moe
     simulating = config.comm.mode == "local_tensor"
-    simple = p.fsdp_impl == "simple" or (p.fsdp_impl == "auto" and simulating)
     rules = []
     if simulating:  # simulated ranks route differently: no per-rank sizes in Python
         why = "under COMM_MODE=local_tensor"
         rules += [
-            (
-                parallel_dims.ep > 1,
-                f"--parallelism.expert_parallel_degree > 1 {why}",
-                "the ranks' all-to-all sizes differ; simulate FSDP, HSDP, TP and CP",
-            ),
             (
                 parallel_dims.pp > 1,
                 f"--parallelism.pipeline_parallel_degree > 1 {why}",
@@ -41,14 +35,6 @@ def validate(config, parallel_dims) -> None:
                 "each rank drops a different number of routings",
             ),
         ]
-    # Simple FSDP places parameters on the (dp, tp) mesh; experts live on the EP mesh.
-    rules.append(
-        (
-            simple and parallel_dims.ep > 1,
-            "--parallelism.fsdp_impl simple with expert parallelism",
-            "use fsdp_impl fsdp2",
-        )
-    )
     for given, what, fix in rules:
         if given:
             raise ConfigError(f"{what} is not implemented for deepseek_v3 yet: {fix}")

@@ -29,7 +29,7 @@ from torchtitan.distributed.fsdp import (
     apply_replicate,
     mixed_precision_policy,
 )
-from torchtitan.distributed.simple_fsdp import apply_simple_fsdp_over
+from torchtitan.distributed.simple_fsdp import apply_simple_fsdp, apply_simple_fsdp_over
 from torchtitan.distributed.tensor_parallel import (
     PartialRowwiseParallel,
     ReplicatedInputPartialGradient,
@@ -90,15 +90,24 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
     mp_policy = mixed_precision_policy(
         training.mixed_precision_param, training.mixed_precision_reduce
     )
-    if parallelism.fsdp_impl == "simple" and (dims.fsdp_enabled or dims.dp_replicate_enabled):
-        return apply_simple_fsdp_over(model, dims, mp_policy)  # experts: plain parameters
+    hsdp = dims.dp_replicate_enabled
+    if parallelism.fsdp_impl == "simple" and (dims.fsdp_enabled or hsdp):
+        if dims.ep_enabled:  # experts: sharded over efsdp, on top of EP's split
+            for module in experts:
+                apply_simple_fsdp(
+                    module,
+                    dp_mesh=dims.mesh("dp_replicate", "efsdp") if hsdp else dims.mesh("efsdp"),
+                    tp_mesh=dims.mesh("ep"),
+                    param_dtype=mp_policy.param_dtype,
+                    reduce_dtype=mp_policy.reduce_dtype,
+                )
+        return apply_simple_fsdp_over(model, dims, mp_policy)
     if not dims.fsdp_enabled:
         if dims.dp_replicate_enabled:  # replicated: experts are ordinary parameters
             return apply_replicate(
                 model, model.layers.values(), dims.mesh("dp_replicate"), mp_policy=mp_policy
             )
         return model
-    hsdp = dims.dp_replicate_enabled
     reshard = parallelism.fsdp_reshard_after_forward
     if experts:
         if dims.ep_enabled:
