@@ -203,12 +203,13 @@ def test_local_tensor_simulates_fsdp_x_cp_x_tp(tmp_path, fsdp_tp_run):
         assert sim["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
 
 
-def test_local_tensor_simulates_mixture_of_experts_under_fsdp_x_tp_and_ep(tmp_path):
+def test_local_tensor_simulates_mixture_of_experts_under_tp_ep_and_pp(tmp_path):
     """DeepSeek-V3's debug model, FSDP 2 x TP 2 on 4 simulated ranks, reads the data of the
     real FSDP 2 run: the same losses up to TP's order of sums, the same expert loads (each
     simulated rank routes its own tokens; the grouped GEMM's sizes differ between ranks).
-    So does EP 2 over the TP ranks (experts FSDP-sharded over efsdp 2; the all-to-all in
-    padded slots), for two steps."""
+    So do, for two steps, EP 2 over the TP ranks (experts FSDP-sharded over efsdp 2; the
+    all-to-all in padded slots) and PP 2 x FSDP 2 (a thread per stage; each stage's MoE
+    metrics gathered across the threads)."""
     moe = ["--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel"]
     moe += ["--training.steps", "3", "--moe.aux_loss_coeff", "0.01", *LR]
     real = _run_train(tmp_path / "real", *moe, "--training.local_batch_size", "4", ngpu=2)
@@ -221,14 +222,17 @@ def test_local_tensor_simulates_mixture_of_experts_under_fsdp_x_tp_and_ep(tmp_pa
         assert sim["loss"] == pytest.approx(ref["loss"], rel=1e-5)
         assert sim["moe_load_max_over_mean"] == pytest.approx(ref["moe_load_max_over_mean"])
         assert sim["moe_aux_loss"] == pytest.approx(ref["moe_aux_loss"], rel=1e-4)
-    ep = ["--parallelism.expert_parallel_degree", "2", "--training.steps", "2"]
-    _simulate(tmp_path / "simulated_ep", 4, *flags, *ep)
-    simulated = records(tmp_path / "simulated_ep")
-    assert [r["step"] for r in simulated] == [1, 2]
-    for sim, ref in zip(simulated, reference[:2], strict=True):
-        assert sim["loss"] == pytest.approx(ref["loss"], rel=1e-5)
-        assert sim["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
-        assert sim["moe_load_max_over_mean"] == pytest.approx(ref["moe_load_max_over_mean"])
+    ep = [*flags, "--parallelism.expert_parallel_degree", "2"]
+    pp = [*moe, "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2"]
+    pp += ["--parallelism.pipeline_parallel_microbatch_size", "2"]
+    for name, layout in (("ep", ep), ("pp", pp)):
+        _simulate(tmp_path / name, 4, *layout, "--training.steps", "2")
+        simulated = records(tmp_path / name)
+        assert [r["step"] for r in simulated] == [1, 2], name
+        for sim, ref in zip(simulated, reference[:2], strict=True):
+            assert sim["loss"] == pytest.approx(ref["loss"], rel=1e-5), name
+            assert sim["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), name
+            assert sim["moe_load_max_over_mean"] == pytest.approx(ref["moe_load_max_over_mean"])
 
 
 def test_local_tensor_simulates_a_v_shaped_schedule(tmp_path):

@@ -96,7 +96,7 @@ def apply_fsdp_experts(
     cpu_offload: bool = False,
 ) -> None:
     """Shard mixture-of-experts weights over ``mesh`` (the data-parallel ranks expert
-    parallelism leaves; their weights may already be DTensors over ``ep``), each module its
+    parallelism leaves; their weights may already be DTensors over ``ep`` or ``tp``), each module its
     own unit, in block order, before its block is sharded: the same resharding and offload
     rules as :func:`apply_fsdp`."""
     experts = list(experts)

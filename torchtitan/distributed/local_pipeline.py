@@ -11,7 +11,9 @@ parallelism run as in the SPMD simulation. What crosses threads is the pipeline'
 - point-to-point sends and receives over the ``pp`` group (the stages' activations and
   gradients), ``dist.isend/irecv/send/recv/batch_isend_irecv``;
 - all-reductions over the ``pp`` group (the logged loss, the gradient norm),
-  ``dist.all_reduce``.
+  ``dist.all_reduce``;
+- gathers of Python objects over the ``pp`` group (each stage's MoE metrics),
+  ``dist.all_gather_object``.
 
 Those functions are replaced while the simulation runs: a message from rank ``r`` to its peer
 ``r'`` goes into the queue ``(r, r')`` and is taken out, in order, by the receiving thread.
@@ -45,7 +47,16 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.tools.logging import logger
 
-_REPLACED = ("isend", "irecv", "send", "recv", "batch_isend_irecv", "all_reduce", "get_rank")
+_REPLACED = (
+    "isend",
+    "irecv",
+    "send",
+    "recv",
+    "batch_isend_irecv",
+    "all_reduce",
+    "all_gather_object",
+    "get_rank",
+)
 
 
 class PipelineSimulationError(RuntimeError):
@@ -283,9 +294,27 @@ class PipelineSimulation:
             target.copy_(total)
         return _Done() if async_op else None
 
+    def _all_gather_object(self, object_list, obj, group=None):
+        """Over the ``pp`` group: every thread's object (its ranks' common view, e.g. rank
+        0's metrics), in pipeline order, on every rank. Other groups as without threads."""
+        group = c10d._group_or_default_group(group)
+        ranks = dist.get_process_group_ranks(group)
+        if lt.enabled_local_tensor_mode() is None or len({r // self.stride for r in ranks}) == 1:
+            return _SAVED_ALL_GATHER_OBJECT(object_list, obj, group=group)
+        self._peer_pp(group, ranks[0], None)  # a pp group, or refuse
+        if any(self._thread.pending[p] for p in range(self.pp)):
+            raise PipelineSimulationError("all_gather_object over pp while receives are posted")
+        first = self.ranks(self.pp_rank)[0]  # one message per pair of threads
+        for peer_pp in range(self.pp):
+            if peer_pp != self.pp_rank:
+                self._put(first, self.peer(first, peer_pp), obj)
+        for p in range(self.pp):
+            object_list[p] = obj if p == self.pp_rank else self._take(self.peer(first, p), first)
+
 
 # Bound before the simulation replaces them.
 _SAVED_ALL_REDUCE = dist.all_reduce
+_SAVED_ALL_GATHER_OBJECT = dist.all_gather_object
 _SAVED_GET_RANK = dist.get_rank
 
 

@@ -12,7 +12,14 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -117,18 +124,53 @@ class ShardParameters(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, dim in self.dims.items():
             param = getattr(module, name)
-            sharded = distribute_tensor(param.data, device_mesh, [Shard(dim)])
+            sharded = distribute_tensor(
+                param.data, device_mesh, [Shard(dim)], src_data_rank=self.src_data_rank
+            )
             module.register_parameter(
                 name, nn.Parameter(sharded, requires_grad=param.requires_grad)
             )
         return module
 
 
+class GatherInputReduceOutput(ParallelStyle):
+    """For a layer that every TP rank runs on the whole input and that returns this rank's
+    partial sum of its output (its share of a split width), in plain tensors. The input,
+    laid out as ``layout`` (``Shard(1)``: sequence shards; ``Replicate()``), is gathered
+    whole, and its gradient, this rank's partial sum, goes back reduce-scattered (or
+    all-reduced); the output is reduced to ``layout`` and its gradient gathered. The layer
+    itself must leave its input's gradient as a partial sum: a part every rank computes
+    whole (a replicated router) counts ``1 / ranks`` of it."""
+
+    def __init__(self, layout: Placement):
+        super().__init__()
+        self.layout = layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(
+            lambda _module, args: (self._gather(args[0], device_mesh), *args[1:])
+        )
+        module.register_forward_hook(
+            lambda _module, _args, output: self._reduce(output, device_mesh)
+        )
+        return module
+
+    def _gather(self, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        if not isinstance(x, DTensor):  # (a sequence-parallel norm before it gives a DTensor)
+            x = DTensor.from_local(x, mesh, (self.layout,), run_check=False)
+        return x.redistribute(mesh, (Replicate(),)).to_local(grad_placements=(Partial(),))
+
+    def _reduce(self, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        partial = DTensor.from_local(out, mesh, (Partial(),), run_check=False)
+        return partial.redistribute(mesh, (self.layout,)).to_local()
+
+
 class ReplicatedInputPartialGradient(ParallelStyle):
-    """For a module whose input is the same plain tensor on every TP rank but whose input
-    gradient the caller sums over the ranks (with :func:`sum_gradients`, together with other
-    partial gradients of that tensor): the input enters as a ``Replicate`` DTensor, and its
-    gradient leaves as this rank's partial sum, not all-reduced here."""
+    """For a module whose input is the same plain tensor on every TP rank but whose input's
+    gradient is summed over the ranks later, together with other partial gradients of that
+    tensor (inside a :class:`GatherInputReduceOutput` layer): the input enters as a
+    ``Replicate`` DTensor, and its gradient leaves as this rank's partial sum, not reduced
+    here."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module.register_forward_pre_hook(
@@ -140,15 +182,13 @@ class ReplicatedInputPartialGradient(ParallelStyle):
 class _ReplicatedPartialGradFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-        ctx.ranks = mesh.size()
         return DTensor.from_local(x.view_as(x), mesh, (Replicate(),), run_check=False)
 
     @staticmethod
     def backward(ctx, grad: DTensor):
-        local = grad.to_local()  # Partial: this rank's contributions
-        if not grad.placements[0].is_partial():  # whole on every rank: an equal share each
-            local = local / ctx.ranks
-        return local, None
+        # Partial: this rank's contributions as they are. (A whole gradient would become an
+        # equal share per rank; no branch on the placement, which a compiled backward fixes.)
+        return grad.redistribute(grad.device_mesh, (Partial(),)).to_local(), None
 
 
 class PartialRowwiseParallel(RowwiseParallel):

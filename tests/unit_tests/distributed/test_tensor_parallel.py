@@ -98,13 +98,13 @@ def test_moe_layers_split_every_experts_hidden_width_and_reduce_once(tp_mesh):
         name = f"Transformer.layers.{i}.moe"
         # Gather the sequence shards in, reduce-scatter the partial sums out; nothing inside.
         assert dict(forward.comm_module_counts[name]["forward"]) == {AG: 1, RS: 1}, i
-    # Backward, per MoE layer: the output's gradient gathered, then the gradients of the
-    # tokens (routed and shared experts together) and of the routing weights summed: two
-    # all-reduces. Attention adds three per layer (wq, wkv_b, the shared RoPE key); the dense
-    # FFN and the output projection a reduce-scatter each.
+    # Backward, per MoE layer: the output's gradient gathered, the routing weights' gradient
+    # all-reduced, the input's gradient (routed experts, shared experts and router together)
+    # reduce-scattered. Attention adds three all-reduces per layer (wq, wkv_b, the shared
+    # RoPE key); the dense FFN and the output projection a reduce-scatter each.
     assert _counts(backward) == {
         AG: args.n_layers + args.n_layers + 1,
-        RS: args.n_dense_layers + 1,
-        AR: 3 * args.n_layers + 2 * n_moe,
+        RS: args.n_dense_layers + 1 + n_moe,
+        AR: 3 * args.n_layers + n_moe,
     }
     assert layer.experts.w1.grad is not None and layer.router.gate.weight.grad is not None

@@ -202,12 +202,6 @@ def test_parameter_count_matches_the_built_debug_model():
         (
             "deepseek_v3",
             2,
-            ["--comm.mode", "local_tensor", "--parallelism.pipeline_parallel_degree", "2"],
-            "--parallelism.pipeline_parallel_degree > 1 under COMM_MODE=local_tensor",
-        ),
-        (
-            "deepseek_v3",
-            2,
             ["--comm.mode", "local_tensor", "--moe.capacity_factor", "1.5"],
             "--moe.capacity_factor > 0 under COMM_MODE=local_tensor",
         ),

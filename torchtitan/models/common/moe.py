@@ -79,7 +79,9 @@ class GroupedExperts(nn.Module):
     """``E`` SwiGLU experts: ``x [N, dim]``, rows sorted by expert, ``counts [E]`` rows each ->
     ``[N, dim]``. Weights ``w1, w3 [E, hidden, dim]`` and ``w2 [E, dim, hidden]`` (per expert
     the layout of ``nn.Linear``). Under expert parallelism the weights are DTensors sharded
-    over the experts and hooks exchange the rows, so ``E`` here is this rank's share."""
+    over the experts and hooks exchange the rows, so ``E`` here is this rank's share; under
+    tensor parallelism without it they are sharded along ``hidden`` (``MoE.hidden_split_mesh``).
+    Either way the forward computes with the local shards."""
 
     def __init__(self, dim: int, hidden: int, num_experts: int, impl: str = "auto"):
         super().__init__()
@@ -252,15 +254,22 @@ class MoE(nn.Module):
         """Set by a tensor-parallel plan that splits every expert's hidden width over the TP
         ranks (the routed experts' weights, the shared experts column- then row-wise): every
         rank routes the same whole tokens and returns a partial sum of the output, which the
-        plan reduces after the layer. Here the gradients of what feeds the split experts (the
-        routing weights, the tokens) are summed over the ranks."""
+        plan reduces after the layer; it also sums the input's gradient over the ranks
+        (``tensor_parallel.GatherInputReduceOutput``). Here the routing weights' gradient is
+        summed over the ranks, and the router's part of the input's gradient (whole on every
+        rank) is scaled to a share."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.args
         bs, seq, dim = x.shape
         flat = x.reshape(-1, dim)
+        router_input = flat
+        if self.hidden_split_mesh is not None:
+            # The input's gradient is a partial sum on each rank, summed after the layer:
+            # the router's, whole on every rank, counts for its share.
+            router_input = _ScaleGradient.apply(flat, 1 / self.hidden_split_mesh.size())
         # Zero unless balancing moved it (or it was loaded): it steers the choice either way.
-        weights, indices, scores = self.router(flat, self.expert_bias)
+        weights, indices, scores = self.router(router_input, self.expert_bias)
         routed = indices.flatten()  # [T * k]: token t's j-th choice at t * k + j
         if _no_values(routed):
             # Fake or meta tensors (dry runs, pipeline shape inference) have shapes, not
@@ -277,11 +286,9 @@ class MoE(nn.Module):
             order, counts, route_weights = _drop_over_capacity(
                 order, counts, route_weights, routed, a.capacity_factor
             )
-        expert_input = flat
-        if self.hidden_split_mesh is not None:
-            expert_input = sum_gradients(flat, self.hidden_split_mesh)
+        if self.hidden_split_mesh is not None:  # each rank's gradient is a partial sum
             route_weights = sum_gradients(route_weights, self.hidden_split_mesh)
-        rows = expert_input[order // a.top_k]
+        rows = flat[order // a.top_k]
         out_rows = self.experts(rows, counts)
         # Back to token order, weighted, summed over each token's k experts.
         combined = flat.new_zeros(routed.shape[0], dim, dtype=out_rows.dtype)
@@ -289,7 +296,7 @@ class MoE(nn.Module):
         mixed = (combined.view(-1, a.top_k, dim) * route_weights.view(-1, a.top_k, 1)).sum(1)
         out = mixed.to(x.dtype)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(expert_input)
+            out = out + self.shared_experts(flat)
         if a.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
             splits = self.sequence_splits()
             aux = a.aux_loss_coeff * sequence_balance_loss(

@@ -20,11 +20,6 @@ def validate(config, parallel_dims) -> None:
         why = "under COMM_MODE=local_tensor"
         rules += [
             (
-                parallel_dims.pp > 1,
-                f"--parallelism.pipeline_parallel_degree > 1 {why}",
-                "the stages' MoE metrics are gathered across pipeline threads",
-            ),
-            (
                 moe.experts_impl == "loop",
                 f"--moe.experts_impl loop {why}",
                 "each rank's rows per expert differ; use grouped_mm or auto",

@@ -8,11 +8,10 @@ shards the experts over the data-parallel ranks EP leaves (``efsdp``) before the
 """
 
 from torch import nn
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -31,6 +30,7 @@ from torchtitan.distributed.fsdp import (
 )
 from torchtitan.distributed.simple_fsdp import apply_simple_fsdp, apply_simple_fsdp_over
 from torchtitan.distributed.tensor_parallel import (
+    GatherInputReduceOutput,
     PartialRowwiseParallel,
     ReplicatedInputPartialGradient,
     ShardParameters,
@@ -103,7 +103,7 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
                 )
         return apply_simple_fsdp_over(model, dims, mp_policy)
     if not dims.fsdp_enabled:
-        if dims.dp_replicate_enabled:  # replicated: experts are ordinary parameters
+        if dims.dp_replicate_enabled:  # replicated: experts like every other parameter
             return apply_replicate(
                 model, model.layers.values(), dims.mesh("dp_replicate"), mp_policy=mp_policy
             )
@@ -215,18 +215,11 @@ def apply_tp(
         elif block.moe_enabled:
             # The layer runs on the whole tokens as a plain tensor and returns this rank's
             # partial sum of its output, reduced to the residual stream's layout after it.
-            plan["moe"] = PrepareModuleInputOutput(
-                input_layouts=(between,),
-                desired_input_layouts=(Replicate(),),
-                use_local_input=True,
-                output_layouts=(Partial(),),
-                desired_output_layouts=(between,),
-                use_local_output=True,
-            )
+            plan["moe"] = GatherInputReduceOutput(between)
             plan["moe.experts"] = ShardParameters({"w1": 1, "w2": 2, "w3": 1})
             block.moe.hidden_split_mesh = tp_mesh
             if block.moe.shared_experts is not None:
-                # Its input gradient is summed with the routed experts' (``MoE.forward``).
+                # Its input's gradient joins the layer's partial sum.
                 plan["moe.shared_experts"] = ReplicatedInputPartialGradient()
                 plan["moe.shared_experts.w1"] = ColwiseParallel()
                 plan["moe.shared_experts.w2"] = PartialRowwiseParallel()
