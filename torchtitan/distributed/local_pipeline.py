@@ -12,8 +12,8 @@ parallelism run as in the SPMD simulation. What crosses threads is the pipeline'
   gradients), ``dist.isend/irecv/send/recv/batch_isend_irecv``;
 - all-reductions over the ``pp`` group (the logged loss, the gradient norm),
   ``dist.all_reduce``;
-- gathers of Python objects over the ``pp`` group (each stage's MoE metrics),
-  ``dist.all_gather_object``.
+- gathers of Python objects over groups spanning pipeline coordinates (each stage's MoE
+  metrics over ``pp``, a checkpoint's verification over the world), ``dist.all_gather_object``.
 
 Those functions are replaced while the simulation runs: a message from rank ``r`` to its peer
 ``r'`` goes into the queue ``(r, r')`` and is taken out, in order, by the receiving thread.
@@ -32,6 +32,7 @@ thread's state each time a thread resumes.
 """
 
 import collections
+import copy
 import importlib
 import logging
 import threading
@@ -195,6 +196,15 @@ class PipelineSimulation:
             self._resume()
         return self._queues[key].popleft()
 
+    def _take_tensor(self, src: int, dst: int) -> torch.Tensor:
+        value = self._take(src, dst)
+        if isinstance(value, _Object):
+            raise PipelineSimulationError(
+                f"rank {dst} expected a tensor from rank {src} and got a gathered object: the "
+                "pipeline ranks' collectives disagree"
+            )
+        return value
+
     def _send_to(self, peer_pp: int, tensor: torch.Tensor) -> None:
         values = _per_rank(tensor, self.ranks(self.pp_rank))
         for rank in self.ranks(self.pp_rank):
@@ -204,7 +214,7 @@ class PipelineSimulation:
         if isinstance(tensor, DTensor):
             tensor = tensor._local_tensor
         for rank in self.ranks(self.pp_rank):
-            value = self._take(self.peer(rank, peer_pp), rank)
+            value = self._take_tensor(self.peer(rank, peer_pp), rank)
             target = tensor._local_tensors[rank] if isinstance(tensor, lt.LocalTensor) else tensor
             target.copy_(value)
 
@@ -284,7 +294,7 @@ class PipelineSimulation:
                 self._send_to(peer_pp, tensor)
         for rank in self.ranks(self.pp_rank):
             values = [
-                mine[rank] if p == self.pp_rank else self._take(self.peer(rank, p), rank)
+                mine[rank] if p == self.pp_rank else self._take_tensor(self.peer(rank, p), rank)
                 for p in range(self.pp)
             ]
             total = values[0].clone()
@@ -295,21 +305,43 @@ class PipelineSimulation:
         return _Done() if async_op else None
 
     def _all_gather_object(self, object_list, obj, group=None):
-        """Over the ``pp`` group: every thread's object (its ranks' common view, e.g. rank
-        0's metrics), in pipeline order, on every rank. Other groups as without threads."""
+        """Over a group that spans pipeline coordinates (the ``pp`` group: each stage's MoE
+        metrics; the world: a checkpoint's verification): each thread sends a copy of its
+        object (its ranks' common view) once to every other thread of the group, and every
+        rank's slot gets the object of the thread simulating that rank. Groups within one
+        thread's ranks as without threads."""
         group = c10d._group_or_default_group(group)
         ranks = dist.get_process_group_ranks(group)
-        if lt.enabled_local_tensor_mode() is None or len({r // self.stride for r in ranks}) == 1:
+        threads = sorted({r // self.stride for r in ranks})
+        if lt.enabled_local_tensor_mode() is None or len(threads) == 1:
             return _SAVED_ALL_GATHER_OBJECT(object_list, obj, group=group)
-        self._peer_pp(group, ranks[0], None)  # a pp group, or refuse
         if any(self._thread.pending[p] for p in range(self.pp)):
-            raise PipelineSimulationError("all_gather_object over pp while receives are posted")
+            raise PipelineSimulationError(
+                "all_gather_object across threads while receives are posted"
+            )
         first = self.ranks(self.pp_rank)[0]  # one message per pair of threads
-        for peer_pp in range(self.pp):
+        for peer_pp in threads:
             if peer_pp != self.pp_rank:
-                self._put(first, self.peer(first, peer_pp), obj)
-        for p in range(self.pp):
-            object_list[p] = obj if p == self.pp_rank else self._take(self.peer(first, p), first)
+                self._put(first, peer_pp * self.stride, _Object(copy.deepcopy(obj)))
+        objects = {self.pp_rank: obj}
+        for peer_pp in threads:
+            if peer_pp != self.pp_rank:
+                message = self._take(peer_pp * self.stride, first)
+                if not isinstance(message, _Object):
+                    raise PipelineSimulationError(
+                        f"all_gather_object on pipeline rank {self.pp_rank} received a tensor "
+                        f"from pipeline rank {peer_pp}: the ranks' collectives disagree"
+                    )
+                objects[peer_pp] = message.value
+        for i, rank in enumerate(ranks):
+            object_list[i] = objects[rank // self.stride]
+
+
+class _Object:
+    """A Python object in a message queue (told apart from the tensors of sends)."""
+
+    def __init__(self, value: Any):
+        self.value = value
 
 
 # Bound before the simulation replaces them.

@@ -130,7 +130,19 @@ def clip_grad_norm_(
     combined. Under pipeline parallelism each rank holds only its stages' parameters: pass the
     ``pp`` mesh and the squared norms of all stages are summed over it. Every rank gets the
     norm of the whole model.
+
+    First, gradients still partial over a mesh dimension where their parameter is not (a
+    replicated norm weight read by sequence-parallel shards) are summed into the parameter's
+    placement, once, before the norm and the optimizer read them: torch 2.11's
+    ``clip_grads_with_norm_(foreach=True)`` leaves ``Partial`` gradients unscaled (2.13
+    scales them), so under TP with sequence parallelism the norm weights were never clipped
+    (TP 2 ended with norm weights 7e-4 away from one process's; 1e-5 with this).
     """
+    parameters = list(parameters)
+    for p in parameters:
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            if any(placement.is_partial() for placement in p.grad.placements):
+                p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
     groups: dict[DeviceMesh | None, list[torch.Tensor]] = defaultdict(list)
     for p in parameters:
         if p.grad is not None:

@@ -98,3 +98,36 @@ def test_traffic_over_a_group_that_is_not_pp_is_refused(fake_world):
 
     with pytest.raises(local_pipeline.PipelineSimulationError, match="only over the pp group"):
         local_pipeline.run(WORLD, PP, job)
+
+
+def test_objects_are_gathered_across_threads_over_pp_and_the_world(fake_world):
+    seen = {}
+
+    def job(pp_rank: int) -> None:
+        mesh = init_device_mesh("cpu", (PP, WORLD // PP), mesh_dim_names=("pp", "dp"))
+        mine = {"stage": pp_rank}
+        over_pp, over_world = [None] * PP, [None] * WORLD
+        dist.all_gather_object(over_pp, mine, group=mesh["pp"].get_group())
+        dist.all_gather_object(over_world, mine)  # e.g. a checkpoint's verification
+        mine["stage"] = -1  # the others hold copies
+        seen[pp_rank] = over_pp, over_world
+
+    local_pipeline.run(WORLD, PP, job)
+    for pp_rank in range(PP):
+        over_pp, over_world = seen[pp_rank]
+        # The other stage's object, unchanged by its later edit (a copy, as pickling makes).
+        assert over_pp[1 - pp_rank] == {"stage": 1 - pp_rank}
+        # Each rank's slot holds the object of the thread simulating it (ranks 2, 3: stage 1).
+        others = [o for r, o in enumerate(over_world) if r // 2 != pp_rank]
+        assert others == [{"stage": 1 - pp_rank}] * 2
+
+
+def test_a_tensor_met_where_a_gathered_object_is_expected_is_an_error(fake_world):
+    def job(pp_rank: int) -> None:
+        mesh = init_device_mesh("cpu", (PP, WORLD // PP), mesh_dim_names=("pp", "dp"))
+        if pp_rank == 0:
+            dist.send(torch.zeros(1), group=mesh["pp"].get_group(), group_dst=1)
+        dist.all_gather_object([None] * PP, pp_rank, group=mesh["pp"].get_group())
+
+    with pytest.raises(local_pipeline.PipelineSimulationError, match="collectives disagree"):
+        local_pipeline.run(WORLD, PP, job)

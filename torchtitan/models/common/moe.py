@@ -110,6 +110,12 @@ class GroupedExperts(nn.Module):
             return (F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
         if self.uses_grouped_mm(dtype):
             return _grouped_mm_experts(x, counts, *weights)
+        if isinstance(x, LocalTensor):  # the loop reads each simulated rank's own counts
+            raise RuntimeError(
+                f"COMM_MODE=local_tensor needs the grouped GEMM for the routed experts, which "
+                f"cannot run here ({dtype}, widths {tuple(self.w1.shape[1:])}: fp32 or bf16 "
+                "with 16-byte aligned widths, bf16 when compiled)"
+            )
         return _loop_experts(x, counts, *weights)
 
     def uses_grouped_mm(self, dtype: torch.dtype) -> bool:

@@ -49,6 +49,7 @@ def validate(config, parallel_dims) -> None:
         ep=parallel_dims.ep,
         sequence_parallel=config.parallelism.enable_sequence_parallel,
         seq_len=config.training.seq_len,
+        cp=parallel_dims.cp,
     )
 
 

@@ -102,9 +102,18 @@ class DeepSeekV3Args:
 
 
 def check_parallel_degrees(
-    args: DeepSeekV3Args, *, flavor: str, tp: int, ep: int, sequence_parallel: bool, seq_len: int
+    args: DeepSeekV3Args,
+    *,
+    flavor: str,
+    tp: int,
+    ep: int,
+    sequence_parallel: bool,
+    seq_len: int,
+    cp: int = 1,
 ) -> None:
-    """Reject tensor- and expert-parallel degrees that cannot split this flavor evenly."""
+    """Reject tensor- and expert-parallel degrees that cannot split this flavor evenly
+    (``seq_len``: the whole sequence, of which each context-parallel rank holds ``seq_len /
+    cp``)."""
     flag = f"--parallelism.tensor_parallel_degree={tp}"
     dims = {
         "n_heads": args.n_heads,
@@ -117,10 +126,11 @@ def check_parallel_degrees(
     for name, value in dims.items():
         if value and value % tp:
             raise ConfigError(f"{flag} does not divide {name}={value} of flavor {flavor}")
-    if tp > 1 and sequence_parallel and seq_len % tp:
+    if tp > 1 and sequence_parallel and (seq_len // cp) % tp:
+        share = f" / context_parallel_degree {cp}" if cp > 1 else ""
         raise ConfigError(
-            f"{flag} does not divide --training.seq_len={seq_len} (sequence parallelism splits "
-            "the sequence); change either, or pass --parallelism.no_enable_sequence_parallel"
+            f"{flag} does not divide --training.seq_len={seq_len}{share} (sequence parallelism "
+            "splits the sequence); change either, or pass --parallelism.no_enable_sequence_parallel"
         )
     if args.moe.num_experts % ep:
         raise ConfigError(
