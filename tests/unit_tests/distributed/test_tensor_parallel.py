@@ -108,3 +108,19 @@ def test_moe_layers_split_every_experts_hidden_width_and_reduce_once(tp_mesh):
         AR: 3 * args.n_layers + n_moe,
     }
     assert layer.experts.w1.grad is not None and layer.router.gate.weight.grad is not None
+
+
+def test_clipping_first_sums_partial_gradients_into_their_parameters_placement(tp_mesh):
+    """Sequence-parallel norm weights end backward with ``Partial`` gradients; clipping sums
+    them first (torch 2.11's foreach clipping left ``Partial`` gradients unscaled)."""
+    from torchtitan.distributed.utils import clip_grad_norm_
+
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    apply_tp(model, tp_mesh, loss_parallel=True, sequence_parallel=True)
+    _count_collectives(model, torch.randint(0, ARGS.vocab_size, (2, 16)), loss_parallel=True)
+    assert model.norm.weight.grad.placements[0].is_partial()
+    clip_grad_norm_(model.parameters(), max_norm=1e-3)
+    # (Values are the fake backend's: the placements are what is checked.)
+    for name, p in model.named_parameters():
+        assert not any(placement.is_partial() for placement in p.grad.placements), name
