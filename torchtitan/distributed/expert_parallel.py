@@ -13,10 +13,11 @@ turn that into this rank's experts' rows:
 3. received rows, ordered by source rank then expert, are regrouped by expert;
 4. after the experts ran, the inverse: ungroup, all-to-all back, in the sender's order.
 
-Works on any backend that has all-to-all (gloo, NCCL). Simulated ranks (``COMM_MODE=local_tensor``)
-route differently but must share shapes: there each rank sends every peer a slot of the most
-rows it could send (all of them), padded with zeros (:meth:`_Dispatcher.dispatch_padded`). Gradients of the expert weights are
-complete on their rank (every token that used an expert sent its rows there), so the experts
+Works on any backend that has all-to-all (gloo, NCCL). Simulated ranks
+(``COMM_MODE=local_tensor``) route differently but must share shapes: there each rank sends
+every peer a slot of the most rows it could send (all of them), padded with zeros
+(:meth:`_Dispatcher.dispatch_padded`). Gradients of the expert weights are complete on their
+rank (every token that used an expert sent its rows there), so the experts
 module scales them by ``1 / ep`` (``weight_grad_scale``) and FSDP averages over the ranks
 that hold the same experts (``efsdp``): together the mean over every data-parallel rank, as
 for the rest of the model. With TP, the EP group spans the TP ranks: each routes its own

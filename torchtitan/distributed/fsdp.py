@@ -96,9 +96,9 @@ def apply_fsdp_experts(
     cpu_offload: bool = False,
 ) -> None:
     """Shard mixture-of-experts weights over ``mesh`` (the data-parallel ranks expert
-    parallelism leaves; their weights may already be DTensors over ``ep`` or ``tp``), each module its
-    own unit, in block order, before its block is sharded: the same resharding and offload
-    rules as :func:`apply_fsdp`."""
+    parallelism leaves; their weights may already be DTensors over ``ep`` or ``tp``), each
+    module its own unit, in block order, before its block is sharded: the same resharding and
+    offload rules as :func:`apply_fsdp`."""
     experts = list(experts)
     for i, module in enumerate(experts):
         fully_shard(

@@ -174,7 +174,7 @@ class ReplicatedInputPartialGradient(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module.register_forward_pre_hook(
-            lambda _module, args: (_ReplicatedPartialGradFn.apply(args[0], device_mesh),) + args[1:]
+            lambda _module, args: (_ReplicatedPartialGradFn.apply(args[0], device_mesh), *args[1:])
         )
         return module
 
