@@ -218,7 +218,6 @@ CASES = {
     ),
     # Mixture of experts: experts sharded by FSDP, split over ranks by EP (all-to-all), with
     # TP on attention and the shared experts.
-    "moe_fsdp2": (2, f"{MOE} --training.local_batch_size 4"),
     "moe_ep2": (2, f"{MOE} --training.local_batch_size 4 --parallelism.expert_parallel_degree 2"),
     "moe_ep2_loop": (
         2,

@@ -35,6 +35,7 @@ from torch.distributed._local_tensor import LocalTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from torchtitan.distributed import local_tensor
 from torchtitan.distributed.utils import values_are_real
 
 
@@ -105,34 +106,36 @@ class _Dispatcher:
         return received[regroup], received_counts.sum(dim=0)
 
     def dispatch_padded(self, module: nn.Module, rows: torch.Tensor, counts: torch.Tensor):
-        """:meth:`dispatch` for simulated ranks, in shapes every rank shares: ``n`` rows (all
-        routings: no capacity dropping) go out in ``ep`` slots of ``n`` rows, one per peer,
-        each filled from the front; the received rows, regrouped by (expert, source), come
-        first and the zero padding last. The padding goes to the last expert: zero rows give
-        zero outputs, nobody reads them, and they add nothing to the weights' gradients."""
+        """:meth:`dispatch` for simulated ranks, in shapes every rank shares: the ``n`` rows
+        (all routings: no capacity dropping) go out in ``ep`` slots of ``m`` rows, one per
+        peer, each filled from the front, with ``m`` the most any simulated rank (of this
+        process or pipeline thread) sends any peer; the received rows, regrouped by (expert, source), come first and the zero
+        padding last. The padding goes to the last expert: zero rows give zero outputs, nobody
+        reads them, and they add nothing to the weights' gradients."""
         ep, group, n = self.mesh.size(), self.mesh.get_group(), rows.shape[0]
         local = counts.shape[0] // ep
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts.contiguous(), group=group)
         received_counts = received_counts.view(ep, local)
-        # Row i (grouped by expert, so by peer) goes to its peer's slot, from the front.
         peer_counts = counts.view(ep, local).sum(dim=1)
+        m = local_tensor.max_over_ranks(peer_counts)
+        # Row i (grouped by expert, so by peer) goes to its peer's slot, from the front.
         peer = torch.repeat_interleave(
             torch.arange(ep, device=rows.device), peer_counts, output_size=n
         )
         starts = torch.cumsum(peer_counts, 0) - peer_counts
-        slot = peer * n + torch.arange(n, device=rows.device) - starts[peer]
-        sent = rows.new_zeros(ep * n, rows.shape[1]).index_copy(0, slot, rows)
+        slot = peer * m + torch.arange(n, device=rows.device) - starts[peer]
+        sent = rows.new_zeros(ep * m, rows.shape[1]).index_copy(0, slot, rows)
         received = _EvenAllToAll.apply(sent, group)
         # Source s's block: its rows for this rank's experts, by expert, then zeros.
         ends = torch.cumsum(received_counts, dim=1)
-        position = torch.arange(n, device=rows.device).expand(ep, n).contiguous()
+        position = torch.arange(m, device=rows.device).expand(ep, m).contiguous()
         expert = torch.searchsorted(ends, position, right=True)  # ``local`` past the rows
-        source = torch.arange(ep, device=rows.device).unsqueeze(1).expand(ep, n)
+        source = torch.arange(ep, device=rows.device).unsqueeze(1).expand(ep, m)
         key = torch.where(expert < local, expert * ep + source, ep * local)
         regroup = key.flatten().argsort(stable=True)
         expert_counts = received_counts.sum(dim=0)
-        expert_counts[-1] += ep * n - expert_counts.sum()
+        expert_counts[-1] += ep * m - expert_counts.sum()
 
         def combine(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
             self._combine.remove()

@@ -200,6 +200,14 @@ def replicate_to_ranks(value: torch.Tensor | float) -> torch.Tensor:
     return mode.rank_map(lambda _: t.detach().clone())
 
 
+def max_over_ranks(t: torch.Tensor) -> int:
+    """The largest value any simulated rank holds of ``t`` (a ``LocalTensor``; a plain tensor:
+    its largest value): a size every simulated rank can share."""
+    values = t._local_tensors.values() if isinstance(t, LocalTensor) else [t]
+    with host_only():
+        return max(int(v.max()) for v in values)
+
+
 def value_on_rank(t: torch.Tensor, rank: int) -> torch.Tensor:
     """What ``rank`` holds of ``t`` (a ``LocalTensor``); ``t`` itself for a plain tensor.
 
