@@ -100,7 +100,7 @@ class SumGradients(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module.register_forward_hook(
-            lambda _module, _inputs, output: _SumGradientsFn.apply(output, device_mesh)
+            lambda _module, _inputs, output: sum_gradients(output, device_mesh)
         )
         return module
 

@@ -91,12 +91,16 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
         training.mixed_precision_param, training.mixed_precision_reduce
     )
     hsdp = dims.dp_replicate_enabled
+    # Under EP, FSDP shards the experts over the data-parallel ranks EP leaves.
+    efsdp_mesh = None
+    if dims.ep_enabled:
+        efsdp_mesh = dims.mesh("dp_replicate", "efsdp") if hsdp else dims.mesh("efsdp")
     if parallelism.fsdp_impl == "simple" and (dims.fsdp_enabled or hsdp):
-        if dims.ep_enabled:  # experts: sharded over efsdp, on top of EP's split
+        if efsdp_mesh is not None:  # experts: sharded over efsdp, on top of EP's split
             for module in experts:
                 apply_simple_fsdp(
                     module,
-                    dp_mesh=dims.mesh("dp_replicate", "efsdp") if hsdp else dims.mesh("efsdp"),
+                    dp_mesh=efsdp_mesh,
                     tp_mesh=dims.mesh("ep"),
                     param_dtype=mp_policy.param_dtype,
                     reduce_dtype=mp_policy.reduce_dtype,
@@ -110,13 +114,9 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
         return model
     reshard = parallelism.fsdp_reshard_after_forward
     if experts:
-        if dims.ep_enabled:
-            expert_mesh = dims.mesh("dp_replicate", "efsdp") if hsdp else dims.mesh("efsdp")
-        else:
-            expert_mesh = dims.data_parallel_mesh()
         apply_fsdp_experts(
             experts,
-            expert_mesh,
+            efsdp_mesh if efsdp_mesh is not None else dims.data_parallel_mesh(),
             mp_policy=mp_policy,
             reshard_after_forward=reshard,
             cpu_offload=training.enable_cpu_offload,
