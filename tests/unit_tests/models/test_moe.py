@@ -37,8 +37,10 @@ def test_grouped_mm_equals_the_loop_forward_and_backward(dtype, counts):
         out.float().pow(2).sum().backward()
         outs.append(out)
         grads.append([xi.grad, experts.w1.grad, experts.w2.grad, experts.w3.grad])
-    # Each row's products are the same sums in the same order: equal to the last bit in fp32.
-    tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    # Each row's products are the same sums, but padding an expert's rows to 16 can pick another
+    # BLAS kernel: equal to the last bit on Intel CPUs; on AMD EPYC outputs 2.4e-7 and weight
+    # gradients (sums over rows) 1.7e-6 apart.
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(outs[1], outs[0], **tol)
     for got, want in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(got, want, **tol)
