@@ -4,9 +4,10 @@
 
 Prints ``ok`` per rank when it does. On torch 2.13 (CPU, gloo; inductor and aot_eager alike)
 backward fails with ``AttributeError: 'Tensor' object has no attribute '_local_tensor'``: the
-compiled block returns its input gradient as a plain tensor to DTensor's ``Redistribute``. That
-is why the config refuses ``--compile.enable`` with TP; run this on a new torch or on GPUs to
-see whether the refusal can go.
+compiled block's input is a view (what ``to_local()`` returns), and its gradient reaches DTensor's
+``Redistribute`` as a plain tensor. torch 2.11 prints ``ok``. The trainer works around it by
+copying such inputs before the graph (``torchtitan/distributed/compile.py``); this script keeps
+the bare case, to see when torch fixes it.
 """
 
 import argparse

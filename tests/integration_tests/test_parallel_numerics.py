@@ -86,11 +86,13 @@ CASES = {
         "--training.local_batch_size 4 --activation_checkpoint.mode selective "
         "--activation_checkpoint.selective_ac_option op",
     ),
-    # Compiled, the loss-parallel cross-entropy gave a wrong value: it stays eager under TP.
-    "tp2_compile_loss": (
+    # Compiled TP blocks (the first one's input copied: torch 2.13), checkpointed per op; the
+    # loss-parallel cross-entropy stays eager (compiled, it gave a wrong value).
+    "tp2_compile_ac_ops": (
         2,
         "--training.local_batch_size 8 --parallelism.tensor_parallel_degree 2 "
-        "--compile.enable --compile.components loss",
+        "--compile.enable --activation_checkpoint.mode selective "
+        "--activation_checkpoint.selective_ac_option op",
     ),
     "fsdp2_tp2": (4, "--training.local_batch_size 4 --parallelism.tensor_parallel_degree 2"),
     # DTensor-parametrized sharding (what COMM_MODE=local_tensor uses), in a real run.
@@ -230,9 +232,12 @@ CASES = {
         f"{MOE} --training.local_batch_size 8 --parallelism.tensor_parallel_degree 2 "
         "--parallelism.no_enable_sequence_parallel",
     ),
-    "moe_fsdp2_tp2": (
+    # Compiled around the routed experts (eager); the replicated router's input gradient
+    # counted 1 / tp by hand (compiled, redistributing to Partial is refused).
+    "moe_fsdp2_tp2_compile": (
         4,
-        f"{MOE} --training.local_batch_size 4 --parallelism.tensor_parallel_degree 2",
+        f"{MOE} --training.local_batch_size 4 --parallelism.tensor_parallel_degree 2 "
+        "--compile.enable",
     ),
     # The first stage holds only the dense block: it still joins the stages' metric gather.
     "moe_pp2": (

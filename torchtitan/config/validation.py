@@ -290,19 +290,21 @@ def _activation_checkpoint_checks(config: JobConfig) -> list[tuple[bool, str]]:
 def _compile_checks(config: JobConfig) -> list[tuple[bool, str]]:
     p, c = config.parallelism, config.compile
     compiled_blocks = c.enable and "model" in c.components
+    ac = config.activation_checkpoint
+    whole_blocks = ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option != "op")
     return [
         (
-            not (compiled_blocks and p.tensor_parallel_degree > 1),
-            "--compile.enable with --parallelism.tensor_parallel_degree > 1 fails in backward "
-            "on torch 2.13 (a compiled block hands a plain-tensor gradient to a DTensor op; "
-            "scripts/repro_tp_compile.py); use --compile.components loss, or TP without compile",
+            not (compiled_blocks and p.tensor_parallel_degree > 1 and whole_blocks),
+            f"--activation_checkpoint.mode {ac.mode} (whole blocks) with --compile.enable and "
+            "--parallelism.tensor_parallel_degree > 1 fails on torch 2.13 (a compiled "
+            "checkpoint cannot save the TP mesh for backward); use --activation_checkpoint.mode "
+            "selective --activation_checkpoint.selective_ac_option op, or no compile",
         ),
         (
             not p.enable_async_tensor_parallel
             or (compiled_blocks and p.tensor_parallel_degree > 1),
             "--parallelism.enable_async_tensor_parallel needs --parallelism.tensor_parallel_degree"
-            " > 1 and --compile.enable (inductor performs the overlap), and compiled TP blocks "
-            "are refused on torch 2.13: remove the flag",
+            " > 1 and --compile.enable (inductor performs the overlap): add both or remove it",
         ),
     ]
 

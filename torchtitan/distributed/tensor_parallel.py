@@ -186,9 +186,14 @@ class _ReplicatedPartialGradFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: DTensor):
-        # Partial: this rank's contributions as they are. (A whole gradient would become an
-        # equal share per rank; no branch on the placement, which a compiled backward fixes.)
-        return grad.redistribute(grad.device_mesh, (Partial(),)).to_local(), None
+        # Partial: this rank's contributions as they are. A whole gradient (replicated) becomes
+        # an equal share per rank, by hand: compiled, redistributing to Partial is refused.
+        # (A compiled backward takes the placement traced in forward; either branch gives the
+        # same sum over the ranks.)
+        mesh = grad.device_mesh
+        if isinstance(grad.placements[0], Partial):
+            return grad.to_local(), None
+        return grad.redistribute(mesh, (Replicate(),)).to_local() / mesh.size(), None
 
 
 class PartialRowwiseParallel(RowwiseParallel):

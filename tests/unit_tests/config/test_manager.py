@@ -603,16 +603,14 @@ def test_loading_flags_without_checkpointing_are_an_error(argv: str) -> None:
     parse("--checkpoint.enable", *argv.split())
 
 
-def test_compiling_tensor_parallel_blocks_is_refused() -> None:
-    message = config_error("--compile.enable", "--parallelism.tensor_parallel_degree", "2")
-    assert message.startswith("--compile.enable with --parallelism.tensor_parallel_degree > 1")
-    parse(
-        "--compile.enable",
-        "--compile.components",
-        "loss",
-        "--parallelism.tensor_parallel_degree",
-        "2",
-    )
+def test_async_tensor_parallel_needs_compiled_tensor_parallel_blocks() -> None:
+    tp = ("--parallelism.tensor_parallel_degree", "2")
+    asynchronous = "--parallelism.enable_async_tensor_parallel"
+    message = config_error(*tp, asynchronous)
+    assert message.startswith(f"{asynchronous} needs --parallelism.tensor_parallel_degree > 1")
+    assert config_error(*tp, asynchronous, "--compile.enable", "--compile.components", "loss")
+    parse(*tp, asynchronous, "--compile.enable")
+    parse(*tp, "--compile.enable")  # compiled TP blocks: test_parallel_numerics.py
 
 
 # --- rules the pre-flight runs before any rank starts --------------------------------------

@@ -19,7 +19,11 @@ from torch.distributed.tensor.parallel import (
 
 from torchtitan.components.float8 import apply_float8, scalar_cpu_kernels
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.distributed.compile import apply_compile, apply_compile_around
+from torchtitan.distributed.compile import (
+    apply_compile,
+    apply_compile_around,
+    uncache_graphs_with_collectives,
+)
 from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.expert_parallel import apply_ep
 from torchtitan.distributed.fsdp import (
@@ -74,6 +78,8 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
         apply_ep(experts, dims.mesh("ep"), data_parallel_ranks=dims.ep_data_parallel)
     apply_ac(model.layers, context.activation_checkpoint)
     if context.compile.enable and "model" in context.compile.components:
+        if dims.tp_enabled or dims.cp_enabled:
+            uncache_graphs_with_collectives()
         # Routing has data-dependent shapes (rows per expert, the EP exchange): MoE blocks
         # compile their attention, norms, router and shared experts; the routed experts and
         # the dispatch between them run eager.
