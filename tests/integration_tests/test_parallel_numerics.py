@@ -232,12 +232,14 @@ CASES = {
         f"{MOE} --training.local_batch_size 8 --parallelism.tensor_parallel_degree 2 "
         "--parallelism.no_enable_sequence_parallel",
     ),
-    # Compiled around the routed experts (eager); the replicated router's input gradient
-    # counted 1 / tp by hand (compiled, redistributing to Partial is refused).
-    "moe_fsdp2_tp2_compile": (
+    # Compiled around the routed experts (eager), checkpointed per op; the shared experts'
+    # replicated input takes its gradient share by hand (compiled, redistributing to Partial
+    # is refused).
+    "moe_fsdp2_tp2_compile_ac_ops": (
         4,
         f"{MOE} --training.local_batch_size 4 --parallelism.tensor_parallel_degree 2 "
-        "--compile.enable",
+        "--compile.enable --activation_checkpoint.mode selective "
+        "--activation_checkpoint.selective_ac_option op",
     ),
     # The first stage holds only the dense block: it still joins the stages' metric gather.
     "moe_pp2": (

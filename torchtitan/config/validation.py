@@ -292,13 +292,16 @@ def _compile_checks(config: JobConfig) -> list[tuple[bool, str]]:
     compiled_blocks = c.enable and "model" in c.components
     ac = config.activation_checkpoint
     whole_blocks = ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option != "op")
+    checkpointing = f"--activation_checkpoint.mode {ac.mode}"
+    if ac.mode == "selective":
+        checkpointing += f" --activation_checkpoint.selective_ac_option {ac.selective_ac_option}"
     return [
         (
             not (compiled_blocks and p.tensor_parallel_degree > 1 and whole_blocks),
-            f"--activation_checkpoint.mode {ac.mode} (whole blocks) with --compile.enable and "
-            "--parallelism.tensor_parallel_degree > 1 fails on torch 2.13 (a compiled "
-            "checkpoint cannot save the TP mesh for backward); use --activation_checkpoint.mode "
-            "selective --activation_checkpoint.selective_ac_option op, or no compile",
+            f"{checkpointing} (whole blocks) with --compile.enable and "
+            "--parallelism.tensor_parallel_degree > 1 fails on torch 2.13; use "
+            "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option "
+            "op (per op), or drop --compile.enable",
         ),
         (
             not p.enable_async_tensor_parallel

@@ -11,57 +11,73 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from torchtitan.config.job_config import Compile
+from torchtitan.config.job_config import Compile, Parallelism
+from torchtitan.distributed.parallel_dims import ParallelDims
 
 
-def uncache_graphs_with_collectives() -> None:
-    """Turn off inductor's FX graph cache and AOTAutograd's cache for this process: for blocks
-    whose graphs hold collectives (TP, CP). Their cache keys miss the process group's name,
-    which depends on the layout: a graph cached by another layout's run named a group this one
-    lacks (torch 2.13: ``Could not resolve the process group registered under the name 15``
-    on ranks 2 and 3 of FSDP 2 x TP 2, after an EP 2 x TP 2 run compiled the same blocks).
-    Compiled kernels are still cached; each run traces its graphs again."""
-    import torch._functorch.config
-    import torch._inductor.config
-
-    torch._inductor.config.fx_graph_cache = False
-    torch._functorch.config.enable_autograd_cache = False
+def graphs_hold_collectives(dims: ParallelDims, parallelism: Parallelism) -> bool:
+    """Whether compiled blocks trace collectives: TP's, CP's ring, or the parameter gathers
+    of DTensor-parametrized FSDP (``--parallelism.fsdp_impl simple``)."""
+    simple_fsdp = parallelism.fsdp_impl == "simple"
+    return dims.tp_enabled or dims.cp_enabled or (simple_fsdp and dims.dp_enabled)
 
 
-def apply_compile(blocks: nn.ModuleDict, config: Compile) -> None:
-    """Replace each block of ``blocks`` with its compiled version (in place)."""
+def apply_compile(
+    blocks: nn.ModuleDict,
+    config: Compile,
+    *,
+    tensor_parallel: bool = False,
+    collectives: bool = False,
+) -> None:
+    """Replace each block of ``blocks`` with its compiled version (in place).
+
+    ``tensor_parallel``: the blocks run DTensor ops (see :func:`_copy_view_inputs`).
+    ``collectives``: the graphs hold collectives (TP, CP, DTensor-parametrized FSDP); see
+    :func:`_uncache_graphs`."""
+    if collectives:
+        _uncache_graphs()
     for name, block in list(blocks.items()):
-        blocks[name] = _compiled(block, config)
+        blocks[name] = _compiled(block, config, tensor_parallel)
 
 
 def apply_compile_around(
-    module: nn.Module, config: Compile, *, eager: Callable[[nn.Module], bool]
+    module: nn.Module,
+    config: Compile,
+    *,
+    eager: Callable[[nn.Module], bool],
+    tensor_parallel: bool = False,
+    collectives: bool = False,
 ) -> None:
     """Compile each child of ``module`` whole (in place), except where ``eager(child)``: such
     a child runs eager and its own children are compiled the same way. An activation
     checkpointing wrapper is looked through (its recomputation then replays the compiled
-    parts)."""
+    parts). ``tensor_parallel`` and ``collectives`` as for :func:`apply_compile`."""
+    if collectives:
+        _uncache_graphs()
     inner = getattr(module, "_checkpoint_wrapped_module", module)
     for name, child in list(inner.named_children()):
         if eager(child):
-            apply_compile_around(child, config, eager=eager)
+            apply_compile_around(child, config, eager=eager, tensor_parallel=tensor_parallel)
         elif any(True for _ in child.parameters()):
-            setattr(inner, name, _compiled(child, config))
+            setattr(inner, name, _compiled(child, config, tensor_parallel))
 
 
-def _compiled(module: nn.Module, config: Compile) -> nn.Module:
+def _compiled(module: nn.Module, config: Compile, tensor_parallel: bool) -> nn.Module:
     compiled = torch.compile(module, backend=config.backend, fullgraph=True)
-    compiled.register_forward_pre_hook(_copy_view_inputs, with_kwargs=True)
+    if tensor_parallel:
+        compiled.register_forward_pre_hook(_copy_view_inputs, with_kwargs=True)
     return compiled
 
 
 def _copy_view_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Give the compiled graph a copy of each input that is a view needing gradients (runs
-    eager, before the graph). Such an input is what ``DTensor.to_local`` returns (the first
-    block's input under tensor parallelism): AOTAutograd then rebuilds it from its base inside
-    the graph, and on torch 2.13 the gradient reaches the DTensor redistribution behind it as a
-    plain tensor (``'Tensor' object has no attribute '_local_tensor'``,
-    ``scripts/repro_tp_compile.py``). The copy costs one activation-sized copy per view."""
+    eager, before the graph). Under tensor parallelism the first block's input is what
+    ``DTensor.to_local`` returns, a view: AOTAutograd rebuilds it from its base inside the
+    graph, and on torch 2.13 its gradient then reaches the DTensor redistribution behind it as
+    a plain tensor (``'Tensor' object has no attribute '_local_tensor'``;
+    ``scripts/repro_tp_compile.py``). Costs one activation-sized copy per view per forward
+    (the first block's input; in MoE layers the flattened input of the router and shared
+    experts), and again in a recomputation."""
 
     def copy(x):
         if isinstance(x, torch.Tensor) and x.requires_grad and x._base is not None:
@@ -69,3 +85,19 @@ def _copy_view_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
         return x
 
     return tuple(copy(a) for a in args), {k: copy(v) for k, v in kwargs.items()}
+
+
+def _uncache_graphs() -> None:
+    """Turn off inductor's FX graph cache and AOTAutograd's cache, for the rest of this
+    process (torch's global config; never turned back on): the cache keys of graphs holding
+    collectives miss the process groups' names, which depend on the layout and on the groups
+    made before. A graph cached by another layout's run named a group this one lacks (torch
+    2.13: ``Could not resolve the process group registered under the name 15`` on ranks 2 and
+    3 of FSDP 2 x TP 2, in a launch after other layouts had compiled the same blocks; with
+    the caches off, or empty, it trained). Compiled kernels are still cached; each run traces
+    its graphs again."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False

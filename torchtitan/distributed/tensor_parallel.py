@@ -186,14 +186,16 @@ class _ReplicatedPartialGradFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: DTensor):
-        # Partial: this rank's contributions as they are. A whole gradient (replicated) becomes
-        # an equal share per rank, by hand: compiled, redistributing to Partial is refused.
-        # (A compiled backward takes the placement traced in forward; either branch gives the
-        # same sum over the ranks.)
-        mesh = grad.device_mesh
-        if isinstance(grad.placements[0], Partial):
+        # Partial sums: this rank's contributions as they are. A whole gradient (replicated)
+        # becomes an equal share per rank, by hand: compiled, redistributing to Partial is
+        # refused. (A compiled backward takes the placement traced in forward; either branch
+        # gives the same sum over the ranks.)
+        mesh, placement = grad.device_mesh, grad.placements[0]
+        if isinstance(placement, Partial):
+            if placement.reduce_op != "sum":
+                raise ValueError(f"a gradient that is {placement} cannot be a partial sum")
             return grad.to_local(), None
-        return grad.redistribute(mesh, (Replicate(),)).to_local() / mesh.size(), None
+        return grad.redistribute(mesh, (Replicate(),)).to_local() / mesh.size(0), None
 
 
 class PartialRowwiseParallel(RowwiseParallel):

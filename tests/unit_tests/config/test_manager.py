@@ -613,6 +613,26 @@ def test_async_tensor_parallel_needs_compiled_tensor_parallel_blocks() -> None:
     parse(*tp, "--compile.enable")  # compiled TP blocks: test_parallel_numerics.py
 
 
+@pytest.mark.parametrize(
+    "checkpointing",
+    ["--activation_checkpoint.mode full", "--activation_checkpoint.mode selective"],
+)
+def test_whole_block_checkpointing_of_compiled_tensor_parallel_blocks_is_refused(
+    checkpointing: str,
+) -> None:
+    argv = [*checkpointing.split(), "--compile.enable", "--parallelism.tensor_parallel_degree"]
+    message = config_error(*argv, "2")
+    assert message.startswith(f"{checkpointing}")  # with its block interval when selective
+    assert (
+        "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op"
+        in message
+    )
+    assert "\n" not in message
+    parse(*argv, "1")
+    per_op = ["--activation_checkpoint.mode", "selective"]
+    parse(*per_op, "--activation_checkpoint.selective_ac_option", "op", *argv[2:], "2")
+
+
 # --- rules the pre-flight runs before any rank starts --------------------------------------
 
 

@@ -22,7 +22,7 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import (
     apply_compile,
     apply_compile_around,
-    uncache_graphs_with_collectives,
+    graphs_hold_collectives,
 )
 from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.expert_parallel import apply_ep
@@ -40,6 +40,7 @@ from torchtitan.distributed.tensor_parallel import (
     ShardParameters,
     SumGradients,
     apply_tp_embedding_and_output,
+    enable_async_tp,
 )
 from torchtitan.models.common.moe import GroupedExperts, MoE
 from torchtitan.models.spec import ParallelizeContext
@@ -63,6 +64,8 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
             sequence_parallel=parallelism.enable_sequence_parallel,
             split_tokens=dims.ep_enabled,
         )
+        if parallelism.enable_async_tensor_parallel:
+            enable_async_tp(dims.mesh("tp"))
     if dims.cp_enabled:
         cp_mesh = dims.mesh("cp")
         apply_cp(
@@ -78,18 +81,23 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
         apply_ep(experts, dims.mesh("ep"), data_parallel_ranks=dims.ep_data_parallel)
     apply_ac(model.layers, context.activation_checkpoint)
     if context.compile.enable and "model" in context.compile.components:
-        if dims.tp_enabled or dims.cp_enabled:
-            uncache_graphs_with_collectives()
+        tp, collectives = dims.tp_enabled, graphs_hold_collectives(dims, parallelism)
         # Routing has data-dependent shapes (rows per expert, the EP exchange): MoE blocks
         # compile their attention, norms, router and shared experts; the routed experts and
         # the dispatch between them run eager.
         dense = nn.ModuleDict({n: b for n, b in model.layers.items() if not _is_moe(b)})
-        apply_compile(dense, context.compile)
+        apply_compile(dense, context.compile, tensor_parallel=tp, collectives=collectives)
         for name, block in model.layers.items():
             if name in dense:
                 model.layers[name] = dense[name]
             else:
-                apply_compile_around(block, context.compile, eager=_moe_or_experts)
+                apply_compile_around(
+                    block,
+                    context.compile,
+                    eager=_moe_or_experts,
+                    tensor_parallel=tp,
+                    collectives=collectives,
+                )
     if not dims.meshes_built:
         return model
     training = context.training

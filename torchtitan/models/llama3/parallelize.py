@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
 from torchtitan.components import float8
 from torchtitan.components.float8 import tp_style
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.distributed.compile import apply_compile, uncache_graphs_with_collectives
+from torchtitan.distributed.compile import apply_compile, graphs_hold_collectives
 from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.fsdp import apply_fsdp, apply_replicate, mixed_precision_policy
 from torchtitan.distributed.simple_fsdp import apply_simple_fsdp_over
@@ -65,9 +65,12 @@ def parallelize_llama3(model: nn.Module, context: ParallelizeContext) -> nn.Modu
         )
     apply_ac(model.layers, context.activation_checkpoint)
     if compile.enable and "model" in compile.components:
-        if dims.tp_enabled or dims.cp_enabled:
-            uncache_graphs_with_collectives()
-        apply_compile(model.layers, compile)
+        apply_compile(
+            model.layers,
+            compile,
+            tensor_parallel=dims.tp_enabled,
+            collectives=graphs_hold_collectives(dims, parallelism),
+        )
     if not dims.meshes_built:
         return model
     training = context.training
