@@ -20,6 +20,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.models.spec import get_model_spec
 from torchtitan.tools import memory_estimate
 from torchtitan.tools.logging import logger
+from torchtitan.tools.versions import torch_version
 from torchtitan.trainer import Trainer
 
 REAL_STEP_FLOPS = 1e12
@@ -220,7 +221,7 @@ def estimate_pipeline_memory(trainer: Trainer) -> memory_estimate.MemoryEstimate
 def run(trainer: Trainer) -> None:
     """Banner, memory estimate, then ``--comm.dry_run_steps`` steps."""
     logger.warning(banner(trainer))
-    if _torch_before(2, 13):
+    if torch_version() < (2, 13):
         # Measured: llama3_405b at TP 8 estimated 1.5 TB of activations on torch 2.11 against
         # 13 GiB on 2.13 (torch's fake-tensor memory tracker changed in between).
         logger.warning(
@@ -285,11 +286,6 @@ def _report_pipeline(trainer: Trainer) -> None:
 
 def _schedule_name(p) -> str:
     return p.pipeline_parallel_schedule_csv or p.pipeline_parallel_schedule
-
-
-def _torch_before(major: int, minor: int) -> bool:
-    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    return version < (major, minor)
 
 
 def _advice(config: JobConfig) -> str:

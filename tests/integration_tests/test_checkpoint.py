@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from torchtitan.components import checkpoint
+from torchtitan.components import checkpoint, checkpoint_writer
 from torchtitan.components.checkpoint import complete_checkpoints
 from torchtitan.train import main
 
@@ -222,7 +222,7 @@ def test_background_staging_is_joined_before_the_optimizer_step(
             use_async_staging=True,
             use_non_blocking_copy=False,
         )
-        stagers.append(_SlowStager(options))
+        stagers.append(checkpoint_writer.reusable(_SlowStager(options)))
         return stagers[-1]
 
     monkeypatch.setattr(checkpoint, "stager_for", stager)

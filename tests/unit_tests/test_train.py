@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from torchtitan.batch_runner import autocast_context
+from torchtitan.components import float8
 from torchtitan.config.manager import parse_args
 from torchtitan.train import main
 from torchtitan.trainer import Trainer
@@ -155,6 +156,8 @@ def test_float8_trains_like_high_precision(tmp_path, recipe):
     base = ["--training.steps", "20", "--lr_scheduler.warmup_steps", "5"]
     plain, _ = _run(tmp_path / "plain", *base)
     flags = ["--float8.enable", "--float8.recipe_name", recipe]
+    if recipe != "tensorwise" and not float8.cpu_takes_row_scales():
+        flags.append("--float8.emulate")  # torch 2.11's CPU matmul refuses row-wise scales
     records, trainer = _run(tmp_path / recipe, *base, *flags)
     model = trainer.model_parts[0]
     assert type(model.layers["0"].attention.wq).__name__ == "Float8Linear"

@@ -43,9 +43,16 @@ def stager_for(async_mode: str, device_type: str) -> DefaultStager | None:
             use_non_blocking_copy=pinned,
         )
     )
-    # torch 2.11 closes the inner state-dict stager after every stage: its buffers are freed
-    # (no reuse) and its copier table emptied, so the next save fails with KeyError. Keep it
-    # open until close_stager (torch 2.13 does not close it per stage: no change there).
+    return reusable(stager)
+
+
+def reusable(stager: DefaultStager) -> DefaultStager:
+    """``stager``, able to stage more than once on every torch we support.
+
+    torch 2.11 closes the inner state-dict stager after every stage: its buffers are freed (no
+    reuse) and its copier table emptied, so the next stage fails with ``KeyError: <class
+    'type'>``. This keeps it open until :func:`close_stager` (torch 2.13 does not close it per
+    stage: no change there)."""
     inner = getattr(stager, "_state_dict_stager", None)
     if inner is not None:
         stager._titan_close_inner = inner.close

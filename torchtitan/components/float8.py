@@ -27,11 +27,26 @@ from torch import nn
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Float8 as Float8Config
+from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
+from torchtitan.tools.versions import torch_version
 
 ALIGNMENT = 16
 """CUDA's float8 matmul needs both dims of a weight divisible by 16 (CPU does not; the same
 filter keeps runs comparable across devices)."""
+
+
+@functools.cache
+def cpu_takes_row_scales() -> bool:
+    """Whether this torch's CPU ``_scaled_mm`` takes row-wise scales (torch 2.13 does; 2.11
+    asserts that both scales are single numbers)."""
+    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn, device="cpu")
+    rows, columns = torch.ones(16, 1, device="cpu"), torch.ones(1, 16, device="cpu")
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=rows, scale_b=columns, out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
 
 
 def apply_float8(model: nn.Module, config: Float8Config, *, autocast: bool) -> None:
@@ -53,6 +68,18 @@ def apply_float8(model: nn.Module, config: Float8Config, *, autocast: bool) -> N
                 f"--float8.enable needs a GPU of compute capability 8.9+ (this one: "
                 f"{major}.{minor}); pass --float8.emulate to check the numerics without speed"
             )
+    if (
+        config.recipe_name != "tensorwise"
+        and not config.emulate
+        and not torch.cuda.is_available()
+        and not dist_utils.fake_collectives()  # a dry run estimates for GPUs too
+        and not cpu_takes_row_scales()
+    ):
+        raise ConfigError(
+            f"--float8.recipe_name {config.recipe_name}: torch {torch.__version__}'s CPU float8 "
+            "matmul takes per-tensor scales only (row-wise needs torch >= 2.13 on CPU, or a "
+            "GPU); use --float8.recipe_name tensorwise, or --float8.emulate for the numerics"
+        )
     if config.recipe_name == "rowwise_with_gw_hp" and autocast:
         raise ConfigError(
             "--float8.recipe_name rowwise_with_gw_hp fails under bf16 autocast in torchao "
@@ -87,8 +114,7 @@ def scalar_cpu_kernels() -> None:
     wk, wv and w3 of every Llama 3 block from step 1; float32, eager, ``aot_eager``, torch
     2.11 and CUDA are fine; ``tests/unit_tests/components/test_float8.py`` has the smallest
     case). Slower, and float8 on CPU checks numerics, not speed."""
-    version = tuple(int(p) for p in torch.__version__.split(".")[:2])
-    if torch.cuda.is_available() or version < (2, 12):
+    if torch.cuda.is_available() or torch_version() < (2, 12):
         return
     import torch._inductor.config as inductor
 

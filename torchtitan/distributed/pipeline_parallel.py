@@ -17,6 +17,7 @@ import inspect
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
@@ -31,6 +32,20 @@ from torch.distributed.tensor import DTensor, Shard
 from torchtitan.distributed.pipeline_split import check_module_names
 
 _STATIC_GRADS = "input_grads" in inspect.signature(PipelineStage.__init__).parameters
+
+
+class _Stage(PipelineStage):
+    """A ``PipelineStage`` whose first step does not pair a rank with itself.
+
+    Before the first step a schedule sends a dummy tensor to each stage's neighbours to open
+    the connections. Where two neighbouring stages sit on one rank (V-shaped schedules:
+    ZBVZeroBubble, DualPipeV) that is a send to itself, which torch 2.11's gloo refuses
+    ("Pair is not connected"); those stages hand activations over in memory, so there is
+    nothing to open."""
+
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        ops = super()._get_init_p2p_neighbors_ops()
+        return [op for op in ops if op.group_peer != self.group_rank]
 
 
 def cut_model(model: nn.Module, names: Sequence[str]) -> nn.Module:
@@ -116,7 +131,7 @@ def build_stages(
                     output_grads=(None if last else output,),
                 )
             stages.append(
-                PipelineStage(
+                _Stage(
                     part,
                     index,
                     num_stages,

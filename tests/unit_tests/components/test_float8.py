@@ -15,8 +15,10 @@ from torch.distributed.tensor.parallel import (
 )
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+from torchtitan.components import float8
 from torchtitan.components.float8 import (
     after_sharding,
+    apply_float8,
     float8_gathered,
     is_float8,
     scalar_cpu_kernels,
@@ -27,6 +29,7 @@ from torchtitan.components.float8 import (
 from torchtitan.components.optimizer import Optimizers
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Float8 as Float8Config
+from torchtitan.tools.versions import torch_version
 
 
 def test_filter_keeps_named_and_unaligned_linears_in_high_precision():
@@ -207,8 +210,7 @@ def test_compiled_float8_in_bf16_on_cpu_keeps_finite_weight_gradients():
     torch._dynamo.reset()
     try:
         scalar_cpu_kernels()
-        version = tuple(int(p) for p in torch.__version__.split(".")[:2])
-        assert inductor.cpp.simdlen == (0 if version >= (2, 12) else None)
+        assert inductor.cpp.simdlen == (0 if torch_version() >= (2, 12) else None)
         torch.manual_seed(0)
         model, reference = _SharedInput(), _SharedInput()
         reference.load_state_dict(model.state_dict())
@@ -225,3 +227,25 @@ def test_compiled_float8_in_bf16_on_cpu_keeps_finite_weight_gradients():
         expected = getattr(reference, name).weight.grad
         assert torch.isfinite(grad).all(), name
         assert (grad - expected).norm() / expected.norm() < 0.05, name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's float8 matmul")
+def test_row_wise_recipes_are_refused_where_the_cpu_matmul_takes_tensor_scales_only(monkeypatch):
+    """torch 2.11's CPU ``_scaled_mm`` asserts that both scales are single numbers: the
+    row-wise recipes are refused in one line there (emulated they run); 2.13 takes them."""
+    monkeypatch.setattr(float8, "cpu_takes_row_scales", lambda: False)
+    model = nn.Sequential(nn.Linear(32, 32, bias=False))
+    for recipe in ("rowwise", "rowwise_with_gw_hp"):
+        with pytest.raises(ConfigError, match=f"recipe_name {recipe}: torch .* per-tensor scales"):
+            apply_float8(model, Float8Config(recipe_name=recipe), autocast=False)
+    apply_float8(model, Float8Config(recipe_name="tensorwise"), autocast=False)
+    emulated = nn.Sequential(nn.Linear(32, 32, bias=False))
+    apply_float8(emulated, Float8Config(recipe_name="rowwise", emulate=True), autocast=False)
+    assert is_float8(emulated[0])
+
+
+def test_the_row_scale_probe_answers_for_this_torch():
+    if torch_version() >= (2, 13):
+        assert float8.cpu_takes_row_scales()
+    elif torch_version() < (2, 12):
+        assert not float8.cpu_takes_row_scales()
