@@ -15,6 +15,10 @@ slowest rank). Balanced, the CPU seconds should be even.
 and CP 4 (with and without load balancing) through ``run_train.sh``: total tokens/s (median
 of the steps after warm-up) and every rank's peak RSS. On a 2-core machine CP 4 runs 4 ranks
 on 2 cores: its speed says little, its memory is real.
+
+``--attn_mask block_causal``: per-document attention instead (K/V gathered on every rank, each
+rank's queries masked by their documents). The attention part packs documents of random
+lengths (exponential, mean ``--doc_len``, seeded); the train part reads the bundled corpus.
 """
 
 import argparse
@@ -31,7 +35,20 @@ REPO = Path(__file__).resolve().parents[1]
 HEADS, KV_HEADS, HEAD_DIM = 16, 8, 16
 
 
-def attention_rank(seq_len: int, repeats: int, out: str) -> None:
+def packed_documents(seq_len: int, doc_len: int):
+    """``[1, seq_len]`` document numbers of documents with exponential lengths (mean
+    ``doc_len``), the same on every rank."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    lengths = []
+    while sum(lengths) < seq_len:
+        lengths.append(max(1, int(torch.empty(1).exponential_(1 / doc_len, generator=g))))
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return ids[:seq_len].unsqueeze(0)
+
+
+def attention_rank(seq_len: int, repeats: int, out: str, attn_mask: str, doc_len: int) -> None:
     """One rank of the attention part (run under torchrun)."""
     import torch
     import torch.distributed as dist
@@ -43,10 +60,18 @@ def attention_rank(seq_len: int, repeats: int, out: str) -> None:
     dist.init_process_group("gloo")
     cp = dist.get_world_size()
     mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+    block_causal = attn_mask == "block_causal"
+    documents = (packed_documents(seq_len, doc_len),) if block_causal else ()
     rows = []
     for balance in (True, False):
         module = ScaledDotProductAttention()
-        context_parallel.apply_cp([module], mesh, rotate_method="allgather", load_balance=balance)
+        context_parallel.apply_cp(
+            [module],
+            mesh,
+            rotate_method="allgather",
+            load_balance=balance,
+            block_causal=block_causal,
+        )
         local = seq_len // cp
         q = torch.randn(1, HEADS, local, HEAD_DIM, requires_grad=True)
         k, v = (torch.randn(1, KV_HEADS, local, HEAD_DIM, requires_grad=True) for _ in "kv")
@@ -54,7 +79,7 @@ def attention_rank(seq_len: int, repeats: int, out: str) -> None:
         for _ in range(repeats + 1):  # the first is a warm-up
             dist.barrier()
             wall, cpu = time.perf_counter(), time.process_time()
-            module(q, k, v).sum().backward()
+            module(q, k, v, *documents).sum().backward()
             times.append((time.process_time() - cpu, time.perf_counter() - wall))
         cpu_s = statistics.median(t[0] for t in times[1:])
         wall_s = statistics.median(t[1] for t in times[1:])
@@ -67,7 +92,9 @@ def attention_rank(seq_len: int, repeats: int, out: str) -> None:
 
 
 def attention_part(args: argparse.Namespace) -> None:
-    print(f"\nring attention forward + backward, one sequence of {args.seq_len}, per rank")
+    what = "ring attention" if args.attn_mask == "causal" else "gathered block-causal attention"
+    docs = f" (documents of mean length {args.doc_len})" if args.attn_mask != "causal" else ""
+    print(f"\n{what} forward + backward, one sequence of {args.seq_len}{docs}, per rank")
     print(f"{'cp':>3} {'balanced':>9} {'CPU s per rank':>32} {'wall s':>8}")
     for cp in (2, 4):
         with tempfile.TemporaryDirectory() as tmp:
@@ -75,8 +102,11 @@ def attention_part(args: argparse.Namespace) -> None:
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cp}"]
             cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", __file__]
             cmd += ["--part", "attention_rank", "--seq_len", str(args.seq_len), "--out", str(out)]
+            cmd += ["--attn_mask", args.attn_mask, "--doc_len", str(args.doc_len)]
             env = os.environ | {"OMP_NUM_THREADS": "1"}
-            subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, text=True)
+            result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+            if result.returncode != 0:
+                sys.exit(f"cp {cp} failed:\n{result.stderr[-3000:]}")
             per_rank = json.loads(out.read_text())
         for i, balanced in enumerate((True, False)):
             cpu = "  ".join(f"{rank[i]['cpu_s']:6.2f}" for rank in per_rank)
@@ -108,7 +138,10 @@ LAYOUTS = {
 
 
 def train_part(args: argparse.Namespace) -> None:
-    print(f"\ndebug model, 1 sequence of {args.seq_len} per step, {args.dtype}, {args.steps} steps")
+    print(
+        f"\ndebug model, 1 sequence of {args.seq_len} per step, {args.dtype}, {args.steps} "
+        f"steps, {args.attn_mask} attention"
+    )
     print(f"{'layout':>16} {'tok/s total':>12} {'peak RSS GiB per rank':>28} {'loss':>8}")
     for name, (ranks, flags) in LAYOUTS.items():
         with tempfile.TemporaryDirectory() as dump:
@@ -118,6 +151,7 @@ def train_part(args: argparse.Namespace) -> None:
                 "--training.seq_len", str(args.seq_len),
                 "--training.local_batch_size", "1",
                 "--training.mixed_precision_param", args.dtype,
+                "--model.attn_mask", args.attn_mask,
                 "--debug.seed", "0",
                 "--metrics.log_freq", "1",
                 "--metrics.save_for_all_ranks",
@@ -147,11 +181,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--attn_mask", choices=["causal", "block_causal"], default="causal")
+    parser.add_argument("--doc_len", type=int, default=1024, help="attention part, block_causal")
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.part == "attention_rank":
-        attention_rank(args.seq_len, args.repeats, args.out)
-        return
+        attention_rank(args.seq_len, args.repeats, args.out, args.attn_mask, args.doc_len)
+        sys.stdout.flush()
+        # Interpreter teardown with gloo's threads aborts now and then on torch 2.13's CPU
+        # build ("terminate called without an active exception"); the trainer exits so too.
+        os._exit(0)
     print(f"{os.cpu_count()} CPUs")
     if args.part in ("all", "attention"):
         attention_part(args)

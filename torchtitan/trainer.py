@@ -149,7 +149,7 @@ class Trainer:
         self.dp_rank = dims.mesh("dp").get_local_rank() if dims.meshes_built else 0
         logger.info(f"{dims} on {self.device}, gradient accumulation {self.grad_accum_steps}")
         if dims.cp_enabled:
-            context_parallel.log_layout(config.parallelism, t.seq_len)
+            context_parallel.log_layout(config.parallelism, t.seq_len, config.model.attn_mask)
         self.seed = dist_utils.shared_seed(config.debug.seed, self.parallel_dims.meshes_built)
         # Pipeline stages draw distinct random numbers (reproducibly); the initial weights
         # still come from ``self.seed`` alone (init_weights).

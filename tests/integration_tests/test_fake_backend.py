@@ -8,9 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from torchtitan.tools.versions import torch_version
 
 REPO = Path(__file__).resolve().parents[2]
 GiB = 2**30
+# The activation estimate is checked on torch >= 2.13 only: torch 2.11's fake-tensor memory
+# tracker counts far more (the dry run says so in a warning).
+ACTIVATIONS_CHECKED = torch_version() >= (2, 13)
 
 pytestmark = pytest.mark.integration
 
@@ -115,6 +121,11 @@ def test_memory_extrapolated_from_two_blocks_matches_a_full_depth_step(tmp_path)
         "tp2": [*tp2, "--activation_checkpoint.mode", "none"],
         "tp2_ac_full": [*tp2, "--activation_checkpoint.mode", "full"],
         "cp4": ["--parallelism.context_parallel_degree", "4", "--training.seq_len", "512"],
+        # Block-causal: each block gathers the whole sequence's K/V and masks its queries.
+        "cp4_block_causal": [
+            *("--parallelism.context_parallel_degree", "4", "--training.seq_len", "512"),
+            *("--model.attn_mask", "block_causal"),
+        ],
     }
     for layout, extra in layouts.items():
         result = subprocess.run(
@@ -152,7 +163,10 @@ def test_pipelined_405b_builds_its_stages_on_one_cpu_process(tmp_path):
     # input, sequence-sharded over TP: 8192 x 16384 bf16 / 8 = 32 MiB per block; the logits
     # and loss of the output come on top (vocab-sharded).
     assert "in flight at once under 1F1B with 8 micro-batches of 1" in out
-    assert 15 * 32 / 1024 < _gib(out, "Activation") < 16
+    if ACTIVATIONS_CHECKED:
+        assert 15 * 32 / 1024 < _gib(out, "Activation") < 16
+    else:
+        assert "activation estimate below is checked on torch >= 2.13 only" in out
     assert re.search(r"fits a 80 GiB device|does NOT fit a 80 GiB device", out)
 
 
@@ -160,6 +174,8 @@ def test_pipeline_memory_estimate_matches_a_real_runs_memory_timeline(tmp_path):
     """The dry-run estimate of a pipeline rank (probes of 1 and 2 blocks x the micro-batches
     1F1B holds in flight) against the CPU memory timeline of a real PP 2 run's step 2:
     activations and the whole peak within 15% on both ranks (measured: 1-9%)."""
+    if not ACTIVATIONS_CHECKED:
+        pytest.skip(f"the activation estimate is checked on torch >= 2.13 ({torch.__version__})")
     from launch import run_train
     from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, Category
 

@@ -110,10 +110,12 @@ def validate_context_parallel(config: JobConfig, spec: ModelSpec) -> None:
             f"{flag}: model {spec.name} does not support context parallelism (its "
             "ModelSpec.forward_keywords has no positions); use degree 1"
         )
-    if config.model.attn_mask != "causal":
+    if config.model.attn_mask == "block_causal" and p.context_parallel_rotate_method != "allgather":
         raise ConfigError(
-            f"{flag} runs plain causal attention only (ring attention over a block-causal mask "
-            f"is not built yet); pass --model.attn_mask causal with it"
+            f"--parallelism.context_parallel_rotate_method={p.context_parallel_rotate_method} "
+            f"with --model.attn_mask block_causal: block-causal attention under context "
+            f"parallelism gathers every rank's keys and values at once; pass "
+            f"--parallelism.context_parallel_rotate_method allgather"
         )
     chunks = 2 * cp if p.context_parallel_load_balance else cp
     if t.seq_len % chunks:

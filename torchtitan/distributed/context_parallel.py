@@ -1,5 +1,6 @@
 """Context parallelism (CP): every sequence split over the ``cp`` ranks, attention still exact
-over the whole causal sequence (ring attention).
+over the whole causal sequence (ring attention), or over each token's own document
+(block-causal attention: keys and values gathered).
 
 Who does what:
 
@@ -18,14 +19,16 @@ Who does what:
   attention (``torch.distributed.tensor.experimental``). Each rank keeps its queries; the K/V
   shards travel (``allgather``: gathered once; ``alltoall``: passed on shard by shard, less
   memory) and the partial results merge by their log-sum-exp. Gradients of K/V travel back
-  the same way.
+  the same way. Block-causal attention instead gathers the whole sequence's K/V on every rank
+  (:func:`gather_keys_and_values`); the document numbers of the whole sequence stay on every
+  rank.
 - Everything else is per token (projections, MLPs, norms, the loss): it runs on the local share
   unchanged. FSDP shards the parameters over ``dp_shard x cp`` and gradients are averaged over
   the same ranks; the loss is averaged over ``dp_cp`` (``ParallelDims``).
 - On CPU, :mod:`context_parallel_cpu` gives torch's ring attention the CPU kernel it lacks.
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -37,11 +40,13 @@ from torchtitan.tools.logging import logger
 ROTATE_METHODS = ("allgather", "alltoall")
 
 
-def sequence_order(seq_len: int, cp: int, load_balance: bool) -> torch.Tensor:
+def sequence_order(
+    seq_len: int, cp: int, load_balance: bool, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """The positions ``0..seq_len-1`` in the order the ``cp`` ranks hold them: rank r holds
     entries ``[r * seq_len / cp, (r + 1) * seq_len / cp)``. Load-balanced: chunks r and
     ``2cp-1-r`` of ``2 x cp`` equal chunks (the layout torch's ring attention expects)."""
-    positions = torch.arange(seq_len)
+    positions = torch.arange(seq_len, device=device)
     if not load_balance:
         return positions
     chunks = positions.view(2 * cp, -1)
@@ -64,23 +69,46 @@ def shard_batch(
     load_balance: bool,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """This rank's share of a batch (every tensor ``[bs, seq]``): each input and the labels cut
-    along the sequence, plus ``positions [bs, seq / cp]`` for the model's RoPE."""
+    along the sequence, plus ``positions [bs, seq / cp]`` for the model's RoPE. The
+    ``document_ids`` of block-causal attention stay whole: each rank's queries see keys of the
+    whole sequence, and their documents."""
     positions = rank_positions(labels.shape[1], cp_mesh, load_balance)
-    local = {name: t.index_select(1, positions) for name, t in inputs.items()}
+    local = {
+        name: t if name == "document_ids" else t.index_select(1, positions)
+        for name, t in inputs.items()
+    }
     local["positions"] = positions.expand(labels.shape[0], -1)
     return local, labels.index_select(1, positions)
 
 
 def apply_cp(
-    modules: Iterable[nn.Module], cp_mesh: DeviceMesh, *, rotate_method: str, load_balance: bool
+    modules: Iterable[nn.Module],
+    cp_mesh: DeviceMesh,
+    *,
+    rotate_method: str,
+    load_balance: bool,
+    block_causal: bool = False,
 ) -> None:
-    """Make each module's scaled-dot-product attention ring attention over ``cp_mesh``.
+    """Make each module's scaled-dot-product attention exact over the sequence split on
+    ``cp_mesh``: ring attention, or for ``block_causal`` the gathered K/V.
 
     Each module takes ``(q, k, v)`` as ``[bs, heads, seq, head_dim]`` local shards (in the
     :func:`sequence_order` layout) and returns its attention output for the local queries; the
     product must be causal SDPA (``models/common/attention.py``). The rotate method and load
     balancing are process-wide settings of torch's ring attention.
+
+    ``block_causal``: the modules are ``models.common.attention.ScaledDotProductAttention``
+    taking the whole sequence's document numbers; their K/V are gathered instead
+    (:func:`gather_keys_and_values`).
     """
+    if block_causal:
+        if rotate_method != "allgather":
+            raise ValueError(f"block-causal attention gathers K/V: rotate_method {rotate_method!r}")
+        for module in modules:
+            module.register_forward_pre_hook(
+                gather_keys_and_values(cp_mesh, load_balance=load_balance), with_kwargs=True
+            )
+        return
     # Private torch API, the same in 2.11 and 2.13: the public context_parallel() context
     # shards buffers in place per call; hooks on the attention modules are its module form.
     from torch.distributed.tensor.experimental import _context_parallel as ring
@@ -104,15 +132,67 @@ def apply_cp(
         style._apply(module, cp_mesh)
 
 
-def log_layout(parallelism, seq_len: int) -> None:
+def gather_keys_and_values(cp_mesh: DeviceMesh, *, load_balance: bool) -> Callable:
+    """A forward pre-hook for block-causal attention under CP: the module's keys and values
+    ``[bs, kv_heads, seq / cp, head_dim]`` gathered from every rank into the whole sequence's
+    order, and the module told where its queries sit (``query_positions``).
+
+    Ring attention merges partial results of whole K/V shards, which a block-causal mask cuts
+    at document starts anywhere; gathered, each rank computes its queries' rows of the mask
+    exactly (one SDPA call per document run on CPU, FlexAttention on a GPU). The gather's
+    backward reduce-scatters the K/V gradients to their owners. Each rank holds the whole
+    sequence's K/V of a block until its backward (``2 x kv_heads x head_dim`` values per token
+    of the sequence), which activation checkpointing frees with the rest of the block.
+    """
+    import torch.distributed._functional_collectives as funcol
+
+    # Named *_single_autograd from torch 2.13 on; the *_tensor name is deprecated there.
+    all_gather = (
+        getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    )
+    group = cp_mesh.get_group()
+    cp = cp_mesh.size()
+    simulating = local_tensor.is_simulating()
+    rank = None if simulating else cp_mesh.get_local_rank()
+
+    def hook(module, args, kwargs):
+        q, k, v, *rest = args
+        # A few integer ops per block, not cached: a compiled block traces them (a cache would
+        # be state that activation checkpointing's recomputation may not mutate).
+        # Built on the device (a host-to-GPU copy would wait for the GPU every block).
+        seq, device = k.shape[2] * cp, k.device
+        order = sequence_order(seq, cp, load_balance, device=device)
+        to_sequence = torch.argsort(order) if load_balance else None
+        whole = []
+        for t in (k, v):
+            t = funcol.wait_tensor(all_gather(t.contiguous(), 2, group))
+            if to_sequence is not None:  # gathered rank after rank: back to the sequence's order
+                t = t.index_select(2, to_sequence)
+            whole.append(t)
+        if simulating:  # each simulated rank's own
+            positions = rank_positions(seq, cp_mesh, load_balance).to(device)
+        else:  # (rank_positions' per-rank dispatch would break a compiled block's guards)
+            positions = order.view(cp, -1)[rank]
+        query_positions = positions.expand(q.shape[0], -1)
+        return (q, *whole, *rest), kwargs | {"query_positions": query_positions}
+
+    return hook
+
+
+def log_layout(parallelism, seq_len: int, attn_mask: str = "causal") -> None:
     """One start-up line: tokens per rank, the K/V rotation, each rank's attention work."""
     p, cp = parallelism, parallelism.context_parallel_degree
     work = attention_work(seq_len, cp, p.context_parallel_load_balance)
+    how = (
+        f"rotated by {p.context_parallel_rotate_method}"
+        if attn_mask == "causal"
+        else "of the whole sequence gathered on every rank (block-causal)"
+    )
+    which = "" if attn_mask == "causal" else " where a window holds one document"
     logger.info(
-        f"Context parallel: {seq_len // cp} of {seq_len} tokens per rank, K/V rotated by "
-        f"{p.context_parallel_rotate_method}, load balancing "
-        f"{'on' if p.context_parallel_load_balance else 'off'}: attention work per rank "
-        + ", ".join(f"{w:.0%}" for w in work)
+        f"Context parallel: {seq_len // cp} of {seq_len} tokens per rank, K/V {how}, load "
+        f"balancing {'on' if p.context_parallel_load_balance else 'off'}: attention work per "
+        f"rank{which} " + ", ".join(f"{w:.0%}" for w in work)
     )
 
 

@@ -50,6 +50,8 @@ class ParallelizeContext:
     """
 
     parallel_dims: ParallelDims
+    attn_mask: str
+    """``--model.attn_mask``: ``causal`` or ``block_causal`` (context parallelism differs)."""
     training: Training
     parallelism: Parallelism
     activation_checkpoint: ActivationCheckpoint
@@ -60,6 +62,7 @@ class ParallelizeContext:
     def from_config(cls, config: JobConfig, parallel_dims: ParallelDims) -> "ParallelizeContext":
         return cls(
             parallel_dims=parallel_dims,
+            attn_mask=config.model.attn_mask,
             training=config.training,
             parallelism=config.parallelism,
             activation_checkpoint=config.activation_checkpoint,
@@ -103,7 +106,9 @@ class ModelSpec:
     ``positions`` (each token's place in its sequence, for RoPE: context parallelism needs it,
     with a ``parallelize`` that hooks the attention products by
     ``distributed.context_parallel.apply_cp``) and ``document_ids`` (each token's document in
-    its window: block-causal attention needs it)."""
+    its window: block-causal attention needs it; under context parallelism they cover the whole
+    window while the tokens and positions are the rank's share, and ``forward`` passes both to
+    ``models.common.attention.attention_documents``)."""
     state_dict_adapter: Callable[..., Any] | None = None
     """``state_dict_adapter(args)``: converts tensors to and from the Hugging Face layout
     (``models/llama3/state_dict_adapter.py``); ``None``: no HF import or export."""

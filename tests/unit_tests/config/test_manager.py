@@ -704,9 +704,12 @@ def test_whole_block_checkpointing_of_compiled_tensor_parallel_blocks_is_refused
         ),
         (
             "2",
-            "--parallelism.context_parallel_degree 2 --model.attn_mask block_causal",
-            "runs plain causal attention only (ring attention over a block-causal mask is not "
-            "built yet); pass --model.attn_mask causal",
+            "--parallelism.context_parallel_degree 2 --model.attn_mask block_causal "
+            "--parallelism.context_parallel_rotate_method alltoall",
+            "--parallelism.context_parallel_rotate_method=alltoall with --model.attn_mask "
+            "block_causal: block-causal attention under context parallelism gathers every "
+            "rank's keys and values at once; pass --parallelism.context_parallel_rotate_method "
+            "allgather",
         ),
         (
             None,

@@ -1,7 +1,9 @@
 """Context-parallel attention equals full causal attention: outputs and the gradients of q, k
 and v, on 2 and 4 real gloo ranks (torch's ring attention with the CPU kernels), both rotate
 methods, with and without load balancing; and the same under ``LocalTensorMode``, where the
-shim computes it by gathering K/V instead.
+shim computes it by gathering K/V instead. Block-causal attention (K/V gathered, each rank's
+queries masked by the whole sequence's documents) equals full block-causal attention the same
+ways.
 
 Run as a script under torchrun, this file is its own multi-rank harness.
 """
@@ -24,10 +26,14 @@ from torchtitan.models.common.attention import ScaledDotProductAttention
 
 SHAPE = dict(bs=2, heads=4, kv_heads=2, seq=32, head_dim=16)
 CASES = list(itertools.product((2, 4), ("allgather", "alltoall"), (True, False)))
+BLOCK_CAUSAL_CASES = list(itertools.product((2, 4), (True, False)))
 TOLERANCE = dict(rtol=1e-6, atol=1e-6)
+# Row 0: documents starting inside, at and across the chunks of cp 2 and 4 (8 or 4 tokens);
+# row 1: one document begun before the window, a second from the middle.
+DOCUMENTS = torch.tensor([[0] * 3 + [1] * 5 + [2] * 7 + [3] * 9 + [4] * 8, [0] * 13 + [1] * 19])
 
 
-def _full_attention(seed: int) -> dict[str, torch.Tensor]:
+def _full_attention(seed: int, block_causal: bool = False) -> dict[str, torch.Tensor]:
     """Inputs, output gradient, and the full attention's output and input gradients."""
     g = torch.Generator().manual_seed(seed)
     s = SHAPE
@@ -35,7 +41,10 @@ def _full_attention(seed: int) -> dict[str, torch.Tensor]:
     k, v = (torch.randn(s["bs"], s["kv_heads"], s["seq"], s["head_dim"], generator=g) for _ in "kv")
     grad_out = torch.randn(q.shape, generator=g)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+    if block_causal:
+        out = ScaledDotProductAttention()(*leaves, DOCUMENTS)
+    else:
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
     out.backward(grad_out)
     grads = [t.grad for t in leaves]
     return dict(
@@ -43,12 +52,18 @@ def _full_attention(seed: int) -> dict[str, torch.Tensor]:
     )
 
 
-def _cp_attention(mesh, full: dict, rotate_method: str, load_balance: bool) -> dict:
+def _cp_attention(
+    mesh, full: dict, rotate_method: str, load_balance: bool, block_causal: bool = False
+) -> dict:
     """This rank's output and input gradients from the context-parallel module, next to the
     full attention's values at the same positions."""
     module = ScaledDotProductAttention()
     context_parallel.apply_cp(
-        [module], mesh, rotate_method=rotate_method, load_balance=load_balance
+        [module],
+        mesh,
+        rotate_method=rotate_method,
+        load_balance=load_balance,
+        block_causal=block_causal,
     )
     positions = context_parallel.rank_positions(SHAPE["seq"], mesh, load_balance)
 
@@ -56,7 +71,7 @@ def _cp_attention(mesh, full: dict, rotate_method: str, load_balance: bool) -> d
         return t.index_select(2, positions)
 
     leaves = [mine(full[n]).detach().requires_grad_() for n in "qkv"]
-    out = module(*leaves)
+    out = module(*leaves, *((DOCUMENTS,) if block_causal else ()))
     out.backward(mine(full["grad_out"]))
     got = dict(out=out.detach(), dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
     want = {name: mine(full[name]) for name in got}
@@ -75,6 +90,12 @@ def _harness(out_file: str) -> None:
         full = _full_attention(seed=i)
         got, want = _cp_attention(meshes[cp], full, rotate, balance)
         errors[f"cp{cp}_{rotate}_{'balanced' if balance else 'contiguous'}"] = {
+            name: _mismatch(got[name], want[name]) for name in got
+        }
+    for i, (cp, balance) in enumerate(BLOCK_CAUSAL_CASES):
+        full = _full_attention(seed=100 + i, block_causal=True)
+        got, want = _cp_attention(meshes[cp], full, "allgather", balance, block_causal=True)
+        errors[f"cp{cp}_block_causal_{'balanced' if balance else 'contiguous'}"] = {
             name: _mismatch(got[name], want[name]) for name in got
         }
     gathered = [None] * world
@@ -113,16 +134,27 @@ def test_ring_attention_equals_full_attention(ring_results, cp, rotate, balance)
         assert errors[case] == dict(out=None, dq=None, dk=None, dv=None), (rank, case)
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("cp, balance", BLOCK_CAUSAL_CASES)
+def test_gathered_block_causal_attention_equals_full_block_causal_attention(
+    ring_results, cp, balance
+):
+    case = f"cp{cp}_block_causal_{'balanced' if balance else 'contiguous'}"
+    for rank, errors in enumerate(ring_results):
+        assert errors[case] == dict(out=None, dq=None, dk=None, dv=None), (rank, case)
+
+
 @pytest.mark.parametrize("cp", (2, 4))
 @pytest.mark.parametrize("balance", (True, False))
-def test_simulated_ring_attention_equals_full_attention(cp, balance):
+@pytest.mark.parametrize("block_causal", (False, True))
+def test_simulated_ring_attention_equals_full_attention(cp, balance, block_causal):
     """Every rank simulated in one process: the shim's gathered path, per simulated rank."""
     from torchtitan.distributed.local_tensor import local_tensor_mode, value_on_rank
 
-    full = _full_attention(seed=cp)
+    full = _full_attention(seed=cp, block_causal=block_causal)
     with local_tensor_mode(cp):
         mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
-        got, want = _cp_attention(mesh, full, "allgather", balance)
+        got, want = _cp_attention(mesh, full, "allgather", balance, block_causal)
         for rank in range(cp):
             for name in got:
                 torch.testing.assert_close(

@@ -9,6 +9,7 @@ import torch
 
 from torchtitan.components.dataloader import document_ids
 from torchtitan.components.loss import cross_entropy_sum
+from torchtitan.distributed.context_parallel import sequence_order
 from torchtitan.models.common.attention import (
     BlockMask,
     ScaledDotProductAttention,
@@ -168,7 +169,7 @@ def test_cuda_takes_a_flex_block_mask_equal_to_the_dense_mask():
         model = Transformer(args).cuda()
         model.init_weights()
         patch = unittest.mock.patch(
-            "torchtitan.models.llama3.model.attention_documents", side_effect=lambda d: d
+            "torchtitan.models.llama3.model.attention_documents", side_effect=lambda d, p: d
         )
         with contextlib.nullcontext() if flex else patch:
             logits = model(tokens, document_ids=documents)
@@ -216,3 +217,72 @@ def test_off_cuda_the_document_numbers_pass_through():
     documents = torch.tensor([[0, 0, 1, 1]])
     assert attention_documents(documents) is documents
     assert attention_documents(None) is None
+
+
+def _packed_attention_inputs(seq: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, seq, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, seq, 8, generator=g, requires_grad=True) for _ in "kv")
+    tokens = torch.randint(2, 128, (2, seq), generator=g)
+    tokens[0, [0, 5, 9, 10, 17, 30]] = BOS  # starts inside, at and across the chunks below
+    tokens[1, 13] = BOS  # row 1 begins inside a document that began before the window
+    return q, k, v, document_ids(tokens, BOS)
+
+
+@pytest.mark.parametrize("cp, load_balance", [(2, True), (4, True), (4, False)])
+def test_a_ranks_queries_at_their_positions_see_what_they_see_in_the_whole_sequence(
+    cp, load_balance
+):
+    """Context parallelism with block-causal attention: each rank attends the queries of its
+    tokens (the ring's head-tail chunks) to the whole sequence's keys. Their outputs are the
+    rows of whole-sequence attention at those positions, and the gradients summed over the
+    ranks are the whole-sequence gradients: through the per-document calls (eager CPU) and the
+    dense mask (compiled), and the flex block mask holds the same mask."""
+    seq = 32
+    q, k, v, documents = _packed_attention_inputs(seq, seed=4)
+    weights = torch.randn(2, 4, seq, 8, generator=torch.Generator().manual_seed(5))
+    attention = ScaledDotProductAttention()
+    whole = attention(q, k, v, documents)
+    want = torch.autograd.grad((whole * weights).sum(), (q, k, v))
+    order = sequence_order(seq, cp, load_balance).view(cp, -1)
+    compiled = torch.compile(attention, backend="inductor", fullgraph=True)
+    for run in (attention, compiled):
+        loss = 0
+        for positions in order:
+            where = positions.expand(2, -1)
+            out = run(q[:, :, positions], k, v, documents, query_positions=where)
+            torch.testing.assert_close(out, whole[:, :, positions], rtol=1e-5, atol=1e-5)
+            loss = loss + (out * weights[:, :, positions]).sum()
+        for got, expected in zip(torch.autograd.grad(loss, (q, k, v)), want, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    dense = block_causal_mask(documents)
+    for positions in order:
+        where = positions.expand(2, -1)
+        rows = block_causal_mask(documents, where)
+        assert rows.equal(dense[:, :, positions])
+        block_mask = block_causal_block_mask(documents, where)
+        b, h, i, j = torch.meshgrid(*(torch.arange(n) for n in rows.shape), indexing="ij")
+        assert block_mask.mask_mod(b, h, i, j).equal(rows)
+
+
+def test_flex_attention_of_a_ranks_queries_equals_the_whole_sequences_rows():
+    """What CUDA runs under context parallelism, run here on CPU (compiled FlexAttention): the
+    block mask built for a rank's queries (128-token tiles of its head and tail chunks against
+    the whole sequence) gives the rows of whole-sequence block-causal attention."""
+    g = torch.Generator().manual_seed(3)
+    seq = 512
+    tokens = torch.randint(2, 128, (2, seq), generator=g)
+    tokens[0, [0, 100, 300, 301]] = BOS
+    tokens[1, [0, 255, 256]] = BOS
+    documents = document_ids(tokens, BOS)
+    q = torch.randn(2, 4, seq, 16, generator=g)
+    k, v = (torch.randn(2, 2, seq, 16, generator=g) for _ in "kv")
+    whole = ScaledDotProductAttention()(q, k, v, documents)
+    for positions in sequence_order(seq, 2, True).view(2, -1):
+        where = positions.expand(2, -1)
+        block_mask = block_causal_block_mask(documents, where)
+        tiles = block_causal_mask(documents, where).view(2, 1, 2, 128, 4, 128).any(dim=(3, 5))
+        assert block_mask.to_dense().bool().equal(tiles)
+        attention = ScaledDotProductAttention()
+        out = attention(q[:, :, positions], k, v, block_mask)
+        torch.testing.assert_close(out, whole[:, :, positions], rtol=1e-5, atol=1e-5)

@@ -9,22 +9,37 @@ Two masks (``--model.attn_mask``): plain ``causal`` (every earlier token of the 
 ``block_causal`` over packed documents (only the earlier tokens of the same document). The
 batch runner gives the model each token's document number (``components.dataloader.
 document_ids``), which every block's attention takes.
+
+The queries may be a subset of the keys' positions (``query_positions``): under context
+parallelism with block-causal attention a rank attends its own tokens' queries to the keys and
+values of the whole sequence, gathered from every rank; the document numbers then cover the
+whole sequence.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from torchtitan.tools.logging import logger
 
 
-def block_causal_mask(documents: torch.Tensor) -> torch.Tensor:
+def block_causal_mask(
+    documents: torch.Tensor, query_positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[bs, 1, seq, seq]`` bool, True where query i may attend to key j: j <= i and both in
-    the same document (``documents [bs, seq]``: each token's document number)."""
+    the same document (``documents [bs, seq]``: each token's document number). With
+    ``query_positions [bs, q]`` the queries sit at those positions of the sequence:
+    ``[bs, 1, q, seq]``."""
     seq = documents.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
-    same = documents.unsqueeze(2) == documents.unsqueeze(1)
+    if query_positions is None:
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
+        same = documents.unsqueeze(2) == documents.unsqueeze(1)
+        return (same & causal).unsqueeze(1)
+    keys = torch.arange(seq, device=documents.device)
+    causal = keys[None, None, :] <= query_positions.unsqueeze(2)
+    same = documents.gather(1, query_positions).unsqueeze(2) == documents.unsqueeze(1)
     return (same & causal).unsqueeze(1)
 
 
@@ -62,12 +77,16 @@ class ScaledDotProductAttention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         documents: "torch.Tensor | BlockMask | None" = None,
+        query_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``query_positions [bs, q]``: where the queries sit in the keys' sequence when they
+        are fewer (ascending runs; ``documents`` then cover the keys' whole sequence, and a
+        ``BlockMask`` must have been built for these positions: :func:`attention_documents`)."""
         value_width = v.shape[-1]
         if value_width < q.shape[-1]:
-            v = F.pad(v, (0, q.shape[-1] - value_width))
-            return self._attend(q, k, v, documents)[..., :value_width]
-        return self._attend(q, k, v, documents)
+            v = _pad_last(v, q.shape[-1] - value_width)
+            return self._attend(q, k, v, documents, query_positions)[..., :value_width]
+        return self._attend(q, k, v, documents, query_positions)
 
     def _attend(
         self,
@@ -75,19 +94,24 @@ class ScaledDotProductAttention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         documents: "torch.Tensor | BlockMask | None",
+        query_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]
         if isinstance(documents, BlockMask):
             return _compiled("flex_attention", flex_attention)(
                 q, k, v, block_mask=documents, scale=self.scale, enable_gqa=gqa
             )
-        if documents is None:
+        if documents is None and query_positions is None:
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, enable_gqa=gqa, scale=self.scale
             )
-        if _eager_cpu(q, documents):
+        if documents is None:  # causal over the whole sequence: one document
+            documents = torch.zeros(k.shape[0], k.shape[2], dtype=torch.long, device=k.device)
+        if query_positions is not None and _eager_cpu(q, documents, query_positions):
+            return _per_document_queries(q, k, v, documents, query_positions, gqa, self.scale)
+        if query_positions is None and _eager_cpu(q, documents):
             return _per_document(q, k, v, documents, gqa, self.scale)
-        mask = block_causal_mask(documents)
+        mask = block_causal_mask(documents, query_positions)
         if gqa and q.device.type not in ("cpu", "meta"):
             repeats = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
@@ -97,32 +121,64 @@ class ScaledDotProductAttention(nn.Module):
         )
 
 
-def attention_documents(document_ids: torch.Tensor | None) -> "torch.Tensor | BlockMask | None":
+def _pad_last(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` with ``width`` zeros appended to its last dim. A DTensor (context parallelism's
+    sequence shards) is padded shard by shard: torch 2.11 turns a padded sequence-sharded
+    DTensor into a replicated one (the whole sequence on every rank), and ring attention's
+    CPU kernels then read values of the wrong length and corrupt the heap. torch 2.13 keeps
+    the shards either way."""
+    if isinstance(t, DTensor):
+        local = F.pad(t.to_local(), (0, width))
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False)
+    return F.pad(t, (0, width))
+
+
+def attention_documents(
+    document_ids: torch.Tensor | None, positions: torch.Tensor | None = None
+) -> "torch.Tensor | BlockMask | None":
     """What a model's blocks hand their attention for block-causal masking: on a GPU, a
     FlexAttention ``BlockMask`` built once per forward (outside compiled blocks), whose kernel
     skips the blocks of scores that the mask empties; elsewhere the document numbers as they
-    are (see :class:`ScaledDotProductAttention`). Called by a model's top-level ``forward``."""
+    are (see :class:`ScaledDotProductAttention`). Called by a model's top-level ``forward``
+    with the keywords it got.
+
+    ``positions [bs, local seq]`` (context parallelism): the model holds the tokens at those
+    positions while ``document_ids`` cover the whole sequence, whose keys its attention sees
+    (``distributed.context_parallel``); the mask is built for those queries."""
     if (
         document_ids is None
         or type(document_ids) is not torch.Tensor  # DTensors, simulated or fake ranks
         or document_ids.device.type != "cuda"
     ):
         return document_ids
-    return block_causal_block_mask(document_ids)
+    return block_causal_block_mask(document_ids, positions)
 
 
-def block_causal_block_mask(document_ids: torch.Tensor) -> BlockMask:
-    """FlexAttention's block-causal mask of ``document_ids [bs, seq]``, built by a compiled
+def block_causal_block_mask(
+    document_ids: torch.Tensor, query_positions: torch.Tensor | None = None
+) -> BlockMask:
+    """FlexAttention's block-causal mask of ``document_ids [bs, seq]`` (for queries at
+    ``query_positions [bs, q]`` when given, the same in every row), built by a compiled
     function: eager, it would first fill the whole ``[bs, 1, seq, seq]`` mask (about 15 bytes
     per entry with temporaries: 2 GiB at 2 x 8,192 tokens)."""
     bs, seq = document_ids.shape
+    if query_positions is None:
 
-    def same_document_causal(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+        def same_document_causal(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+
+        queries = seq
+    else:
+        where = query_positions[0]
+        queries = where.shape[0]
+
+        def same_document_causal(b, h, q_idx, kv_idx):
+            position = where[q_idx]
+            return (kv_idx <= position) & (document_ids[b, position] == document_ids[b, kv_idx])
 
     build = _compiled("create_block_mask", create_block_mask)
     try:
-        return build(same_document_causal, bs, None, seq, seq, device=document_ids.device)
+        return build(same_document_causal, bs, None, queries, seq, device=document_ids.device)
     except Exception as e:  # a compiler failure must not stop training: build it eagerly
         if build is create_block_mask:
             raise
@@ -132,7 +188,7 @@ def block_causal_block_mask(document_ids: torch.Tensor) -> BlockMask:
         )
         _COMPILED["create_block_mask"] = create_block_mask
         return create_block_mask(
-            same_document_causal, bs, None, seq, seq, device=document_ids.device
+            same_document_causal, bs, None, queries, seq, device=document_ids.device
         )
 
 
@@ -173,5 +229,112 @@ def _per_document(
                 F.scaled_dot_product_attention(*part, is_causal=True, enable_gqa=gqa, scale=scale)
             )
             start += n
+        rows.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
+    return torch.cat(rows)
+
+
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _attend_after_earlier_keys(
+    q: torch.Tensor,
+    k_earlier: torch.Tensor,
+    v_earlier: torch.Tensor,
+    k_own: torch.Tensor,
+    v_own: torch.Tensor,
+    scale: float | None,
+) -> torch.Tensor:
+    """Queries that see every earlier key and, causally, the keys at their own positions (a
+    causal mask aligned to the bottom right), on CPU without a mask: a masked SDPA call turns
+    its ``[q, k]`` mask into floats and keeps them for backward (about 400 MiB per rank over
+    the debug model's 6 blocks at 8,192 tokens under CP 2). Under autocast, in its dtype."""
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
+    tensors = (t.to(dtype) for t in (q, k_earlier, v_earlier, k_own, v_own))
+    with torch.autocast("cpu", enabled=False):
+        return _EarlierThenCausal.apply(*tensors, scale)
+
+
+class _EarlierThenCausal(torch.autograd.Function):
+    """Attention over two key sets, earlier keys (no mask) and the queries' own (causal),
+    merged by their log-sum-exp as ring attention merges its shards. Backward runs the fused
+    kernel's backward on each set with the merged output and log-sum-exp, which gives each
+    set's exact share of the gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k_earlier, v_earlier, k_own, v_own, scale):
+        out_earlier, lse_earlier = _CPU_FLASH(q, k_earlier, v_earlier, 0.0, False, scale=scale)
+        out_own, lse_own = _CPU_FLASH(q, k_own, v_own, 0.0, True, scale=scale)
+        lse = torch.logaddexp(lse_earlier, lse_own)
+        out = (
+            torch.exp(lse_earlier - lse).unsqueeze(-1) * out_earlier
+            + torch.exp(lse_own - lse).unsqueeze(-1) * out_own
+        ).to(q.dtype)
+        ctx.save_for_backward(q, k_earlier, v_earlier, k_own, v_own, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k_earlier, v_earlier, k_own, v_own, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        dq_earlier, dk_earlier, dv_earlier = _CPU_FLASH_BACKWARD(
+            grad_out, q, k_earlier, v_earlier, out, lse, 0.0, False, scale=ctx.scale
+        )
+        dq_own, dk_own, dv_own = _CPU_FLASH_BACKWARD(
+            grad_out, q, k_own, v_own, out, lse, 0.0, True, scale=ctx.scale
+        )
+        return dq_earlier + dq_own, dk_earlier, dv_earlier, dk_own, dv_own, None
+
+
+def _per_document_queries(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    documents: torch.Tensor,
+    query_positions: torch.Tensor,
+    gqa: bool,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Block-causal SDPA of queries at ``query_positions [bs, q]`` over the whole sequence's
+    keys: one call per run of queries that are consecutive and in one document, over the keys
+    from that document's start to the run's last query (a causal mask aligned to the run's
+    end where the run starts after its document does)."""
+    seq = documents.shape[1]
+    index = torch.arange(seq)
+    rows = []
+    for b in range(q.shape[0]):
+        row = documents[b]
+        new = torch.ones(seq, dtype=torch.bool)
+        new[1:] = row[1:] != row[:-1]
+        starts = torch.cummax(torch.where(new, index, 0), 0).values  # each token's doc start
+        positions = query_positions[b]
+        # A run ends before a query that does not follow its predecessor or is in another
+        # document: a few breaks per row, found without a Python loop over the queries.
+        breaks = torch.ones(len(positions) + 1, dtype=torch.bool)
+        breaks[1:-1] = (positions[1:] != positions[:-1] + 1) | (
+            starts[positions[1:]] != starts[positions[:-1]]
+        )
+        bounds = breaks.nonzero().flatten().tolist()
+        first_positions = positions[bounds[:-1]].tolist()
+        first_starts = starts[positions[bounds[:-1]]].tolist()
+        pieces = []
+        for first, last, begin, start in zip(
+            bounds[:-1], bounds[1:], first_positions, first_starts, strict=True
+        ):
+            end = begin + last - first
+            queries = q[b : b + 1, :, first:last]
+            keys, values = (t[b : b + 1, :, start:end] for t in (k, v))
+            if start == begin:  # the run starts its document: plain causal
+                out = F.scaled_dot_product_attention(
+                    queries, keys, values, is_causal=True, enable_gqa=gqa, scale=scale
+                )
+            else:  # earlier keys of its document all visible, then causal over its own
+                split = begin - start
+                out = _attend_after_earlier_keys(
+                    queries, keys[:, :, :split], values[:, :, :split],
+                    keys[:, :, split:], values[:, :, split:], scale,
+                )  # fmt: skip
+            pieces.append(out)
         rows.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
     return torch.cat(rows)

@@ -182,7 +182,7 @@ class Transformer(nn.Module):
         optional ``positions [bs, seq]`` and ``document_ids [bs, seq]``."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope_cis if positions is None else self.rope_cis[positions]
-        documents = attention_documents(document_ids)
+        documents = attention_documents(document_ids, positions)
         for layer in self.layers.values():
             h = layer(h, rope, documents)
         h = self.norm(h) if self.norm is not None else h

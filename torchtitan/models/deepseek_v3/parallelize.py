@@ -73,6 +73,7 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
             cp_mesh,
             rotate_method=parallelism.context_parallel_rotate_method,
             load_balance=parallelism.context_parallel_load_balance,
+            block_causal=context.attn_mask == "block_causal",
         )
         for block in model.layers.values():
             if block.moe_enabled:  # its sequence-wise balance loss sums over the CP shards

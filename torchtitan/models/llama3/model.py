@@ -158,10 +158,12 @@ class Transformer(nn.Module):
         ``positions [bs, seq]`` gives each token's place in its sequence where it is not its
         column (context parallelism hands a rank a load-balanced, non-contiguous share);
         ``document_ids [bs, seq]`` makes attention block-causal: a token sees only the earlier
-        tokens of its own document."""
+        tokens of its own document (with ``positions``, they cover the whole sequence: each
+        block's attention then sees the whole sequence's keys, gathered by context
+        parallelism)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope_cis if positions is None else self.rope_cis[positions]
-        documents = attention_documents(document_ids)
+        documents = attention_documents(document_ids, positions)
         for layer in self.layers.values():
             h = layer(h, rope, documents)
         h = self.norm(h) if self.norm is not None else h

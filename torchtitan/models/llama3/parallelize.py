@@ -62,6 +62,7 @@ def parallelize_llama3(model: nn.Module, context: ParallelizeContext) -> nn.Modu
             dims.mesh("cp"),
             rotate_method=parallelism.context_parallel_rotate_method,
             load_balance=parallelism.context_parallel_load_balance,
+            block_causal=context.attn_mask == "block_causal",
         )
     apply_ac(model.layers, context.activation_checkpoint)
     if compile.enable and "model" in compile.components:
