@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: setup train test lint clean
+.PHONY: setup train test test-torch2.11 lint clean
 
 setup: $(STAMP)
 
@@ -37,5 +37,18 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check torchtitan tests scripts benchmarks
 	$(VENV)/bin/ruff format --check torchtitan tests scripts benchmarks
 
+# The oldest torch we support (what the lent GPU machines run), on CPU: PyPI's torch 2.11 wheel
+# is its CUDA build (a few GB); torchao 0.17 is the release built for it. Not part of CI.
+VENV211 ?= .venv-torch2.11
+$(VENV211)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV211)
+	$(VENV211)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV211)/bin/python -m pip install --quiet "torch==2.11.0" "torchao==0.17.*"
+	$(VENV211)/bin/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+test-torch2.11: $(VENV211)/.installed
+	$(VENV211)/bin/python -m pytest -q --durations=15 tests
+
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) $(VENV211) outputs .pytest_cache

@@ -107,10 +107,10 @@ class ScaledDotProductAttention(nn.Module):
             )
         if documents is None:  # causal over the whole sequence: one document
             documents = torch.zeros(k.shape[0], k.shape[2], dtype=torch.long, device=k.device)
+        if query_positions is None and _eager_cpu(q, documents):  # the whole sequence's
+            query_positions = torch.arange(q.shape[2]).expand(q.shape[0], -1)
         if query_positions is not None and _eager_cpu(q, documents, query_positions):
-            return _per_document_queries(q, k, v, documents, query_positions, gqa, self.scale)
-        if query_positions is None and _eager_cpu(q, documents):
-            return _per_document(q, k, v, documents, gqa, self.scale)
+            return _per_document(q, k, v, documents, query_positions, gqa, self.scale)
         mask = block_causal_mask(documents, query_positions)
         if gqa and q.device.type not in ("cpu", "meta"):
             repeats = q.shape[1] // k.shape[1]
@@ -210,29 +210,6 @@ def _eager_cpu(*tensors: torch.Tensor) -> bool:
     )
 
 
-def _per_document(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    documents: torch.Tensor,
-    gqa: bool,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """Causal SDPA over each document of each row on its own, concatenated back."""
-    rows = []
-    for b, row in enumerate(documents):
-        lengths = torch.unique_consecutive(row, return_counts=True)[1].tolist()
-        pieces, start = [], 0
-        for n in lengths:
-            part = (t[b : b + 1, :, start : start + n] for t in (q, k, v))
-            pieces.append(
-                F.scaled_dot_product_attention(*part, is_causal=True, enable_gqa=gqa, scale=scale)
-            )
-            start += n
-        rows.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
-    return torch.cat(rows)
-
-
 _CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
@@ -287,7 +264,7 @@ class _EarlierThenCausal(torch.autograd.Function):
         return dq_earlier + dq_own, dk_earlier, dv_earlier, dk_own, dv_own, None
 
 
-def _per_document_queries(
+def _per_document(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -298,8 +275,9 @@ def _per_document_queries(
 ) -> torch.Tensor:
     """Block-causal SDPA of queries at ``query_positions [bs, q]`` over the whole sequence's
     keys: one call per run of queries that are consecutive and in one document, over the keys
-    from that document's start to the run's last query (a causal mask aligned to the run's
-    end where the run starts after its document does)."""
+    from that document's start to the run's last query; where the run starts after its
+    document does, every earlier key and causally its own (:func:`_attend_after_earlier_keys`).
+    With the whole sequence's queries: one causal call per document."""
     seq = documents.shape[1]
     index = torch.arange(seq)
     rows = []
