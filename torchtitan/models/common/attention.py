@@ -107,9 +107,9 @@ class ScaledDotProductAttention(nn.Module):
             )
         if documents is None:  # causal over the whole sequence: one document
             documents = torch.zeros(k.shape[0], k.shape[2], dtype=torch.long, device=k.device)
-        if query_positions is None and _eager_cpu(q, documents):  # the whole sequence's
+        if query_positions is None and _eager_cpu(q, k, v, documents):  # the whole sequence's
             query_positions = torch.arange(q.shape[2]).expand(q.shape[0], -1)
-        if query_positions is not None and _eager_cpu(q, documents, query_positions):
+        if query_positions is not None and _eager_cpu(q, k, v, documents, query_positions):
             return _per_document(q, k, v, documents, query_positions, gqa, self.scale)
         mask = block_causal_mask(documents, query_positions)
         if gqa and q.device.type not in ("cpu", "meta"):
@@ -227,7 +227,11 @@ def _attend_after_earlier_keys(
     its ``[q, k]`` mask into floats and keeps them for backward (about 400 MiB per rank over
     the debug model's 6 blocks at 8,192 tokens under CP 2). Under autocast, in its dtype."""
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
-    tensors = (t.to(dtype) for t in (q, k_earlier, v_earlier, k_own, v_own))
+    # The kernel called directly (not through SDPA) needs unit stride along the head dim.
+    tensors = (
+        t.to(dtype) if t.stride(-1) == 1 else t.to(dtype).contiguous()
+        for t in (q, k_earlier, v_earlier, k_own, v_own)
+    )
     with torch.autocast("cpu", enabled=False):
         return _EarlierThenCausal.apply(*tensors, scale)
 
