@@ -5,14 +5,21 @@
         [--dtype bfloat16]
     # an HF folder to a weights-only DCP checkpoint (step-0, like a seed checkpoint)
     python scripts/convert_hf.py from_hf HF_FOLDER outputs/from_hf [--module llama3]
+    # a tiktoken tokenizer.model to tokenizer.json + tokenizer_config.json (the same ids)
+    python scripts/convert_hf.py tokenizer tests/assets/tokenizer tests/assets/tokenizer_hf
 
 The model family and flavor of a step come from the ``config.toml`` saved with it (else pass
 ``--module`` and ``--flavor``); for an HF folder the flavor is the one whose shapes match its
 ``config.json`` (or ``--flavor``). A training run reads HF folders directly too:
 ``--checkpoint.initial_load_path HF_FOLDER``.
+
+``to_hf`` writes the tokenizer the step's run used (its ``config.toml``; ``--tokenizer`` to pick
+another) into the folder as ``tokenizer.json``, so ``transformers.AutoTokenizer`` loads it too;
+``from_hf`` records an HF folder's tokenizer as the checkpoint's ``--model.tokenizer_path``.
 """
 
 import argparse
+import json
 import sys
 import tomllib
 import warnings
@@ -24,14 +31,22 @@ from torchtitan.components import checkpoint_hf
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_files import CONFIG_FILE, read_full_model
 from torchtitan.components.checkpoint_states import ModelState
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.components.hf_tokenizer import save_hf_tokenizer
+from torchtitan.components.tokenizer import (
+    DEFAULT_TOKENIZER_PATH,
+    Llama3Tokenizer,
+    build_tokenizer,
+    find_tokenizer_file,
+)
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Checkpoint
 from torchtitan.models.spec import get_model_spec
+from torchtitan.tools.paths import resolve_path
 
 # One process on purpose: DCP's note that it saves without a process group is noise here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
+DEFAULT_TOKENIZER = str(DEFAULT_TOKENIZER_PATH.parent)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -44,8 +59,12 @@ def _model(spec, flavor: str) -> torch.nn.Module:
     return model
 
 
-def to_hf(step: Path, out: Path, module: str | None, flavor: str | None, dtype: str) -> None:
-    if (module is None or flavor is None) and (step / CONFIG_FILE).is_file():
+def to_hf(
+    step: Path, out: Path, module: str | None, flavor: str | None, dtype: str,
+    tokenizer_path: Path | None = None,
+) -> None:  # fmt: skip
+    saved = {}
+    if (step / CONFIG_FILE).is_file():
         saved = tomllib.loads((step / CONFIG_FILE).read_text())["model"]
         module, flavor = module or saved["name"], flavor or saved["flavor"]
     if module is None or flavor is None:
@@ -53,44 +72,74 @@ def to_hf(step: Path, out: Path, module: str | None, flavor: str | None, dtype: 
     spec = get_model_spec(module)
     model = _model(spec, flavor)
     model.load_state_dict(read_full_model(step), strict=False)
-    tokenizer = build_tokenizer(Path(__file__).resolve().parents[1] / "tests/assets/tokenizer")
+    tokenizer_path = tokenizer_path or resolve_path(saved.get("tokenizer_path", DEFAULT_TOKENIZER))
+    tokenizer = build_tokenizer(tokenizer_path)
     checkpoint_hf.save_hf(
         [model], spec.state_dict_adapter(spec.flavors[flavor]), out, dtype=DTYPES[dtype],
-        writer=True, pipelined=False, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+        writer=True, pipelined=False, tokenizer=tokenizer,
     )  # fmt: skip
+    print(f"{module} {flavor} weights and the tokenizer {tokenizer_path} written to {out}")
 
 
 def from_hf(folder: Path, out: Path, module: str, flavor: str | None) -> None:
     spec = get_model_spec(module)
     flavor = flavor or checkpoint_hf.matching_flavor(spec, folder)
     model = _model(spec, flavor)
+    # The folder's own tokenizer, where it has one, is what the checkpoint was trained with.
+    tokenizer = find_tokenizer_file(folder)
+    tokenizer_line = (
+        "" if tokenizer is None else f"tokenizer_path = {json.dumps(str(folder.resolve()))}\n"
+    )
     checkpoint_hf.load_hf_([model], spec.state_dict_adapter(spec.flavors[flavor]), folder)
     manager = CheckpointManager(
         Checkpoint(enable=True, folder=out.name), dump_folder=str(out.parent),
         states={"model": ModelState([model])}, device_type="cpu",
-        run_config=f'[model]\nname = "{module}"\nflavor = "{flavor}"\n',
+        run_config=f'[model]\nname = "{module}"\nflavor = "{flavor}"\n' + tokenizer_line,
     )  # fmt: skip
     manager.save(0, model_only=True)
     print(f"{module} {flavor} weights written to {out / 'step-0'}")
+
+
+def tokenizer_to_hf(source: Path, out: Path, model_max_length: int) -> None:
+    tokenizer = build_tokenizer(source)
+    if not isinstance(tokenizer, Llama3Tokenizer):
+        raise ConfigError(f"{source}: already a Hugging Face tokenizer ({tokenizer.path})")
+    out.mkdir(parents=True, exist_ok=True)
+    for path in save_hf_tokenizer(tokenizer, out, model_max_length):
+        print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("direction", choices=["to_hf", "from_hf"])
-    parser.add_argument("source", type=Path, help="a step-N folder (to_hf) or an HF folder")
-    parser.add_argument("out", type=Path, help="the HF folder (to_hf) or a checkpoint folder")
+    parser.add_argument("direction", choices=["to_hf", "from_hf", "tokenizer"])
+    parser.add_argument(
+        "source", type=Path, help="a step-N folder (to_hf), an HF folder or a tokenizer.model"
+    )
+    parser.add_argument(
+        "out", type=Path, help="the HF folder (to_hf, tokenizer) or a checkpoint folder"
+    )
     parser.add_argument("--module", default=None, help="model family (from_hf: llama3)")
     parser.add_argument("--flavor", default=None)
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    parser.add_argument(
+        "--tokenizer", type=Path, default=None,
+        help="to_hf: the tokenizer to write (default: the one the step's run used)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--model_max_length", type=int, default=131072,
+        help="tokenizer: the longest sequence tokenizer_config.json states",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     try:
         if args.direction == "to_hf":
-            to_hf(args.source, args.out, args.module, args.flavor, args.dtype)
+            to_hf(args.source, args.out, args.module, args.flavor, args.dtype, args.tokenizer)
+        elif args.direction == "tokenizer":
+            tokenizer_to_hf(args.source, args.out, args.model_max_length)
         else:
             from_hf(args.source, args.out, args.module or "llama3", args.flavor)
-    except ConfigError as e:
+    except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -1,9 +1,14 @@
-"""Download the real Llama 3 tokenizer from the Hugging Face hub (needs network and, for the gated
+"""Download a model's tokenizer from the Hugging Face hub (needs network and, for the gated
 meta-llama repos, an access token with the licence accepted on the repo's page).
 
 Usage:
     python scripts/download_hf_assets.py --repo_id meta-llama/Llama-3.1-8B --assets tokenizer \\
         [--local_dir assets/hf/Llama-3.1-8B] [--hf_token hf_...]
+    python scripts/download_hf_assets.py --repo_id deepseek-ai/DeepSeek-V3 --assets tokenizer
+
+Llama 3 repos ship the tiktoken ranks file (`original/tokenizer.model`) and `tokenizer.json`;
+DeepSeek repos ship only `tokenizer.json` (+ `tokenizer_config.json`, which names bos and eos).
+torchtitan reads either (`--model.tokenizer_path` the folder: the ranks file wins where both are).
 
 The token may also come from the HF_TOKEN environment variable. At the end the script prints the
 `--model.tokenizer_path` flag that points training at the downloaded files. Tests never run this;
@@ -19,14 +24,14 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-# Files per asset kind: (path in the hub repo, required). `original/tokenizer.model` is the
-# tiktoken ranks file that torchtitan reads; the JSON files are kept for tools that want them.
-ASSET_FILES: dict[str, tuple[tuple[str, bool], ...]] = {
-    "tokenizer": (
-        ("original/tokenizer.model", True),
-        ("tokenizer.json", False),
-        ("tokenizer_config.json", False),
-    ),
+# Files per asset kind, each optional on its own; at least one of a kind's REQUIRED_ONE_OF must
+# come. `original/tokenizer.model` is Llama 3's tiktoken ranks file, `tokenizer.json` the
+# Hugging Face tokenizer every model repo has (torchtitan reads both).
+ASSET_FILES: dict[str, tuple[str, ...]] = {
+    "tokenizer": ("original/tokenizer.model", "tokenizer.json", "tokenizer_config.json"),
+}
+REQUIRED_ONE_OF: dict[str, tuple[str, ...]] = {
+    "tokenizer": ("original/tokenizer.model", "tokenizer.json"),
 }
 
 
@@ -63,8 +68,8 @@ def _download_file(repo_id: str, filename: str, local_dir: Path, token: str | No
         # Raised when the hub cannot be reached and the file is not in the local cache.
         raise DownloadError(
             f"could not reach the Hugging Face hub to fetch {repo_id}/{filename}; check the "
-            "network (HF_HUB_OFFLINE must be unset), or copy tokenizer.model by hand and pass "
-            "its path as --model.tokenizer_path"
+            "network (HF_HUB_OFFLINE must be unset), or copy the tokenizer files by hand and "
+            "pass their folder as --model.tokenizer_path"
         ) from None
     except EntryNotFoundError:
         return None
@@ -79,18 +84,20 @@ def download_assets(
     layout (so the Llama 3 ranks file lands in `<local_dir>/original/tokenizer.model`)."""
     downloaded: list[Path] = []
     for asset in assets:
-        for filename, required in ASSET_FILES[asset]:
+        found = []
+        for filename in ASSET_FILES[asset]:
             path = _download_file(repo_id, filename, local_dir, token)
-            if path is None and required:
-                raise DownloadError(
-                    f"--repo_id={repo_id} has no {filename}; use a Llama 3 repo that ships the "
-                    "original tiktoken tokenizer, e.g. meta-llama/Llama-3.1-8B"
-                )
             if path is None:
                 print(f"  {filename}: not in {repo_id}, skipped")
             else:
                 print(f"  {filename} -> {path}")
                 downloaded.append(path)
+                found.append(filename)
+        if not set(found) & set(REQUIRED_ONE_OF[asset]):
+            raise DownloadError(
+                f"--repo_id={repo_id} has no {' or '.join(REQUIRED_ONE_OF[asset])}; use a model "
+                "repo, e.g. meta-llama/Llama-3.1-8B or deepseek-ai/DeepSeek-V3"
+            )
     return downloaded
 
 
@@ -103,7 +110,7 @@ def _display_path(path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description="Download Llama 3 assets (the tokenizer) from the Hugging Face hub."
+        description="Download a model's assets (the tokenizer) from the Hugging Face hub."
     )
     parser.add_argument(
         "--repo_id", default="meta-llama/Llama-3.1-8B", help="hub repository, owner/name"

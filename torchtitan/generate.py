@@ -107,15 +107,17 @@ def load_model(
     path: Path, module: str | None, flavor: str | None, device: torch.device, tp: int = 1
 ):
     """The model of ``path`` (a ``step-N`` folder, a dump folder or an HF folder), its
-    flavor's args and the tokenizer path the run used (or the bundled one). ``tp > 1``: the
-    model's tensor-parallel plan over this torchrun's ranks (without sequence and loss
-    parallelism: every rank gets the whole logits and samples the same token)."""
+    flavor's args and its tokenizer path: the one the run used, an HF folder's own, else the
+    bundled one. ``tp > 1``: the model's tensor-parallel plan over this torchrun's ranks
+    (without sequence and loss parallelism: every rank gets the whole logits and samples the
+    same token)."""
     from torchtitan.components import checkpoint_hf
     from torchtitan.components.checkpoint_files import (
         CONFIG_FILE,
         complete_checkpoints,
         read_full_model,
     )
+    from torchtitan.components.tokenizer import find_tokenizer_file
     from torchtitan.models.spec import get_model_spec
 
     tokenizer = DEFAULT_TOKENIZER
@@ -135,6 +137,8 @@ def load_model(
     spec = get_model_spec(module or "llama3")
     if checkpoint_hf.is_hf_folder(path):
         flavor = flavor or checkpoint_hf.matching_flavor(spec, path)
+        if find_tokenizer_file(path) is not None:  # exported with its tokenizer
+            tokenizer = path
     if flavor is None:
         raise ConfigError(f"{path} has no {CONFIG_FILE}: pass --module and --flavor")
     args = spec.flavors[flavor]

@@ -20,7 +20,8 @@ def _files(tmp: Path) -> dict[str, Path]:
         "nonstring.jsonl": '{"text": 5}\n{"text": "a"}\n',
         "malformed.jsonl": '{"text": "fine"}\n{"text": "broken\n',
         "allempty.jsonl": '{"text": ""}\n' * 20,
-        "tokenizer.json": '{"not": "a ranks file"}\n',
+        "tokenizer.json": '{"not": "a tokenizer"}\n',
+        "tokenizer.model": "not base64 ranks\n",
         "a_file": "",
     }
     for name, text in made.items():
@@ -44,7 +45,7 @@ PREFLIGHT = [
     (["--job.dump_folder", ""], "--job.dump_folder is empty"),
     (["--job.dump_folder", "{a_file}"], "is a file, not a folder"),
     (["--checkpoint.enable", "--checkpoint.folder", "{a_file}/ckpt"], "is a file, not a folder"),
-    (["--model.tokenizer_path", "{tmp}/missing"], "no tokenizer.model there"),
+    (["--model.tokenizer_path", "{tmp}/missing"], "missing does not exist; download the model's tokenizer"),
     (["--training.stepz", "3"], "unknown flag --training.stepz (did you mean --training.steps?)"),
     (["--parallelism.data_parallel_replicate_degree", "3"], "world size 2 is not divisible"),
     (
@@ -58,7 +59,8 @@ PREFLIGHT = [
 ]  # fmt: skip
 
 IN_RANK = [
-    (["--model.tokenizer_path", "{tokenizer_json}"], "is not a tiktoken ranks file"),
+    (["--model.tokenizer_path", "{tokenizer_model}"], "is not a tiktoken ranks file"),
+    (["--model.tokenizer_path", "{tokenizer_json}"], "not a Hugging Face tokenizer.json"),
     (["--training.dataset", "files", "--training.dataset_path", "{empty_jsonl}"], "is empty"),
     (
         ["--training.dataset", "files", "--training.dataset_path", "{notext_jsonl}"],

@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 from launch import REPO, clean_env, records, run_train  # noqa: E402
 
 from torchtitan.components import checkpoint_hf  # noqa: E402
+from torchtitan.components.tokenizer import build_tokenizer  # noqa: E402
 from torchtitan.models.llama3.args import flavors  # noqa: E402
 
 BASE = [
@@ -43,13 +44,12 @@ def _hf_folder(path: Path) -> Path:
     return path
 
 
-def _hf_loss(model_or_folder) -> float:
+def _hf_loss(model_or_folder, tokenizer: Path = REPO / "tests/assets/tokenizer") -> float:
     from torchtitan.components.dataloader import build_dataloader
-    from torchtitan.components.tokenizer import build_tokenizer
 
     loader = build_dataloader(
         dataset="python_docs", dataset_path=None, seq_len=64, local_batch_size=8,
-        tokenizer=build_tokenizer(REPO / "tests/assets/tokenizer"), dp_rank=0, dp_world_size=1,
+        tokenizer=build_tokenizer(tokenizer), dp_rank=0, dp_world_size=1,
     )  # fmt: skip
     inputs, labels = next(iter(loader))
     model = model_or_folder
@@ -90,26 +90,63 @@ def test_hf_import_in_any_layout_and_export_from_sharded_runs(tmp_path):
             torch.testing.assert_close(exported[name][key], want, rtol=0, atol=5e-5, msg=key)
     model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "pp2/checkpoint/hf-step-3")
     assert not model.config.tie_word_embeddings and model.config.num_hidden_layers == 6
+    # The export carries the run's tokenizer (tiktoken, converted): transformers encodes alike.
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "pp2/checkpoint/hf-step-3")
+    ours = build_tokenizer(REPO / "tests/assets/tokenizer")
+    assert (model.config.bos_token_id, model.config.eos_token_id) == (ours.bos_id, ours.eos_id)
+    text = "Return the sum of the list."
+    assert tokenizer(text)["input_ids"] == ours.encode(text, add_bos=True)
 
     # Sampling from the run's checkpoint: tensor parallel gives the one-process text.
     sample = ["-m", "torchtitan.generate", str(tmp_path / "1"), "--prompt", "The ",
               "--max_new_tokens", "12", "--temperature", "0.8", "--seed", "1"]  # fmt: skip
     torchrun = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
                 "--rdzv_endpoint", "localhost:0"]  # fmt: skip
+    # ... and so does its HF export, with the tokenizer the export carries.
+    from_hf = [*sample[:2], str(tmp_path / "1/checkpoint/hf-step-3"), *sample[3:]]
     texts = []
-    for cmd in (sample, [*torchrun, *sample, "--tp", "2"]):
+    for cmd in (sample, [*torchrun, *sample, "--tp", "2"], from_hf):
         done = subprocess.run(
             [sys.executable, *cmd], cwd=REPO, env=clean_env(), capture_output=True, text=True,
             timeout=300,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-4000:]
         texts.append(done.stdout)
-    assert texts[0].startswith("The ") and texts[0] == texts[1]
+    assert texts[0].startswith("The ") and texts[0] == texts[1] == texts[2]
+
+
+def _deepseek_style_tokenizer(folder: Path) -> None:
+    """A byte-level BPE ``tokenizer.json`` trained on the corpus by the ``tokenizers`` library,
+    shaped like DeepSeek's (bos 0 and eos 1 with its names, given as AddedToken entries in
+    ``tokenizer_config.json``; no tiktoken file)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bos, eos = (
+        "<\uff5cbegin\u2581of\u2581sentence\uff5c>",
+        "<\uff5cend\u2581of\u2581sentence\uff5c>",
+    )
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1500, special_tokens=[bos, eos],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    lines = (REPO / "tests/assets/corpus/train.jsonl").read_text().splitlines()
+    tokenizer.train_from_iterator([json.loads(line)["text"] for line in lines], trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    added = {"__type": "AddedToken", "lstrip": False, "normalized": True, "rstrip": False}
+    config = {"bos_token": added | {"content": bos}, "eos_token": added | {"content": eos},
+              "add_bos_token": True, "tokenizer_class": "LlamaTokenizerFast"}  # fmt: skip
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def test_deepseek_hf_import_under_expert_parallelism(tmp_path):
     """A DeepSeek-V3 HF folder (per-expert tensors) read by EP 2 ranks, each keeping its own
-    experts: the losses of one process, the first one the HF model's own."""
+    experts: the losses of one process, the first one the HF model's own. Trained with the
+    folder's own tokenizer (``tokenizer.json`` only, as DeepSeek ships it)."""
     from torchtitan.models.deepseek_v3.args import flavors as deepseek_flavors
     from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 
@@ -120,8 +157,11 @@ def test_deepseek_hf_import_under_expert_parallelism(tmp_path):
     config = transformers.DeepseekV3Config(**fields)
     torch.manual_seed(0)
     transformers.DeepseekV3ForCausalLM(config).save_pretrained(tmp_path / "hf")
+    _deepseek_style_tokenizer(tmp_path / "hf")
+    assert build_tokenizer(tmp_path / "hf").bos_id == 0
     flags = ["--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel", "--training.steps",
-             "2", "--checkpoint.initial_load_path", str(tmp_path / "hf")]  # fmt: skip
+             "2", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+             "--model.tokenizer_path", str(tmp_path / "hf")]  # fmt: skip
     one = _run(tmp_path / "one", 1, *flags, "--training.local_batch_size", "8")
     ep = _run(
         tmp_path / "ep2", 2, *flags, "--training.local_batch_size", "4",
@@ -129,4 +169,4 @@ def test_deepseek_hf_import_under_expert_parallelism(tmp_path):
     )  # fmt: skip
     assert ep == pytest.approx(one, rel=1e-5)
     model = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    assert one[0] == pytest.approx(_hf_loss(model), rel=1e-5)
+    assert one[0] == pytest.approx(_hf_loss(model, tmp_path / "hf"), rel=1e-5)

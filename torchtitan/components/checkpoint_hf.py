@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchtitan.components.hf_tokenizer import save_hf_tokenizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed import local_tensor
 from torchtitan.tools.logging import logger
@@ -48,8 +49,8 @@ class HFIO:
     writer: bool
     """This rank writes its pipeline stage's tensors (the stage's first rank)."""
     pipelined: bool
-    bos_id: int | None = None
-    eos_id: int | None = None
+    tokenizer: Any = None
+    """The run's tokenizer: its bos/eos ids go in ``config.json``, its files next to it."""
 
     def load(self, folder: str | os.PathLike) -> None:
         load_hf_(self.model_parts, self.adapter, folder)
@@ -57,7 +58,7 @@ class HFIO:
     def save(self, folder: str | os.PathLike, dtype: torch.dtype) -> None:
         save_hf(
             self.model_parts, self.adapter, folder, dtype=dtype, writer=self.writer,
-            pipelined=self.pipelined, bos_id=self.bos_id, eos_id=self.eos_id,
+            pipelined=self.pipelined, tokenizer=self.tokenizer,
         )  # fmt: skip
 
 
@@ -162,12 +163,13 @@ def save_hf(
     dtype: torch.dtype,
     writer: bool,
     pipelined: bool,
-    bos_id: int | None = None,
-    eos_id: int | None = None,
+    tokenizer: Any = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> None:
     """Write the model as an HF folder. Every rank calls it (the gathers are collectives);
-    ``writer``: this rank writes its pipeline stage's tensors (the first rank of the stage)."""
+    ``writer``: this rank writes its pipeline stage's tensors (the first rank of the stage).
+    ``tokenizer`` (a run's, or ``None``): its bos/eos ids go in ``config.json`` and rank 0
+    writes it as ``tokenizer.json`` + ``tokenizer_config.json`` (``save_hf_tokenizer``)."""
     folder = Path(folder)
     tensors: dict[str, torch.Tensor] = {}
     embedding = output = None
@@ -208,8 +210,11 @@ def save_hf(
         size = sum(n for _, n in gathered)
         index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(merged.items()))}
         (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        bos_id, eos_id = (None, None) if tokenizer is None else (tokenizer.bos_id, tokenizer.eos_id)
         config = adapter.hf_config(tied=tied, dtype=dtype, bos_id=bos_id, eos_id=eos_id)
         (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        if tokenizer is not None:
+            save_hf_tokenizer(tokenizer, folder, config.get("max_position_embeddings", 0))
         logger.info(f"Hugging Face model written to {folder} ({total} shard(s), {size:,} bytes)")
     _barrier()
 
@@ -272,6 +277,5 @@ def build_hfio(spec, model_args, model_parts, tokenizer, parallel_dims) -> HFIO 
         adapter=spec.state_dict_adapter(model_args),
         writer=writer,
         pipelined=parallel_dims.pp_enabled,
-        bos_id=getattr(tokenizer, "bos_id", None),
-        eos_id=getattr(tokenizer, "eos_id", None),
+        tokenizer=tokenizer,
     )

@@ -14,10 +14,14 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import tiktoken
 
 from torchtitan.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torchtitan.components.hf_tokenizer import HuggingFaceTokenizer
 
 __all__ = [
     "DEFAULT_TOKENIZER_PATH",
@@ -25,6 +29,8 @@ __all__ = [
     "LLAMA3_SPLIT_PATTERN",
     "Llama3Tokenizer",
     "build_tokenizer",
+    "find_tokenizer_file",
+    "missing_tokenizer_message",
     "llama3_special_tokens",
     "load_ranks",
 ]
@@ -66,6 +72,7 @@ _MAX_RUN_CHARS = 25_000
 _RUN_RE = re.compile(r"\s+|\S+")
 
 _TOKENIZER_FILENAME = "tokenizer.model"
+HF_TOKENIZER_FILENAME = "tokenizer.json"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_PATH = _REPO_ROOT / "tests" / "assets" / "tokenizer" / _TOKENIZER_FILENAME
 
@@ -143,6 +150,7 @@ class Llama3Tokenizer:
     def __init__(self, model_path: str | os.PathLike):
         self.model_path = Path(model_path)
         mergeable_ranks = load_ranks(self.model_path)
+        self.mergeable_ranks: dict[bytes, int] = mergeable_ranks
         self.num_base_tokens = len(mergeable_ranks)
         self.special_tokens: dict[str, int] = llama3_special_tokens(self.num_base_tokens)
         self.vocab_size: int = self.num_base_tokens + len(self.special_tokens)
@@ -178,41 +186,65 @@ class Llama3Tokenizer:
         return f"Llama3Tokenizer(model_path={str(self.model_path)!r}, vocab_size={self.vocab_size})"
 
 
-def _resolve_model_file(tokenizer_path: Path) -> Path | None:
-    if tokenizer_path.is_file():
-        return tokenizer_path
-    if tokenizer_path.is_dir():
-        for candidate in (
-            tokenizer_path / _TOKENIZER_FILENAME,
-            tokenizer_path / "original" / _TOKENIZER_FILENAME,  # the Hugging Face hub layout
-        ):
+def find_tokenizer_file(tokenizer_path: str | os.PathLike) -> Path | None:
+    """The file ``--model.tokenizer_path`` names: the path itself if it is a file, else in the
+    directory a tiktoken ``tokenizer.model`` (directly or in ``original/``, the Hugging Face
+    Llama 3 layout), else a Hugging Face ``tokenizer.json`` (DeepSeek-V3's only format)."""
+    path = Path(tokenizer_path).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir():
+        for candidate in tokenizer_candidates(path):
             if candidate.is_file():
                 return candidate
     return None
 
 
-def build_tokenizer(tokenizer_path: str | os.PathLike) -> Llama3Tokenizer:
+def tokenizer_candidates(directory: Path) -> tuple[Path, ...]:
+    """Where :func:`find_tokenizer_file` looks in a directory, in order."""
+    return (
+        directory / _TOKENIZER_FILENAME,
+        directory / "original" / _TOKENIZER_FILENAME,
+        directory / HF_TOKENIZER_FILENAME,
+    )
+
+
+def missing_tokenizer_message(flag_value: str | os.PathLike, path: Path) -> str:
+    """One line for a ``--model.tokenizer_path`` with no tokenizer file: what was looked for
+    and how to get one."""
+    where = (
+        f"no {_TOKENIZER_FILENAME} (nor original/{_TOKENIZER_FILENAME}) or "
+        f"{HF_TOKENIZER_FILENAME} in {path}"
+        if path.is_dir()
+        else f"{path} does not exist"
+    )
+    return (
+        f"--model.tokenizer_path={flag_value}: {where}; download the model's tokenizer with "
+        "`python scripts/download_hf_assets.py --repo_id OWNER/NAME --assets tokenizer` (the "
+        f"repos of each config: docs/data.md#tokenizer) or use the bundled "
+        f"{DEFAULT_TOKENIZER_PATH.parent.relative_to(_REPO_ROOT)}"
+    )
+
+
+def build_tokenizer(tokenizer_path: str | os.PathLike) -> Llama3Tokenizer | HuggingFaceTokenizer:
     """Load the tokenizer named by ``--model.tokenizer_path``.
 
     Args:
-        tokenizer_path: a `tokenizer.model` file, or a directory holding one directly or in
-            ``original/`` (the layout of a Hugging Face Llama 3 download).
+        tokenizer_path: a `tokenizer.model` (tiktoken ranks) or `tokenizer.json` (Hugging Face)
+            file, or a directory holding one (see :func:`find_tokenizer_file`).
 
     Raises:
         FileNotFoundError: no tokenizer file at or under `tokenizer_path`.
-        ValueError: the file is not a valid ranks file.
+        ConfigError: the file is not a valid tokenizer of its format.
     """
+    from torchtitan.components.hf_tokenizer import HuggingFaceTokenizer
+
     path = Path(tokenizer_path).expanduser()
-    model_file = _resolve_model_file(path)
+    model_file = find_tokenizer_file(path)
     if model_file is None:
-        tried = str(path)
-        if path.is_dir():
-            tried = f"{path / _TOKENIZER_FILENAME} and {path / 'original' / _TOKENIZER_FILENAME}"
-        raise FileNotFoundError(
-            f"--model.tokenizer_path={tokenizer_path}: no {_TOKENIZER_FILENAME} found (tried "
-            f"{tried}); download one with `python scripts/download_hf_assets.py --assets "
-            f"tokenizer` or use the bundled {DEFAULT_TOKENIZER_PATH.parent}"
-        )
+        raise FileNotFoundError(missing_tokenizer_message(tokenizer_path, path))
+    if model_file.suffix == ".json":
+        return HuggingFaceTokenizer(model_file)
     try:
         return Llama3Tokenizer(model_file)
     except (ValueError, UnicodeDecodeError) as e:

@@ -44,7 +44,8 @@ class Model:
     """Size preset of the model, e.g. ``debugmodel``, ``1B``, ``8B``, ``70B``, ``405B``."""
 
     tokenizer_path: str = "tests/assets/tokenizer"
-    """Tokenizer file (Llama 3 ``tokenizer.model``) or a folder holding it. Relative paths are
+    """Tokenizer file (a tiktoken ``tokenizer.model`` as Llama 3 ships, or a Hugging Face
+    ``tokenizer.json``) or a folder holding one (``tokenizer.model`` first). Relative paths are
     looked up from the working directory, then from the repository root."""
 
     attn_mask: Literal["causal", "block_causal"] = "causal"

@@ -216,14 +216,11 @@ def validate_launch(config: JobConfig) -> None:
     pre-flight (``python -m torchtitan.config.manager --check``) runs it for real runs."""
     if config.comm.mode == "fake_backend":
         return
+    from torchtitan.components.tokenizer import find_tokenizer_file, missing_tokenizer_message
+
     tokenizer = resolve_path(config.model.tokenizer_path)
-    candidates = [tokenizer / "tokenizer.model", tokenizer / "original" / "tokenizer.model"]
-    if not (tokenizer.is_file() or any(p.is_file() for p in candidates)):
-        raise ConfigError(
-            f"--model.tokenizer_path={config.model.tokenizer_path}: no tokenizer.model there "
-            f"(tried {tokenizer} and {candidates[0]}); use the bundled tests/assets/tokenizer "
-            "or download one with `python scripts/download_hf_assets.py --assets tokenizer`"
-        )
+    if find_tokenizer_file(tokenizer) is None:
+        raise ConfigError(missing_tokenizer_message(config.model.tokenizer_path, tokenizer))
 
 
 def _float8_checks(config: JobConfig) -> list[tuple[bool, str]]:

@@ -131,12 +131,17 @@ def test_convert_script_round_trips_through_a_dcp_checkpoint(tmp_path):
         rope_theta=a.rope_theta,
     )  # fmt: skip
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    # The folder's tokenizer goes into the checkpoint's config, and from there back out.
+    tokenizer = Path(__file__).resolve().parents[3] / "tests/assets/tokenizer_hf/tokenizer.json"
+    (tmp_path / "hf/tokenizer.json").write_bytes(tokenizer.read_bytes())
     assert convert.main(["from_hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
     assert convert.main(["to_hf", str(tmp_path / "ckpt/step-0"), str(tmp_path / "back")]) == 0
     original = checkpoint_hf.read_tensors(tmp_path / "hf")
     back = checkpoint_hf.read_tensors(tmp_path / "back")
     assert back.keys() == original.keys()
     assert all(torch.equal(back[k], original[k]) for k in original)
+    assert (tmp_path / "back/tokenizer.json").read_bytes() == tokenizer.read_bytes()
+    assert not (tmp_path / "back/tokenizer_config.json").exists()  # the source had none
 
 
 def test_greedy_generation_equals_transformers_generate(tmp_path):

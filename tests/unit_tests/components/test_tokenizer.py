@@ -171,3 +171,30 @@ def test_download_script_help() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "--repo_id" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("repo_files", "error"),
+    [
+        ({"original/tokenizer.model", "tokenizer.json", "tokenizer_config.json"}, None),  # Llama 3
+        ({"tokenizer.json", "tokenizer_config.json"}, None),  # DeepSeek ships no ranks file
+        ({"tokenizer_config.json"}, "has no original/tokenizer.model or tokenizer.json"),
+    ],
+)
+def test_download_takes_whichever_tokenizer_a_repo_ships(tmp_path, monkeypatch, repo_files, error):
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    try:
+        import download_hf_assets as script
+    finally:
+        sys.path.pop(0)
+
+    def fake_download(repo_id, filename, local_dir, token):
+        return local_dir / filename if filename in repo_files else None
+
+    monkeypatch.setattr(script, "_download_file", fake_download)
+    if error is None:
+        got = script.download_assets("owner/name", ["tokenizer"], tmp_path, None)
+        assert {p.relative_to(tmp_path).as_posix() for p in got} == repo_files
+    else:
+        with pytest.raises(script.DownloadError, match=error):
+            script.download_assets("owner/name", ["tokenizer"], tmp_path, None)

@@ -34,13 +34,18 @@ def deepseek_v3_debugmodel() -> JobConfig:
     )
 
 
+# The hub repository whose tokenizer each flavor uses (its tokenizer.json), downloaded into
+# assets/hf/<name> by `python scripts/download_hf_assets.py --repo_id <repo> --assets tokenizer`.
+TOKENIZER_REPOS = {"16B": "deepseek-ai/DeepSeek-V2-Lite", "671B": "deepseek-ai/DeepSeek-V3"}
+
+
 def _pretraining(flavor: str, *, lr: float, local_batch_size: int, seq_len: int) -> JobConfig:
     """Shared settings of the full-size runs (C4; the model's own tokenizer, downloaded)."""
     return JobConfig(
         model=Model(
             name="deepseek_v3",
             flavor=flavor,
-            tokenizer_path=f"assets/hf/DeepSeek-V3-{flavor}",
+            tokenizer_path=f"assets/hf/{TOKENIZER_REPOS[flavor].split('/')[1]}",
             attn_mask="block_causal",
         ),
         training=Training(

@@ -1,0 +1,180 @@
+"""Hugging Face tokenizers: ``tokenizer.json`` read like a tiktoken file, and the bundled tiktoken
+tokenizer converted to one with the same ids (``tests/assets/tokenizer_hf``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchtitan.components.hf_tokenizer import (
+    HuggingFaceTokenizer,
+    hf_tokenizer_config,
+    save_hf_tokenizer,
+    tiktoken_to_hf,
+)
+from torchtitan.components.tokenizer import (
+    DEFAULT_TOKENIZER_PATH,
+    Llama3Tokenizer,
+    build_tokenizer,
+)
+from torchtitan.config.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+HF_ASSET = REPO_ROOT / "tests" / "assets" / "tokenizer_hf"
+CORPUS_DIR = REPO_ROOT / "tests" / "assets" / "corpus"
+# Text the corpus lacks: other scripts, emoji, digits, contractions, odd whitespace, and the
+# names of special tokens (which stay text).
+TRICKY = [
+    "héllo wörld 😀 日本語 ١٢٣ 1234567 don't I'M we'LL",
+    "\n\n\r\n  \t x\u00a0\u00a0y   \n",
+    "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 " * 3,
+    "a" * 3000,
+    "<|begin_of_text|>x<|end_of_text|> <|eot_id|>",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def tiktoken_tokenizer() -> Llama3Tokenizer:
+    return build_tokenizer(DEFAULT_TOKENIZER_PATH)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer() -> HuggingFaceTokenizer:
+    return build_tokenizer(HF_ASSET)
+
+
+def _texts() -> list[str]:
+    texts = []
+    for split in ("validation.jsonl", "train.jsonl"):
+        with open(CORPUS_DIR / split, encoding="utf-8") as f:
+            texts += [json.loads(line)["text"] for line in f if line.strip()]
+    return texts
+
+
+def test_bundled_asset_is_the_conversion_of_the_bundled_tokenizer(tiktoken_tokenizer):
+    """Regenerate with ``python scripts/convert_hf.py tokenizer tests/assets/tokenizer
+    tests/assets/tokenizer_hf``."""
+    assert json.loads((HF_ASSET / "tokenizer.json").read_text()) == tiktoken_to_hf(
+        tiktoken_tokenizer
+    )
+    config = json.loads((HF_ASSET / "tokenizer_config.json").read_text())
+    assert config == hf_tokenizer_config(tiktoken_tokenizer, 131072)
+
+
+def test_same_ids_as_tiktoken_on_the_whole_corpus(tiktoken_tokenizer, hf_tokenizer):
+    texts = _texts() + TRICKY
+    assert len(texts) > 400
+    for text in texts:
+        want = tiktoken_tokenizer.encode(text, add_bos=True, add_eos=True)
+        assert hf_tokenizer.encode(text, add_bos=True, add_eos=True) == want, text[:80]
+        assert hf_tokenizer.decode(want[1:-1]) == text
+
+
+def test_ids_and_sizes(tiktoken_tokenizer, hf_tokenizer):
+    for name in ("vocab_size", "bos_id", "eos_id", "pad_id"):
+        assert getattr(hf_tokenizer, name) == getattr(tiktoken_tokenizer, name), name
+    assert (hf_tokenizer.bos_id, hf_tokenizer.eos_id, hf_tokenizer.pad_id) == (1792, 1793, 1796)
+    # Special-token names in text stay text: no control token comes out of data.
+    ids = hf_tokenizer.encode("<|end_of_text|>")
+    assert hf_tokenizer.eos_id not in ids and len(ids) > 1
+
+
+def test_transformers_loads_the_converted_files(tiktoken_tokenizer):
+    transformers = pytest.importorskip("transformers")
+    auto = transformers.AutoTokenizer.from_pretrained(HF_ASSET)
+    assert (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id) == (1792, 1793, 1796)
+    text = "def f(x):\n    return x ** 2  # squares"
+    # transformers adds bos like Llama 3's files do (the post-processor).
+    assert auto(text)["input_ids"] == tiktoken_tokenizer.encode(text, add_bos=True)
+    assert auto.decode(auto(text)["input_ids"], skip_special_tokens=True) == text
+
+
+def test_folder_layouts(tmp_path):
+    both = tmp_path / "llama"  # a Llama 3 download has both: the ranks file wins
+    (both / "original").mkdir(parents=True)
+    shutil.copy(DEFAULT_TOKENIZER_PATH, both / "original" / "tokenizer.model")
+    shutil.copy(HF_ASSET / "tokenizer.json", both / "tokenizer.json")
+    assert isinstance(build_tokenizer(both), Llama3Tokenizer)
+    assert isinstance(build_tokenizer(both / "tokenizer.json"), HuggingFaceTokenizer)
+    assert isinstance(build_tokenizer(HF_ASSET), HuggingFaceTokenizer)  # json only
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer.model .* or tokenizer.json in"):
+        build_tokenizer(tmp_path)
+
+
+def _folder(tmp_path: Path, config: dict | None) -> Path:
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    shutil.copy(HF_ASSET / "tokenizer.json", folder / "tokenizer.json")
+    if config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_config_forms(tmp_path):
+    """bos/eos as strings or AddedToken entries (DeepSeek's form); without a config, the
+    common names; eos named differently from the default."""
+    added = {"__type": "AddedToken", "content": "<|reserved_special_token_0|>", "lstrip": False}
+    tokenizer = build_tokenizer(
+        _folder(tmp_path, {"bos_token": {"content": "<|begin_of_text|>"}, "eos_token": added})
+    )
+    assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) == (1792, 1794, None)
+    shutil.rmtree(tmp_path / "hf")
+    tokenizer = build_tokenizer(_folder(tmp_path, None))
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (1792, 1793)
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"bos_token": "<s>"}, "names bos_token '<s>', which is not in tokenizer.json"),
+        ({"eos_token": None, "bos_token": "<|begin_of_text|>"}, None),
+    ],
+)
+def test_config_errors(tmp_path, config, expected):
+    folder = _folder(tmp_path, config)
+    if expected is None:  # null falls back to the common names
+        assert build_tokenizer(folder).eos_id == 1793
+        return
+    with pytest.raises(ConfigError, match=expected):
+        build_tokenizer(folder)
+
+
+def test_a_vocabulary_without_bos_is_refused(tmp_path):
+    data = json.loads((HF_ASSET / "tokenizer.json").read_text())
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] != "<|begin_of_text|>"]
+    data["post_processor"] = None
+    folder = tmp_path / "nobos"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"no bos_token found .* set \"bos_token\" in"):
+        build_tokenizer(folder)
+    (folder / "tokenizer.json").write_text('{"version": "1.0"}')
+    with pytest.raises(ConfigError, match="not a Hugging Face tokenizer.json"):
+        build_tokenizer(folder)
+
+
+def test_saving_an_hf_tokenizer_copies_its_files(tmp_path, hf_tokenizer):
+    written = save_hf_tokenizer(hf_tokenizer, tmp_path, 64)
+    assert [p.read_bytes() for p in written] == [
+        (HF_ASSET / "tokenizer.json").read_bytes(),
+        (HF_ASSET / "tokenizer_config.json").read_bytes(),
+    ]
+
+
+def test_convert_script_refuses_an_hf_tokenizer(tmp_path, capsys):
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    try:
+        import convert_hf
+    finally:
+        sys.path.pop(0)
+    assert convert_hf.main(["tokenizer", str(HF_ASSET), str(tmp_path / "out")]) == 2
+    assert "already a Hugging Face tokenizer" in capsys.readouterr().err
+    assert convert_hf.main(["tokenizer", str(DEFAULT_TOKENIZER_PATH), str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "tokenizer.json").read_text()) == json.loads(
+        (HF_ASSET / "tokenizer.json").read_text()
+    )
