@@ -27,6 +27,7 @@ from torchtitan.components.tokenizer import (
     Llama3Tokenizer,
 )
 from torchtitan.config.errors import ConfigError
+from torchtitan.tools.logging import logger
 
 __all__ = [
     "HF_CONFIG_FILENAME",
@@ -58,8 +59,9 @@ class HuggingFaceTokenizer:
             names the bos, eos and pad tokens.
 
     Raises:
-        ConfigError: the file is not a tokenizer the library reads, or it has no bos or eos
-            token (each packed document starts with bos and ends with eos).
+        ConfigError: the file is not a tokenizer the library reads, or it has no eos token
+            (each packed document ends with eos). A vocabulary without bos (Qwen's, say) frames
+            documents with eos on both sides, as GPT-2's does (``bos_id == eos_id``).
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -84,14 +86,29 @@ class HuggingFaceTokenizer:
                 raise ConfigError(f"{self.config_path}: not valid JSON ({e})") from None
         vocab = self._model.get_vocab(with_added_tokens=True)
         self.vocab_size: int = max(vocab.values()) + 1
-        self.bos_id: int = self._special_id(vocab, config, "bos_token", _BOS_NAMES, where)
-        self.eos_id: int = self._special_id(vocab, config, "eos_token", _EOS_NAMES, where)
+        eos_id = self._special_id(vocab, config, "eos_token", _EOS_NAMES, where)
+        if eos_id is None:
+            raise ConfigError(
+                f"{where}: no eos_token found (not in {self.config_path.name}, and none of "
+                f"{', '.join(_EOS_NAMES)} in the vocabulary); every packed document ends with "
+                f'eos: set "eos_token" in {self.config_path}'
+            )
+        self.eos_id: int = eos_id
+        bos_id = self._special_id(vocab, config, "bos_token", _BOS_NAMES, where)
+        if bos_id is None:
+            logger.info(
+                f"Tokenizer {self.path} has no bos token: documents are framed by its eos "
+                f"({self._model.id_to_token(eos_id)}) on both sides"
+            )
+        self.bos_id: int = eos_id if bos_id is None else bos_id
         pad = _token_name(config.get("pad_token"))
         self.pad_id: int | None = vocab.get(pad) if pad else None
 
     def _special_id(
         self, vocab: dict[str, int], config: dict, key: str, names: Sequence[str], where: str
-    ) -> int:
+    ) -> int | None:
+        """The id of ``config[key]`` (refused if not in the vocabulary), else of the first of
+        ``names`` in the vocabulary, else ``None``."""
         name = _token_name(config.get(key))
         if name is not None:
             if name not in vocab:
@@ -100,14 +117,7 @@ class HuggingFaceTokenizer:
                     f"{self.path.name}"
                 )
             return vocab[name]
-        for candidate in names:
-            if candidate in vocab:
-                return vocab[candidate]
-        raise ConfigError(
-            f"{where}: no {key} found (not in {self.config_path.name}, and none of "
-            f"{', '.join(names)} in the vocabulary); every packed document is framed by bos and "
-            f'eos: set "{key}" in {self.config_path}'
-        )
+        return next((vocab[n] for n in names if n in vocab), None)
 
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         """Token ids of `text`, optionally framed by bos/eos (the file's own post-processor, such

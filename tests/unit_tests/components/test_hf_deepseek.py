@@ -80,3 +80,11 @@ def test_other_routing_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="routed_scaling_factor=2.5 \\(flavor: 1.0\\)") as e:
         checkpoint_hf.load_hf_([_ours()], DeepSeekV3StateDictAdapter(ARGS), tmp_path / "hf")
     assert "\n" not in str(e.value)
+
+
+def test_token_ids_zero_are_written():
+    """DeepSeek's bos is token 0: ``config.json`` keeps it (a falsy id was once dropped)."""
+    fields = DeepSeekV3StateDictAdapter(ARGS).hf_config(
+        tied=False, dtype=torch.float32, bos_id=0, eos_id=1
+    )
+    assert (fields["bos_token_id"], fields["eos_token_id"]) == (0, 1)

@@ -144,14 +144,30 @@ def test_config_errors(tmp_path, config, expected):
         build_tokenizer(folder)
 
 
-def test_a_vocabulary_without_bos_is_refused(tmp_path):
+def _without(tmp_path: Path, name: str) -> Path:
+    """The bundled tokenizer.json without the special token ``name`` (and no config)."""
     data = json.loads((HF_ASSET / "tokenizer.json").read_text())
-    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] != "<|begin_of_text|>"]
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] != name]
     data["post_processor"] = None
-    folder = tmp_path / "nobos"
+    folder = tmp_path / "without"
     folder.mkdir()
     (folder / "tokenizer.json").write_text(json.dumps(data))
-    with pytest.raises(ConfigError, match=r"no bos_token found .* set \"bos_token\" in"):
+    return folder
+
+
+def test_a_vocabulary_without_bos_frames_documents_with_eos(tmp_path, tiktoken_tokenizer):
+    """Qwen-style: no bos token. Documents are framed by eos on both sides (GPT-2's way)."""
+    tokenizer = build_tokenizer(_without(tmp_path, "<|begin_of_text|>"))
+    eos = tokenizer.eos_id
+    assert tokenizer.bos_id == eos and tokenizer.decode([eos]) == "<|end_of_text|>"
+    text = "print(1)"
+    framed = tokenizer.encode(text, add_bos=True, add_eos=True)
+    assert framed == [eos, *tiktoken_tokenizer.encode(text), eos]
+
+
+def test_a_vocabulary_without_eos_is_refused(tmp_path):
+    folder = _without(tmp_path, "<|end_of_text|>")
+    with pytest.raises(ConfigError, match=r"no eos_token found .* set \"eos_token\" in"):
         build_tokenizer(folder)
     (folder / "tokenizer.json").write_text('{"version": "1.0"}')
     with pytest.raises(ConfigError, match="not a Hugging Face tokenizer.json"):

@@ -146,7 +146,9 @@ class DeepSeekV3StateDictAdapter:
                 "mscale": a.mscale,
                 "mscale_all_dim": a.mscale,
             }
-        config |= {k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id)) if v}
+        config |= {
+            k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id)) if v is not None
+        }
         return config
 
     def check_hf_config(self, config: dict[str, Any], where: str) -> None:

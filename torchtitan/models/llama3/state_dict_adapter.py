@@ -114,7 +114,9 @@ class Llama3StateDictAdapter:
                 "high_freq_factor": s.high_freq_factor,
                 "original_max_position_embeddings": s.original_max_position_embeddings,
             }
-        config |= {k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id)) if v}
+        config |= {
+            k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id)) if v is not None
+        }
         return config
 
     def check_hf_config(self, config: dict[str, Any], where: str) -> None:
