@@ -4,7 +4,7 @@
     python scripts/convert_hf.py to_hf outputs/checkpoint/step-10 outputs/hf-step-10 \
         [--dtype bfloat16]
     # an HF folder to a weights-only DCP checkpoint (step-0, like a seed checkpoint)
-    python scripts/convert_hf.py from_hf HF_FOLDER outputs/from_hf [--module llama3]
+    python scripts/convert_hf.py from_hf HF_FOLDER outputs/from_hf [--module qwen3]
     # a tiktoken tokenizer.model to tokenizer.json + tokenizer_config.json (the same ids)
     python scripts/convert_hf.py tokenizer tests/assets/tokenizer tests/assets/tokenizer_hf
 
@@ -31,13 +31,13 @@ from torchtitan.components import checkpoint_hf
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_files import CONFIG_FILE, read_full_model
 from torchtitan.components.checkpoint_states import ModelState
-from torchtitan.components.hf_tokenizer import save_hf_tokenizer
 from torchtitan.components.tokenizer import (
     DEFAULT_TOKENIZER_PATH,
     Llama3Tokenizer,
     build_tokenizer,
     find_tokenizer_file,
 )
+from torchtitan.components.tokenizer_export import save_hf_tokenizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Checkpoint
 from torchtitan.models.spec import get_model_spec
@@ -120,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "out", type=Path, help="the HF folder (to_hf, tokenizer) or a checkpoint folder"
     )
-    parser.add_argument("--module", default=None, help="model family (from_hf: llama3)")
+    parser.add_argument(
+        "--module", default=None,
+        help="model family (from_hf: found from config.json's model_type, else llama3)",
+    )  # fmt: skip
     parser.add_argument("--flavor", default=None)
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument(
@@ -138,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.direction == "tokenizer":
             tokenizer_to_hf(args.source, args.out, args.model_max_length)
         else:
-            from_hf(args.source, args.out, args.module or "llama3", args.flavor)
+            module = args.module or checkpoint_hf.hf_family(args.source) or "llama3"
+            from_hf(args.source, args.out, module, args.flavor)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -134,6 +134,8 @@ def load_model(
         saved = tomllib.loads((path / CONFIG_FILE).read_text()).get("model", {})
         module, flavor = module or saved.get("name"), flavor or saved.get("flavor")
         tokenizer = Path(saved.get("tokenizer_path", tokenizer))
+    if module is None and checkpoint_hf.is_hf_folder(path):
+        module = checkpoint_hf.hf_family(path)
     spec = get_model_spec(module or "llama3")
     if checkpoint_hf.is_hf_folder(path):
         flavor = flavor or checkpoint_hf.matching_flavor(spec, path)

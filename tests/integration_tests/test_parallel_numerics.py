@@ -39,6 +39,8 @@ MOE = (
     "--moe.load_balance_coeff 0.01"
 )
 MOE_REFERENCE = ("ref_moe", 1, f"--training.local_batch_size 8 {MOE}")
+QWEN3 = "--module qwen3 --config qwen3_debugmodel"
+QWEN3_REFERENCE = ("ref_qwen3", 1, f"--training.local_batch_size 8 {QWEN3}")
 # Validation (cases named validation_*) after steps 5 and 10, in global batches of 8 rows read
 # alike by every layout (by_row): the first 24 of the bundled split's 72 full batches;
 # ref_validation_all reads them all once.
@@ -241,6 +243,16 @@ CASES = {
         "--moe.experts_impl loop",
     ),
     # TP without EP splits every expert's hidden width (routed and shared).
+    # Qwen3's per-head query/key norms: each TP rank normalizes its own heads with the one
+    # replicated weight, whose gradient sums over the ranks (2D under FSDP x TP).
+    "qwen3_tp2": (
+        2,
+        f"{QWEN3} --training.local_batch_size 8 --parallelism.tensor_parallel_degree 2",
+    ),
+    "qwen3_fsdp2_tp2": (
+        4,
+        f"{QWEN3} --training.local_batch_size 4 --parallelism.tensor_parallel_degree 2",
+    ),
     "moe_tp2_no_sp": (
         2,
         f"{MOE} --training.local_batch_size 8 --parallelism.tensor_parallel_degree 2 "
@@ -383,7 +395,8 @@ def _killed_by_signal(stderr: str) -> bool:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("numerics")
-    references = (REFERENCE, BLOCK_CAUSAL_REFERENCE, MOE_REFERENCE, VALIDATION_REFERENCE)
+    references = (REFERENCE, BLOCK_CAUSAL_REFERENCE, MOE_REFERENCE, QWEN3_REFERENCE)
+    references += (VALIDATION_REFERENCE,)
     references += (WHOLE_SPLIT,)
     _launch(out, 1, [(name, flags) for name, _, flags in references])
     cases = CASES | FLOAT8_CASES
@@ -403,6 +416,8 @@ def test_layout_matches_one_process(results, case):
         reference = BLOCK_CAUSAL_REFERENCE[0]
     elif case.startswith("moe_"):
         reference = MOE_REFERENCE[0]
+    elif case.startswith("qwen3_"):
+        reference = QWEN3_REFERENCE[0]
     elif case.startswith("validation_"):
         reference = VALIDATION_REFERENCE[0]
     ref, run = _load(results, reference), _load(results, case)

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from torchtitan.components.hf_tokenizer import save_hf_tokenizer
+from torchtitan.components.tokenizer_export import save_hf_tokenizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed import local_tensor
 from torchtitan.tools.logging import logger
@@ -71,6 +71,27 @@ def is_hf_folder(path: str | os.PathLike) -> bool:
 def read_config(folder: str | os.PathLike) -> dict[str, Any]:
     """An HF folder's ``config.json``."""
     return json.loads((Path(folder) / CONFIG).read_text())
+
+
+def hf_family(folder: str | os.PathLike) -> str | None:
+    """The model family (``--module``) under ``torchtitan.models`` whose adapter reads the HF
+    folder's ``model_type`` (``None``: no family does, or the folder names none)."""
+    import pkgutil
+
+    import torchtitan.models
+    from torchtitan.models.spec import get_model_spec
+
+    model_type = read_config(folder).get("model_type")
+    for package in pkgutil.iter_modules(torchtitan.models.__path__):
+        if not package.ispkg or package.name == "common":
+            continue
+        spec = get_model_spec(package.name)
+        if spec.state_dict_adapter is None:
+            continue
+        adapter = spec.state_dict_adapter(next(iter(spec.flavors.values())))
+        if model_type is not None and getattr(adapter, "model_type", None) == model_type:
+            return spec.name
+    return None
 
 
 def matching_flavor(spec, folder: str | os.PathLike) -> str:

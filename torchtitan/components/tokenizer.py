@@ -14,14 +14,11 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import tiktoken
 
+from torchtitan.components.hf_tokenizer import HF_TOKENIZER_FILENAME, HuggingFaceTokenizer
 from torchtitan.config.errors import ConfigError
-
-if TYPE_CHECKING:
-    from torchtitan.components.hf_tokenizer import HuggingFaceTokenizer
 
 __all__ = [
     "DEFAULT_TOKENIZER_PATH",
@@ -72,7 +69,6 @@ _MAX_RUN_CHARS = 25_000
 _RUN_RE = re.compile(r"\s+|\S+")
 
 _TOKENIZER_FILENAME = "tokenizer.model"
-HF_TOKENIZER_FILENAME = "tokenizer.json"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_PATH = _REPO_ROOT / "tests" / "assets" / "tokenizer" / _TOKENIZER_FILENAME
 
@@ -237,8 +233,6 @@ def build_tokenizer(tokenizer_path: str | os.PathLike) -> Llama3Tokenizer | Hugg
         FileNotFoundError: no tokenizer file at or under `tokenizer_path`.
         ConfigError: the file is not a valid tokenizer of its format.
     """
-    from torchtitan.components.hf_tokenizer import HuggingFaceTokenizer
-
     path = Path(tokenizer_path).expanduser()
     model_file = find_tokenizer_file(path)
     if model_file is None:

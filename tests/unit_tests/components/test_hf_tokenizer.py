@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan.components.hf_tokenizer import (
-    HuggingFaceTokenizer,
-    hf_tokenizer_config,
-    save_hf_tokenizer,
-    tiktoken_to_hf,
-)
+from torchtitan.components.hf_tokenizer import HuggingFaceTokenizer
 from torchtitan.components.tokenizer import (
     DEFAULT_TOKENIZER_PATH,
     Llama3Tokenizer,
     build_tokenizer,
+)
+from torchtitan.components.tokenizer_export import (
+    hf_tokenizer_config,
+    save_hf_tokenizer,
+    tiktoken_to_hf,
 )
 from torchtitan.config.errors import ConfigError
 

@@ -40,6 +40,7 @@ class DeepSeekV3StateDictAdapter:
     for the interface."""
 
     architecture = "DeepseekV3ForCausalLM"
+    model_type = "deepseek_v3"
 
     def __init__(self, args: DeepSeekV3Args):
         self.args = args
@@ -124,7 +125,7 @@ class DeepSeekV3StateDictAdapter:
             )
         config: dict[str, Any] = {
             "architectures": [self.architecture],
-            "model_type": "deepseek_v3",
+            "model_type": self.model_type,
             **self._fields(),
             "num_key_value_heads": a.n_heads,
             "rms_norm_eps": a.norm_eps,
@@ -153,7 +154,7 @@ class DeepSeekV3StateDictAdapter:
 
     def check_hf_config(self, config: dict[str, Any], where: str) -> None:
         """Refuse (one line) an HF model whose shapes or routing differ from this flavor's."""
-        if config.get("model_type") not in (None, "deepseek_v3"):
+        if config.get("model_type") not in (None, self.model_type):
             raise ConfigError(f"{where}: model_type {config['model_type']!r} is not DeepSeek-V3")
         wanted = self._fields()
         wrong = [

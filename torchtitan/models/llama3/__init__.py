@@ -13,7 +13,11 @@ __all__ = ["Llama3Args", "config_registry", "flavors", "model_spec"]
 
 def validate(config, parallel_dims) -> None:
     """Model-specific checks of a config against its parallel degrees (no torch import)."""
-    args = flavors[config.model.flavor]
+    validate_args(flavors[config.model.flavor], config, parallel_dims)
+
+
+def validate_args(args: Llama3Args, config, parallel_dims) -> None:
+    """:func:`validate` for the flavor ``args`` (families built on Llama 3's model share it)."""
     if parallel_dims.pp > 1 and args.tie_word_embeddings:
         raise ConfigError(
             f"--model.flavor {config.model.flavor} ties the output to the embeddings, which "
@@ -21,7 +25,7 @@ def validate(config, parallel_dims) -> None:
             "--parallelism.pipeline_parallel_degree 1 or an untied flavor"
         )
     check_parallel_degrees(
-        flavors[config.model.flavor],
+        args,
         flavor=config.model.flavor,
         tp=parallel_dims.tp,
         sequence_parallel=config.parallelism.enable_sequence_parallel,

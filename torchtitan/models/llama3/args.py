@@ -34,6 +34,9 @@ class Llama3Args:
     tie_word_embeddings: bool = False
     depth_init: bool = True
     """Scale each block's output-projection init by its depth instead of the layer count."""
+    qk_norm: bool = False
+    """RMSNorm each query and key head (over its dims, one weight shared by the heads) before
+    the rotary embedding, as Qwen3 does."""
 
     @property
     def head_dim(self) -> int:
@@ -53,8 +56,8 @@ class Llama3Args:
 
     def num_params(self, *, exclude_embedding: bool = False) -> int:
         """Exact parameter count, computed from the dims (matches the built module)."""
-        kv_dim = self.kv_heads * self.head_dim
-        attn = self.dim * self.dim * 2 + self.dim * kv_dim * 2
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.kv_heads * self.head_dim
+        attn = self.dim * q_dim * 2 + self.dim * kv_dim * 2 + 2 * self.head_dim * self.qk_norm
         ffn = 3 * self.dim * self.ffn_hidden_dim
         block = attn + ffn + 2 * self.dim
         embedding = self.vocab_size * self.dim

@@ -4,65 +4,23 @@ Each function returns a complete ``JobConfig``; TOML files and CLI flags layer o
 Private helpers (leading underscore) are not listed as configs.
 """
 
-from torchtitan.config.job_config import (
-    ActivationCheckpoint,
-    Checkpoint,
-    JobConfig,
-    LRScheduler,
-    Metrics,
-    Model,
-    Optimizer,
-    Training,
-)
+from torchtitan.config.job_config import JobConfig
+from torchtitan.models.common.presets import debug_run, pretraining_run
 
 
 def llama3_debugmodel() -> JobConfig:
     """6-layer, 256-wide Llama 3 on the bundled corpus: trains in minutes on a laptop CPU."""
-    return JobConfig(
-        model=Model(name="llama3", flavor="debugmodel", tokenizer_path="tests/assets/tokenizer"),
-        training=Training(
-            dataset="python_docs",
-            local_batch_size=8,
-            seq_len=512,
-            steps=100,
-            max_norm=1.0,
-            mixed_precision_param="float32",
-        ),
-        optimizer=Optimizer(name="AdamW", lr=2e-3, weight_decay=0.1),
-        lr_scheduler=LRScheduler(warmup_steps=10, decay_type="cosine", min_lr_factor=0.1),
-        metrics=Metrics(log_freq=5),
-        checkpoint=Checkpoint(interval=50),
-    )
+    return debug_run("llama3")
 
 
 def _pretraining(
-    flavor: str, *, lr: float, local_batch_size: int, seq_len: int = 8192, ac: str = "selective"
+    flavor: str, *, lr: float, local_batch_size: int, ac: str = "selective"
 ) -> JobConfig:
-    """Shared settings of the full-size runs, on C4 with the real Llama 3 tokenizer."""
-    return JobConfig(
-        model=Model(
-            name="llama3",
-            flavor=flavor,
-            tokenizer_path="assets/hf/Llama-3.1-8B",
-            attn_mask="block_causal",
-        ),
-        training=Training(
-            dataset="c4",
-            local_batch_size=local_batch_size,
-            seq_len=seq_len,
-            steps=1000,
-            max_norm=1.0,
-            mixed_precision_param="bfloat16",
-            # Tokenizing in a worker overlaps the GPU's step: measured on one H100 with
-            # Llama 3 1B / 8B-class, loading in the step took 7-12% of it (docs/performance.md).
-            num_workers=1,
-        ),
-        optimizer=Optimizer(name="AdamW", lr=lr),
-        lr_scheduler=LRScheduler(warmup_steps=200, decay_type="linear", min_lr_factor=0.0),
-        metrics=Metrics(log_freq=10, enable_tensorboard=True),
-        checkpoint=Checkpoint(interval=500),
-        activation_checkpoint=ActivationCheckpoint(mode=ac),
-    )
+    """The full-size runs, 8192 tokens per sequence, with the real Llama 3 tokenizer."""
+    return pretraining_run(
+        "llama3", flavor, tokenizer_path="assets/hf/Llama-3.1-8B", lr=lr,
+        local_batch_size=local_batch_size, seq_len=8192, ac=ac,
+    )  # fmt: skip
 
 
 def llama3_1b() -> JobConfig:

@@ -41,7 +41,8 @@ def _scale_rope_frequencies(freqs: torch.Tensor, s: RopeScaling) -> torch.Tensor
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention: ``n_heads`` query heads share ``n_kv_heads`` K/V heads."""
+    """Causal grouped-query attention: ``n_heads`` query heads share ``n_kv_heads`` K/V heads
+    (with ``qk_norm``, each query and key head RMS-normalized before the rotary embedding)."""
 
     def __init__(self, args: Llama3Args):
         super().__init__()
@@ -52,6 +53,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.q_norm = self.k_norm = None
+        if args.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
         self.sdpa = ScaledDotProductAttention()
 
     def forward(
@@ -64,6 +69,8 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bs, seq, -1, self.head_dim)
         xk = self.wk(x).view(bs, seq, -1, self.head_dim)
         xv = self.wv(x).view(bs, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            xq, xk = self.q_norm(xq), self.k_norm(xk)
         xq, xk = apply_rope(xq, xk, rope_cis)
         # [bs, h, seq, hd] for SDPA.
         out = self.sdpa(*(t.transpose(1, 2) for t in (xq, xk, xv)), documents)
@@ -73,6 +80,9 @@ class Attention(nn.Module):
         for linear in (self.wq, self.wk, self.wv):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        if self.q_norm is not None:
+            self.q_norm.reset_parameters()
+            self.k_norm.reset_parameters()
 
 
 class TransformerBlock(nn.Module):

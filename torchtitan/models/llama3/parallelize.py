@@ -147,4 +147,9 @@ def apply_tp(
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
+        if attn.q_norm is not None:
+            # Each rank normalizes its own heads (dim 2) with the one replicated weight, whose
+            # gradient DTensor then sums over the ranks' heads.
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, tp_mesh, plan)

@@ -43,6 +43,9 @@ class Llama3StateDictAdapter:
     ``hf_config`` and ``check_hf_config``."""
 
     architecture = "LlamaForCausalLM"
+    model_type = "llama"
+    block_names: dict[str, str] = _BLOCK
+    """Our names within a block -> HF's within ``model.layers.{i}``."""
 
     def __init__(self, args: Llama3Args):
         self.args = args
@@ -52,9 +55,9 @@ class Llama3StateDictAdapter:
         if name in _TOP:
             return [_TOP[name]]
         match = _LAYER.fullmatch(name)
-        if match is None or match.group(2) not in _BLOCK:
+        if match is None or match.group(2) not in self.block_names:
             raise KeyError(name)
-        return [f"model.layers.{match.group(1)}.{_BLOCK[match.group(2)]}"]
+        return [f"model.layers.{match.group(1)}.{self.block_names[match.group(2)]}"]
 
     def to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         """Our ``name``'s full tensor as HF tensors."""
@@ -84,11 +87,11 @@ class Llama3StateDictAdapter:
         return None
 
     def hf_config(self, *, tied: bool, dtype: torch.dtype, bos_id: int | None, eos_id: int | None):
-        """``config.json`` for ``transformers``' ``LlamaForCausalLM`` with these shapes."""
+        """``config.json`` for ``transformers``' ``architecture`` with these shapes."""
         a = self.args
         config: dict[str, Any] = {
             "architectures": [self.architecture],
-            "model_type": "llama",
+            "model_type": self.model_type,
             "hidden_size": a.dim,
             "intermediate_size": a.ffn_hidden_dim,
             "num_hidden_layers": a.n_layers,
@@ -130,8 +133,11 @@ class Llama3StateDictAdapter:
             "num_key_value_heads": a.kv_heads,
             "vocab_size": a.vocab_size,
         }
-        if config.get("model_type") not in (None, "llama"):
-            raise ConfigError(f"{where}: model_type {config['model_type']!r} is not a Llama")
+        if config.get("model_type") not in (None, self.model_type):
+            raise ConfigError(
+                f"{where}: model_type {config['model_type']!r} is not {self.model_type!r} "
+                f"(--module picks the model family)"
+            )
         found = {
             k: config.get(k, a.n_heads if k == "num_key_value_heads" else None) for k in wanted
         }

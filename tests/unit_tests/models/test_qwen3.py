@@ -1,0 +1,125 @@
+"""Qwen3 (dense): the published shapes, and weights to and from ``transformers``'
+``Qwen3ForCausalLM`` (a test-only dependency) with the same logits both ways."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from torchtitan.components import checkpoint_hf
+from torchtitan.config.errors import ConfigError
+from torchtitan.models.llama3.model import Transformer
+from torchtitan.models.qwen3.args import flavors
+from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+transformers = pytest.importorskip("transformers")
+
+# The published non-embedding counts (embedding and output projection excluded), in billions.
+PUBLISHED_NON_EMBEDDING = {
+    "0.6B": 0.44,
+    "1.7B": 1.4,
+    "4B": 3.6,
+    "8B": 6.95,
+    "14B": 13.2,
+    "32B": 31.2,
+}
+ARGS = dataclasses.replace(flavors["debugmodel"], n_layers=2, max_seq_len=64)
+TOKENS = torch.randint(0, ARGS.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def _hf_config(args, tied: bool):
+    return transformers.Qwen3Config(
+        hidden_size=args.dim, intermediate_size=args.ffn_hidden_dim,
+        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
+        num_key_value_heads=args.kv_heads, head_dim=args.head_dim, vocab_size=args.vocab_size,
+        rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta, max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )  # fmt: skip
+
+
+def _ours(args=ARGS) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model.eval()
+
+
+@pytest.mark.parametrize("flavor", sorted(PUBLISHED_NON_EMBEDDING))
+def test_flavor_param_counts_match_transformers_and_published(flavor):
+    args = flavors[flavor]
+    with torch.device("meta"):
+        ours = sum(p.numel() for p in Transformer(args).parameters())
+        theirs = transformers.Qwen3ForCausalLM(_hf_config(args, args.tie_word_embeddings))
+    assert ours == args.num_params() == sum(p.numel() for p in theirs.parameters())
+    embedding = args.vocab_size * args.dim * (1 if args.tie_word_embeddings else 2)
+    non_embedding = (args.num_params() - embedding) / 1e9
+    assert non_embedding == pytest.approx(PUBLISHED_NON_EMBEDDING[flavor], abs=0.05)  # rounded
+
+
+def test_query_and_key_heads_are_normalized_before_the_rotary_embedding():
+    attention = _ours().layers["0"].attention
+    assert attention.q_norm.weight.shape == (ARGS.head_dim,) != (ARGS.dim,)
+    x = torch.randn(1, 5, ARGS.dim)
+    with torch.no_grad():
+        attention.q_norm.weight.mul_(3.0)  # a changed query norm changes the output
+        before = attention(x, _ours().rope_cis[:5])
+        attention.q_norm.weight.div_(3.0)
+        assert not torch.allclose(before, attention(x, _ours().rope_cis[:5]))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_import_export_and_round_trip(tmp_path, tied):
+    torch.manual_seed(1)
+    hf = transformers.Qwen3ForCausalLM(_hf_config(ARGS, tied)).eval()
+    with torch.no_grad():  # random norms too (the per-head ones included): a swap would show
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    hf.save_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        want = hf(TOKENS).logits
+
+    ours = _ours()
+    adapter = Qwen3StateDictAdapter(ARGS)
+    checkpoint_hf.load_hf_([ours], adapter, tmp_path / "hf")
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS), want, rtol=1e-5, atol=1e-5)
+
+    checkpoint_hf.save_hf(
+        [ours], adapter, tmp_path / "out", dtype=torch.float32, writer=True, pipelined=False
+    )
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back).__name__ == "Qwen3ForCausalLM" and back.config.tie_word_embeddings == tied
+    with torch.no_grad():
+        torch.testing.assert_close(back(TOKENS).logits, want, rtol=1e-5, atol=1e-5)
+    original, exported = (checkpoint_hf.read_tensors(tmp_path / d) for d in ("hf", "out"))
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+
+
+def test_a_llama_folder_is_refused_in_one_line(tmp_path):
+    config = transformers.LlamaConfig(
+        hidden_size=ARGS.dim, intermediate_size=ARGS.ffn_hidden_dim, num_hidden_layers=2,
+        num_attention_heads=ARGS.n_heads, num_key_value_heads=ARGS.kv_heads,
+        vocab_size=ARGS.vocab_size, head_dim=ARGS.head_dim,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConfigError, match="model_type 'llama' is not 'qwen3'"):
+        checkpoint_hf.load_hf_([_ours()], Qwen3StateDictAdapter(ARGS), tmp_path / "hf")
+
+
+def test_a_qwen3_folder_is_found_to_be_qwen3_without_module(tmp_path):
+    """Sampling and ``convert_hf.py from_hf`` take an HF folder without ``--module``: its
+    ``config.json``'s ``model_type`` picks the family, the shapes the flavor."""
+    from torchtitan.generate import load_model
+
+    args = dataclasses.replace(flavors["debugmodel"], max_seq_len=64)
+    torch.manual_seed(2)
+    hf = transformers.Qwen3ForCausalLM(_hf_config(args, tied=False)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    assert checkpoint_hf.hf_family(tmp_path / "hf") == "qwen3"
+    model, found, _ = load_model(tmp_path / "hf", None, None, torch.device("cpu"))
+    assert found == flavors["debugmodel"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS), hf(TOKENS).logits, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,150 @@
+"""A tokenizer written into a Hugging Face model folder (``tokenizer.json`` +
+``tokenizer_config.json``), so that an export carries the tokenizer its run trained with.
+
+:func:`tiktoken_to_hf` turns a tiktoken ranks file into the equivalent byte-level BPE
+``tokenizer.json`` (the same ids for every text), which ``transformers.AutoTokenizer`` loads;
+:func:`save_hf_tokenizer` converts a tiktoken tokenizer or copies a Hugging Face one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from torchtitan.components.hf_tokenizer import (
+    HF_CONFIG_FILENAME,
+    HF_TOKENIZER_FILENAME,
+    HuggingFaceTokenizer,
+)
+from torchtitan.components.tokenizer import LLAMA3_SPLIT_PATTERN, Llama3Tokenizer
+
+__all__ = ["hf_tokenizer_config", "save_hf_tokenizer", "tiktoken_to_hf"]
+
+
+def _byte_symbols() -> list[str]:
+    """The printable character that byte-level BPE files use for each byte value: printable
+    Latin-1 bytes stand for themselves, the others for the code points from 256 up in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    symbols, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    return [symbols[b] for b in range(256)]
+
+
+def _split_below(token: bytes, ranks: dict[bytes, int], limit: int) -> list[bytes]:
+    """`token`'s bytes merged as tiktoken merges them with only the ranks below `limit`: the
+    two halves whose merge made the token (more parts: no merge makes it)."""
+    parts = [token[i : i + 1] for i in range(len(token))]
+    while len(parts) > 1:
+        best, at = limit, -1
+        for i in range(len(parts) - 1):
+            rank = ranks.get(parts[i] + parts[i + 1], limit)
+            if rank < best:
+                best, at = rank, i
+        if at < 0:
+            break
+        parts[at : at + 2] = [parts[at] + parts[at + 1]]
+    return parts
+
+
+def tiktoken_to_hf(tokenizer: Llama3Tokenizer) -> dict[str, Any]:
+    """The ``tokenizer.json`` content of a tiktoken tokenizer: its ranks as a byte-level BPE
+    vocabulary, each token's merge ranked by the token's rank, the Llama 3 split pattern and
+    special tokens, and a post-processor that starts every sequence with bos (what
+    ``transformers`` does for Llama 3). Encodes every text to the same ids."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
+
+    ranks = tokenizer.mergeable_ranks
+    symbols = _byte_symbols()
+
+    def text(token: bytes) -> str:
+        return "".join(symbols[b] for b in token)
+
+    vocab = {text(token): rank for token, rank in ranks.items()}
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) > 1:
+            parts = _split_below(token, ranks, rank)
+            if len(parts) == 2:  # a token no merge makes is still used whole (ignore_merges)
+                merges.append((text(parts[0]), text(parts[1])))
+    model = models.BPE(vocab=vocab, merges=merges, ignore_merges=True)
+    hf = Tokenizer(model)
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    hf.decoder = decoders.ByteLevel()
+    specials = sorted(tokenizer.special_tokens.items(), key=lambda item: item[1])
+    hf.add_special_tokens(
+        [AddedToken(name, special=True, normalized=False) for name, _ in specials]
+    )
+    added = hf.get_vocab(with_added_tokens=True)
+    wrong = [(name, i) for name, i in specials if added.get(name) != i]
+    if wrong:  # add_special_tokens numbers them after the vocabulary: ours are there already
+        raise ValueError(f"special tokens numbered differently: {wrong[:3]}")
+    bos = _name_of(tokenizer.special_tokens, tokenizer.bos_id)
+    hf.post_processor = processors.TemplateProcessing(
+        single=f"{bos}:0 $A:0",
+        pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+        special_tokens=[(bos, tokenizer.bos_id)],
+    )
+    return json.loads(hf.to_str())
+
+
+def _name_of(special_tokens: dict[str, int], token_id: int) -> str:
+    return next(name for name, i in special_tokens.items() if i == token_id)
+
+
+def hf_tokenizer_config(tokenizer: Llama3Tokenizer, model_max_length: int) -> dict[str, Any]:
+    """A ``tokenizer_config.json`` for :func:`tiktoken_to_hf`'s file (``transformers`` reads the
+    bos, eos and pad tokens from it)."""
+    names = tokenizer.special_tokens
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": _name_of(names, tokenizer.bos_id),
+        "eos_token": _name_of(names, tokenizer.eos_id),
+        "pad_token": _name_of(names, tokenizer.pad_id),
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+
+
+def save_hf_tokenizer(
+    tokenizer: Llama3Tokenizer | HuggingFaceTokenizer,
+    folder: str | os.PathLike,
+    model_max_length: int,
+) -> list[Path]:
+    """Write `tokenizer` into a Hugging Face model folder: a ``tokenizer.json`` tokenizer's own
+    files copied, a tiktoken one converted. Returns the files written."""
+    folder = Path(folder)
+    written = [folder / HF_TOKENIZER_FILENAME, folder / HF_CONFIG_FILENAME]
+    if isinstance(tokenizer, HuggingFaceTokenizer):
+        shutil.copyfile(tokenizer.path, written[0])
+        if tokenizer.config_path.is_file():
+            shutil.copyfile(tokenizer.config_path, written[1])
+        else:
+            written.pop()
+        return written
+    written[0].write_text(
+        json.dumps(tiktoken_to_hf(tokenizer), ensure_ascii=False, indent=2) + "\n"
+    )
+    config = hf_tokenizer_config(tokenizer, model_max_length)
+    written[1].write_text(json.dumps(config, indent=2) + "\n")
+    return written

@@ -1,0 +1,49 @@
+"""Named Qwen3 training configs: ``--module qwen3 --config <function name>``."""
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.models.common.presets import debug_run, pretraining_run
+
+# Every Qwen3 size shares one tokenizer (a tokenizer.json without a bos token: documents are
+# framed by <|endoftext|>), downloaded into assets/hf/Qwen3-0.6B-Base by
+# `python scripts/download_hf_assets.py --repo_id Qwen/Qwen3-0.6B-Base --assets tokenizer`.
+TOKENIZER_REPO = "Qwen/Qwen3-0.6B-Base"
+
+
+def qwen3_debugmodel() -> JobConfig:
+    """6-layer, 256-wide Qwen3 (8 heads of 64) on the bundled corpus: trains in minutes on a
+    laptop CPU."""
+    return debug_run("qwen3")
+
+
+def _pretraining(
+    flavor: str, *, lr: float, local_batch_size: int, ac: str = "selective"
+) -> JobConfig:
+    """The full-size runs, 4096 tokens per sequence, with the Qwen3 tokenizer."""
+    return pretraining_run(
+        "qwen3", flavor, tokenizer_path=f"assets/hf/{TOKENIZER_REPO.split('/')[1]}", lr=lr,
+        local_batch_size=local_batch_size, seq_len=4096, ac=ac,
+    )  # fmt: skip
+
+
+def qwen3_0_6b() -> JobConfig:
+    return _pretraining("0.6B", lr=3e-4, local_batch_size=4)
+
+
+def qwen3_1_7b() -> JobConfig:
+    return _pretraining("1.7B", lr=3e-4, local_batch_size=2)
+
+
+def qwen3_4b() -> JobConfig:
+    return _pretraining("4B", lr=3e-4, local_batch_size=2)
+
+
+def qwen3_8b() -> JobConfig:
+    return _pretraining("8B", lr=3e-4, local_batch_size=1)
+
+
+def qwen3_14b() -> JobConfig:
+    return _pretraining("14B", lr=2e-4, local_batch_size=1, ac="full")
+
+
+def qwen3_32b() -> JobConfig:
+    return _pretraining("32B", lr=1.5e-4, local_batch_size=1, ac="full")
