@@ -242,17 +242,19 @@ CASES = {
         f"{MOE} --training.local_batch_size 4 --parallelism.expert_parallel_degree 2 "
         "--moe.experts_impl loop",
     ),
-    # TP without EP splits every expert's hidden width (routed and shared).
     # Qwen3's per-head query/key norms: each TP rank normalizes its own heads with the one
-    # replicated weight, whose gradient sums over the ranks (2D under FSDP x TP).
-    "qwen3_tp2": (
+    # replicated weight, whose gradient sums over the ranks; without sequence parallelism they
+    # are the only such weights, under FSDP x TP they are 2D.
+    "qwen3_tp2_no_sp": (
         2,
-        f"{QWEN3} --training.local_batch_size 8 --parallelism.tensor_parallel_degree 2",
+        f"{QWEN3} --training.local_batch_size 8 --parallelism.tensor_parallel_degree 2 "
+        "--parallelism.no_enable_sequence_parallel",
     ),
     "qwen3_fsdp2_tp2": (
         4,
         f"{QWEN3} --training.local_batch_size 4 --parallelism.tensor_parallel_degree 2",
     ),
+    # TP without EP splits every expert's hidden width (routed and shared).
     "moe_tp2_no_sp": (
         2,
         f"{MOE} --training.local_batch_size 8 --parallelism.tensor_parallel_degree 2 "

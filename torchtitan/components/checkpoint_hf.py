@@ -73,23 +73,33 @@ def read_config(folder: str | os.PathLike) -> dict[str, Any]:
     return json.loads((Path(folder) / CONFIG).read_text())
 
 
+def _adapter_class(spec):
+    """The class behind a spec's ``state_dict_adapter`` (a ``lazy`` name or the class)."""
+    adapter = spec.state_dict_adapter
+    return adapter.resolve() if hasattr(adapter, "resolve") else adapter
+
+
 def hf_family(folder: str | os.PathLike) -> str | None:
     """The model family (``--module``) under ``torchtitan.models`` whose adapter reads the HF
-    folder's ``model_type`` (``None``: no family does, or the folder names none)."""
+    folder's ``model_type`` (``None``: the folder names none, or no family reads it). A family
+    that fails to import is skipped (its own runs say why)."""
     import pkgutil
 
     import torchtitan.models
     from torchtitan.models.spec import get_model_spec
 
     model_type = read_config(folder).get("model_type")
+    if model_type is None:
+        return None
     for package in pkgutil.iter_modules(torchtitan.models.__path__):
-        if not package.ispkg or package.name == "common":
+        if not package.ispkg:
             continue
-        spec = get_model_spec(package.name)
-        if spec.state_dict_adapter is None:
-            continue
-        adapter = spec.state_dict_adapter(next(iter(spec.flavors.values())))
-        if model_type is not None and getattr(adapter, "model_type", None) == model_type:
+        try:
+            spec = get_model_spec(package.name)
+            adapter = _adapter_class(spec) if spec.state_dict_adapter is not None else None
+        except (ImportError, ConfigError, AttributeError):
+            continue  # not a family (models/common), or one this install cannot load
+        if getattr(adapter, "model_type", None) == model_type:
             return spec.name
     return None
 
@@ -97,6 +107,12 @@ def hf_family(folder: str | os.PathLike) -> str | None:
 def matching_flavor(spec, folder: str | os.PathLike) -> str:
     """The flavor of ``spec`` whose shapes the HF folder's ``config.json`` has."""
     config = read_config(folder)
+    model_type = getattr(_adapter_class(spec), "model_type", None)
+    if config.get("model_type") not in (None, model_type):
+        raise ConfigError(
+            f"{folder}: model_type {config['model_type']!r} is not {spec.name}'s "
+            f"({model_type!r}); pass the --module that reads it"
+        )
     for flavor, args in spec.flavors.items():
         try:
             spec.state_dict_adapter(args).check_hf_config(config, str(folder))

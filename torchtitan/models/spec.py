@@ -141,8 +141,12 @@ class lazy:  # noqa: N801 (reads as a function at the call site)
     target: str
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.resolve()(*args, **kwargs)
+
+    def resolve(self) -> Any:
+        """The named object itself (importing its module)."""
         module, _, attribute = self.target.partition(":")
-        return getattr(importlib.import_module(module), attribute)(*args, **kwargs)
+        return getattr(importlib.import_module(module), attribute)
 
 
 def import_model_module(name: str) -> types.ModuleType:

@@ -2,6 +2,8 @@
 ``Qwen3ForCausalLM`` (a test-only dependency) with the same logits both ways."""
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +25,17 @@ PUBLISHED_NON_EMBEDDING = {
     "14B": 13.2,
     "32B": 31.2,
 }
+# The published config.json of Qwen/Qwen3-<size>: hidden_size, intermediate_size,
+# num_hidden_layers, num_attention_heads, num_key_value_heads, tie_word_embeddings (head_dim
+# 128, vocab 151936, rope_theta 1e6, rms_norm_eps 1e-6 in all).
+PUBLISHED_CONFIGS = {
+    "0.6B": (1024, 3072, 28, 16, 8, True),
+    "1.7B": (2048, 6144, 28, 16, 8, True),
+    "4B": (2560, 9728, 36, 32, 8, True),
+    "8B": (4096, 12288, 36, 32, 8, False),
+    "14B": (5120, 17408, 40, 40, 8, False),
+    "32B": (5120, 25600, 64, 64, 8, False),
+}  # fmt: skip
 ARGS = dataclasses.replace(flavors["debugmodel"], n_layers=2, max_seq_len=64)
 TOKENS = torch.randint(0, ARGS.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
 
@@ -48,6 +61,11 @@ def _ours(args=ARGS) -> Transformer:
 @pytest.mark.parametrize("flavor", sorted(PUBLISHED_NON_EMBEDDING))
 def test_flavor_param_counts_match_transformers_and_published(flavor):
     args = flavors[flavor]
+    shape = (args.dim, args.ffn_hidden_dim, args.n_layers, args.n_heads, args.kv_heads)
+    assert (*shape, args.tie_word_embeddings) == PUBLISHED_CONFIGS[flavor]
+    assert (args.head_dim, args.vocab_size, args.rope_theta, args.norm_eps) == (
+        128, 151936, 1e6, 1e-6,
+    )  # fmt: skip
     with torch.device("meta"):
         ours = sum(p.numel() for p in Transformer(args).parameters())
         theirs = transformers.Qwen3ForCausalLM(_hf_config(args, args.tie_word_embeddings))
@@ -57,7 +75,9 @@ def test_flavor_param_counts_match_transformers_and_published(flavor):
     assert non_embedding == pytest.approx(PUBLISHED_NON_EMBEDDING[flavor], abs=0.05)  # rounded
 
 
-def test_query_and_key_heads_are_normalized_before_the_rotary_embedding():
+def test_the_query_norm_weighs_in():
+    """(Its place, per head and before the rotary embedding, is checked against transformers'
+    logits below.)"""
     attention = _ours().layers["0"].attention
     assert attention.q_norm.weight.shape == (ARGS.head_dim,) != (ARGS.dim,)
     x = torch.randn(1, 5, ARGS.dim)
@@ -123,3 +143,51 @@ def test_a_qwen3_folder_is_found_to_be_qwen3_without_module(tmp_path):
     assert found == flavors["debugmodel"]
     with torch.no_grad():
         torch.testing.assert_close(model(TOKENS), hf(TOKENS).logits, rtol=1e-5, atol=1e-5)
+
+
+def _save(tmp_path: Path, name: str, args=ARGS, **overrides) -> Path:
+    config = _hf_config(args, tied=False)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(tmp_path / name)
+    return tmp_path / name
+
+
+def test_family_and_flavor_come_from_the_folder(tmp_path):
+    from torchtitan.models.llama3.args import flavors as llama_flavors
+    from torchtitan.models.spec import get_model_spec
+
+    folder = _save(tmp_path, "qwen3")
+    a = llama_flavors["debugmodel"]
+    llama = transformers.LlamaConfig(
+        hidden_size=a.dim, intermediate_size=a.ffn_hidden_dim, num_hidden_layers=1,
+        num_attention_heads=a.n_heads, num_key_value_heads=a.kv_heads, vocab_size=a.vocab_size,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(llama).save_pretrained(tmp_path / "llama")
+    assert checkpoint_hf.hf_family(tmp_path / "llama") == "llama3"
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"model_type": None}))
+    assert checkpoint_hf.hf_family(folder) is None
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ConfigError, match="model_type 'qwen3' is not llama3's .* pass the --module"
+    ):
+        checkpoint_hf.matching_flavor(get_model_spec("llama3"), folder)
+    full = _save(tmp_path, "full", dataclasses.replace(flavors["debugmodel"], max_seq_len=64))
+    assert checkpoint_hf.matching_flavor(get_model_spec("qwen3"), full) == "debugmodel"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                              "original_max_position_embeddings": 32}},
+         r"scales its rotary embedding \(yarn\), this flavor does not"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+         "rope_theta 10000.0 differs from the flavor's 1000000.0"),
+    ],
+)  # fmt: skip
+def test_other_rotary_settings_are_refused(tmp_path, overrides, expected):
+    folder = _save(tmp_path, "hf", **overrides)
+    with pytest.raises(ConfigError, match=expected):
+        checkpoint_hf.load_hf_([_ours()], Qwen3StateDictAdapter(ARGS), folder)

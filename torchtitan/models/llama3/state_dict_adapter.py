@@ -152,6 +152,44 @@ class Llama3StateDictAdapter:
             raise ConfigError(
                 f"{where}: head_dim {head_dim} differs from the flavor's {a.head_dim}"
             )
+        self._check_rope(config, where)
+
+    def _check_rope(self, config: dict[str, Any], where: str) -> None:
+        """The rotary embedding's base and scaling must be the flavor's: a folder edited for
+        long context (YaRN, a longer Llama 3.1 table) would otherwise load and compute other
+        logits. Reads both ``config.json`` forms (``rope_theta`` + ``rope_scaling``, and
+        transformers 5's ``rope_parameters``)."""
+        a = self.args
+        params = dict(config.get("rope_parameters") or {})
+        theta = params.pop("rope_theta", config.get("rope_theta"))
+        scaling = config.get("rope_scaling") or params
+        kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+        if theta is not None and float(theta) != a.rope_theta:
+            raise ConfigError(
+                f"{where}: rope_theta {theta} differs from the flavor's {a.rope_theta}"
+            )
+        ours = a.rope_scaling
+        if ours is None:
+            if kind != "default":
+                raise ConfigError(
+                    f"{where}: the HF model scales its rotary embedding ({kind}), this flavor "
+                    "does not; pick a flavor with its rope scaling"
+                )
+            return
+        wanted = {
+            "rope_type": "llama3",
+            "factor": ours.factor,
+            "low_freq_factor": ours.low_freq_factor,
+            "high_freq_factor": ours.high_freq_factor,
+            "original_max_position_embeddings": ours.original_max_position_embeddings,
+        }
+        found = {k: scaling.get(k) for k in wanted} | {"rope_type": kind}
+        wrong = [f"{k}={found[k]} (flavor: {v})" for k, v in wanted.items() if found[k] != v]
+        if wrong:
+            raise ConfigError(
+                f"{where}: the HF model's rope scaling {', '.join(wrong)} differs from this "
+                "--model.flavor's"
+            )
 
 
 def _pairs_to_halves(w: torch.Tensor, heads: int) -> torch.Tensor:

@@ -17,6 +17,9 @@ class Qwen3Args(Llama3Args):
     norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     qk_norm: bool = True
+    max_seq_len: int = 40960
+    """RoPE table length (the published ``max_position_embeddings``); runs set it to
+    ``--training.seq_len``."""
     head_size: int = 128
     """Each head's width (``head_dim``)."""
     hidden_dim: int = 3072
