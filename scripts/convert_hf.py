@@ -32,7 +32,6 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_files import CONFIG_FILE, read_full_model
 from torchtitan.components.checkpoint_states import ModelState
 from torchtitan.components.tokenizer import (
-    DEFAULT_TOKENIZER_PATH,
     Llama3Tokenizer,
     build_tokenizer,
     find_tokenizer_file,
@@ -46,7 +45,6 @@ from torchtitan.tools.paths import resolve_path
 # One process on purpose: DCP's note that it saves without a process group is noise here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
-DEFAULT_TOKENIZER = str(DEFAULT_TOKENIZER_PATH.parent)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -72,13 +70,26 @@ def to_hf(
     spec = get_model_spec(module)
     model = _model(spec, flavor)
     model.load_state_dict(read_full_model(step), strict=False)
-    tokenizer_path = tokenizer_path or resolve_path(saved.get("tokenizer_path", DEFAULT_TOKENIZER))
-    tokenizer = build_tokenizer(tokenizer_path)
+    if tokenizer_path is None and "tokenizer_path" in saved:
+        tokenizer_path = resolve_path(saved["tokenizer_path"])
+    tokenizer = None
+    if tokenizer_path is not None:
+        tokenizer = build_tokenizer(tokenizer_path)
+        vocab = spec.flavors[flavor].vocab_size
+        if tokenizer.vocab_size > vocab:
+            raise ConfigError(
+                f"--tokenizer {tokenizer_path} has {tokenizer.vocab_size} tokens, more than "
+                f"{flavor}'s vocabulary of {vocab}: pass the model's own tokenizer"
+            )
     checkpoint_hf.save_hf(
         [model], spec.state_dict_adapter(spec.flavors[flavor]), out, dtype=DTYPES[dtype],
         writer=True, pipelined=False, tokenizer=tokenizer,
     )  # fmt: skip
-    print(f"{module} {flavor} weights and the tokenizer {tokenizer_path} written to {out}")
+    if tokenizer is None:
+        print(f"{module} {flavor} weights written to {out}; no tokenizer: {step} records none "
+              "(pass --tokenizer PATH to add one)")  # fmt: skip
+    else:
+        print(f"{module} {flavor} weights and the tokenizer {tokenizer_path} written to {out}")
 
 
 def from_hf(folder: Path, out: Path, module: str, flavor: str | None) -> None:
@@ -88,7 +99,9 @@ def from_hf(folder: Path, out: Path, module: str, flavor: str | None) -> None:
     # The folder's own tokenizer, where it has one, is what the checkpoint was trained with.
     tokenizer = find_tokenizer_file(folder)
     tokenizer_line = (
-        "" if tokenizer is None else f"tokenizer_path = {json.dumps(str(folder.resolve()))}\n"
+        ""
+        if tokenizer is None
+        else f"tokenizer_path = {json.dumps(str(folder.resolve()), ensure_ascii=False)}\n"
     )
     checkpoint_hf.load_hf_([model], spec.state_dict_adapter(spec.flavors[flavor]), folder)
     manager = CheckpointManager(

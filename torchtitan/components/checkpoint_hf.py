@@ -251,7 +251,10 @@ def save_hf(
         config = adapter.hf_config(tied=tied, dtype=dtype, bos_id=bos_id, eos_id=eos_id)
         (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         if tokenizer is not None:
-            save_hf_tokenizer(tokenizer, folder, config.get("max_position_embeddings", 0))
+            try:
+                save_hf_tokenizer(tokenizer, folder, config.get("max_position_embeddings", 0))
+            except (OSError, ValueError) as e:  # the weights stand; the other ranks wait below
+                logger.warning(f"Tokenizer not written to {folder}: {e}")
         logger.info(f"Hugging Face model written to {folder} ({total} shard(s), {size:,} bytes)")
     _barrier()
 

@@ -58,9 +58,7 @@ class HuggingFaceTokenizer:
         except Exception as e:  # the Rust library raises plain Exception subclasses
             first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
             raise ConfigError(f"{where}: not a Hugging Face tokenizer.json ({first})") from None
-        # Special-token strings in training text are encoded as ordinary text, as the tiktoken
-        # path does: data can never inject control tokens.
-        self._model.encode_special_tokens = True
+        self._treat_added_tokens_as_text()
         self.config_path = self.path.with_name(HF_CONFIG_FILENAME)
         config: dict[str, Any] = {}
         if self.config_path.is_file():
@@ -68,6 +66,8 @@ class HuggingFaceTokenizer:
                 config = json.loads(self.config_path.read_text(encoding="utf-8"))
             except (ValueError, UnicodeDecodeError) as e:
                 raise ConfigError(f"{self.config_path}: not valid JSON ({e})") from None
+            if not isinstance(config, dict):
+                raise ConfigError(f"{self.config_path}: not a JSON object")
         vocab = self._model.get_vocab(with_added_tokens=True)
         self.vocab_size: int = max(vocab.values()) + 1
         eos_id = self._special_id(vocab, config, "eos_token", _EOS_NAMES, where)
@@ -87,6 +87,25 @@ class HuggingFaceTokenizer:
         self.bos_id: int = eos_id if bos_id is None else bos_id
         pad = _token_name(config.get("pad_token"))
         self.pad_id: int | None = vocab.get(pad) if pad else None
+
+    def _treat_added_tokens_as_text(self) -> None:
+        """Token strings in training text are encoded as ordinary text, as the tiktoken path
+        does, so data can never inject a control token. ``encode_special_tokens`` does that
+        for added tokens marked special only; the others (DeepSeek's chat and tool tokens,
+        say) are marked special first (ids unchanged; decoding keeps every token)."""
+        from tokenizers import AddedToken
+
+        plain = [t for t in self._model.get_added_tokens_decoder().values() if not t.special]
+        if plain:
+            self._model.add_special_tokens(
+                [AddedToken(t.content, special=True, normalized=t.normalized) for t in plain]
+            )
+        self._model.encode_special_tokens = True
+
+    def __reduce__(self):
+        # The library's own pickling drops encode_special_tokens (dataloader workers started
+        # by spawn would get control tokens from data): rebuild from the file instead.
+        return (type(self), (self.path,))
 
     def _special_id(
         self, vocab: dict[str, int], config: dict, key: str, names: Sequence[str], where: str
@@ -108,6 +127,10 @@ class HuggingFaceTokenizer:
         as Llama 3's automatic bos, is not applied)."""
         ids = self._model.encode(text, add_special_tokens=False).ids
         return [self.bos_id] * add_bos + ids + [self.eos_id] * add_eos
+
+    def token_name(self, token_id: int) -> str:
+        """The string of one token id (a special token's name)."""
+        return self._model.id_to_token(token_id)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of token `ids`; special ids decode to their names."""

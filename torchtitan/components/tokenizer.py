@@ -242,6 +242,11 @@ def build_tokenizer(tokenizer_path: str | os.PathLike) -> Llama3Tokenizer | Hugg
     try:
         return Llama3Tokenizer(model_file)
     except (ValueError, UnicodeDecodeError) as e:
+        beside = model_file.with_name(HF_TOKENIZER_FILENAME)
+        if path.is_dir() and beside.is_file():
+            # A SentencePiece tokenizer.model (Llama 2, Mistral, Gemma) next to the folder's
+            # tokenizer.json: the latter is the one we read.
+            return HuggingFaceTokenizer(beside)
         raise ConfigError(
             f"--model.tokenizer_path={tokenizer_path}: {model_file} is not a tiktoken ranks file "
             f"(the Llama 3 tokenizer.model format): {str(e).splitlines()[0][:160]}"

@@ -38,25 +38,25 @@ def _byte_symbols() -> list[str]:
     return [symbols[b] for b in range(256)]
 
 
-def _split_below(token: bytes, ranks: dict[bytes, int], limit: int) -> list[bytes]:
-    """`token`'s bytes merged as tiktoken merges them with only the ranks below `limit`: the
-    two halves whose merge made the token (more parts: no merge makes it)."""
-    parts = [token[i : i + 1] for i in range(len(token))]
-    while len(parts) > 1:
-        best, at = limit, -1
-        for i in range(len(parts) - 1):
-            rank = ranks.get(parts[i] + parts[i + 1], limit)
-            if rank < best:
-                best, at = rank, i
-        if at < 0:
-            break
-        parts[at : at + 2] = [parts[at] + parts[at + 1]]
-    return parts
+def _merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """Every way a token is two tokens joined, ordered by the token's rank (then by the halves'
+    ranks). tiktoken merges the adjacent pair whose joined bytes have the lowest rank, whatever
+    the halves' own ranks; listing every split at its token's rank gives ``tokenizers`` the same
+    choice (a token's halves can rank above it in real files: Llama 3's ``.:.:``)."""
+    merges = []
+    for token, rank in ranks.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in ranks and right in ranks:
+                merges.append((rank, ranks[left], ranks[right], left, right))
+    merges.sort()
+    return [(left, right) for *_, left, right in merges]
 
 
 def tiktoken_to_hf(tokenizer: Llama3Tokenizer) -> dict[str, Any]:
     """The ``tokenizer.json`` content of a tiktoken tokenizer: its ranks as a byte-level BPE
-    vocabulary, each token's merge ranked by the token's rank, the Llama 3 split pattern and
+    vocabulary, every split of each token into two tokens as a merge ranked by the token's
+    rank (:func:`_merges`), the Llama 3 split pattern and
     special tokens, and a post-processor that starts every sequence with bos (what
     ``transformers`` does for Llama 3). Encodes every text to the same ids."""
     from tokenizers import (
@@ -76,12 +76,11 @@ def tiktoken_to_hf(tokenizer: Llama3Tokenizer) -> dict[str, Any]:
         return "".join(symbols[b] for b in token)
 
     vocab = {text(token): rank for token, rank in ranks.items()}
-    merges = []
-    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-        if len(token) > 1:
-            parts = _split_below(token, ranks, rank)
-            if len(parts) == 2:  # a token no merge makes is still used whole (ignore_merges)
-                merges.append((text(parts[0]), text(parts[1])))
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise ValueError(f"{tokenizer.model_path}: no token for the single byte(s) {missing[:5]}")
+    merges = [(text(left), text(right)) for left, right in _merges(ranks)]
+    # ignore_merges: a pre-token that is a token is used whole, as tiktoken does.
     model = models.BPE(vocab=vocab, merges=merges, ignore_merges=True)
     hf = Tokenizer(model)
     hf.pre_tokenizer = pre_tokenizers.Sequence(
@@ -139,8 +138,12 @@ def save_hf_tokenizer(
         shutil.copyfile(tokenizer.path, written[0])
         if tokenizer.config_path.is_file():
             shutil.copyfile(tokenizer.config_path, written[1])
-        else:
-            written.pop()
+        else:  # name bos and eos for transformers (they may have come from common names)
+            names = {"bos_token": tokenizer.bos_id, "eos_token": tokenizer.eos_id}
+            config = {k: tokenizer.token_name(i) for k, i in names.items()}
+            config |= {"tokenizer_class": "PreTrainedTokenizerFast",
+                       "model_max_length": model_max_length}  # fmt: skip
+            written[1].write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
         return written
     written[0].write_text(
         json.dumps(tiktoken_to_hf(tokenizer), ensure_ascii=False, indent=2) + "\n"

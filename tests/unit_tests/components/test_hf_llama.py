@@ -141,7 +141,9 @@ def test_convert_script_round_trips_through_a_dcp_checkpoint(tmp_path):
     assert back.keys() == original.keys()
     assert all(torch.equal(back[k], original[k]) for k in original)
     assert (tmp_path / "back/tokenizer.json").read_bytes() == tokenizer.read_bytes()
-    assert not (tmp_path / "back/tokenizer_config.json").exists()  # the source had none
+    # The source had no tokenizer_config.json: the export names bos and eos for transformers.
+    config = json.loads((tmp_path / "back/tokenizer_config.json").read_text())
+    assert (config["bos_token"], config["eos_token"]) == ("<|begin_of_text|>", "<|end_of_text|>")
 
 
 def test_greedy_generation_equals_transformers_generate(tmp_path):

@@ -3,7 +3,10 @@ tokenizer converted to one with the same ids (``tests/assets/tokenizer_hf``)."""
 
 from __future__ import annotations
 
+import base64
 import json
+import pickle
+import random
 import shutil
 import sys
 from pathlib import Path
@@ -59,9 +62,11 @@ def _texts() -> list[str]:
 def test_bundled_asset_is_the_conversion_of_the_bundled_tokenizer(tiktoken_tokenizer):
     """Regenerate with ``python scripts/convert_hf.py tokenizer tests/assets/tokenizer
     tests/assets/tokenizer_hf``."""
-    assert json.loads((HF_ASSET / "tokenizer.json").read_text()) == tiktoken_to_hf(
-        tiktoken_tokenizer
-    )
+    shipped = json.loads((HF_ASSET / "tokenizer.json").read_text())
+    fresh = tiktoken_to_hf(tiktoken_tokenizer)
+    # What decides the ids (other tokenizers versions may add fields around them).
+    for part in ("model", "pre_tokenizer", "added_tokens", "post_processor"):
+        assert shipped[part] == fresh[part], part
     config = json.loads((HF_ASSET / "tokenizer_config.json").read_text())
     assert config == hf_tokenizer_config(tiktoken_tokenizer, 131072)
 
@@ -180,6 +185,75 @@ def test_saving_an_hf_tokenizer_copies_its_files(tmp_path, hf_tokenizer):
         (HF_ASSET / "tokenizer.json").read_bytes(),
         (HF_ASSET / "tokenizer_config.json").read_bytes(),
     ]
+
+
+def _ranks_file(tmp_path: Path, tokens: list[bytes]) -> Llama3Tokenizer:
+    path = tmp_path / "tokenizer.model"
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(tokens)))
+    return Llama3Tokenizer(path)
+
+
+def _assert_same_ids(tiktoken_tokenizer: Llama3Tokenizer, texts: list[str]) -> None:
+    from tokenizers import Tokenizer
+
+    hf = Tokenizer.from_str(json.dumps(tiktoken_to_hf(tiktoken_tokenizer)))
+    for text in texts:
+        want = tiktoken_tokenizer.encode(text)
+        assert hf.encode(text, add_special_tokens=False).ids == want, text
+
+
+SINGLE_BYTES = [bytes([b]) for b in range(256)]
+
+
+@pytest.mark.parametrize(
+    ("merged", "texts"),
+    [
+        # A token whose halves rank above it (Llama 3's file has ".:.:" so): tiktoken still
+        # builds it from them inside a longer piece.
+        ([b":.", b".:", b".:.:", b".:."], [".:.:;", "x .:.:!", ".:.:", ".:.:.:;"]),
+        ([b"ab", b"bc", b"abc", b"cd", b"abcd", b"de"], ["abcde", "xabcdex", "abcdabcd"]),
+    ],
+)
+def test_conversion_follows_tiktoken_where_halves_rank_above_the_token(tmp_path, merged, texts):
+    _assert_same_ids(_ranks_file(tmp_path, SINGLE_BYTES + merged), texts)
+
+
+def test_conversion_on_random_vocabularies(tmp_path):
+    """Random tokens over a small alphabet in random rank order, bytes anywhere among them."""
+    rng = random.Random(0)
+    for _ in range(40):
+        merged = set()
+        while len(merged) < rng.randint(5, 40):
+            merged.add(bytes(rng.choice(b"abc") for _ in range(rng.randint(2, 6))))
+        tokens = SINGLE_BYTES + sorted(merged)
+        rng.shuffle(tokens)
+        texts = ["".join(rng.choice("abc ") for _ in range(rng.randint(1, 30))) for _ in range(30)]
+        _assert_same_ids(_ranks_file(tmp_path, tokens), texts)
+
+
+def test_added_tokens_stay_text_and_survive_pickling(tmp_path, tiktoken_tokenizer):
+    """Also tokens added without the special flag (DeepSeek's chat tokens); a pickled copy
+    (what a dataloader worker started by spawn gets) encodes alike."""
+    from tokenizers import AddedToken, Tokenizer
+
+    hf = Tokenizer.from_file(str(HF_ASSET / "tokenizer.json"))
+    hf.add_tokens([AddedToken("<|User|>", special=False)])
+    (tmp_path / "tokenizer.json").write_text(hf.to_str())
+    tokenizer = build_tokenizer(tmp_path / "tokenizer.json")
+    text = "hi <|User|> there <|end_of_text|>"
+    want = tiktoken_tokenizer.encode(text)
+    assert tokenizer.encode(text) == want
+    assert pickle.loads(pickle.dumps(tokenizer)).encode(text) == want
+
+
+def test_a_sentencepiece_model_beside_tokenizer_json_falls_back_to_it(tmp_path):
+    """Llama 2, Mistral and Gemma folders: a SentencePiece tokenizer.model (not tiktoken's
+    format) next to the tokenizer.json we read."""
+    (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x0b\x00sentencepiece\xff")
+    shutil.copy(HF_ASSET / "tokenizer.json", tmp_path / "tokenizer.json")
+    assert isinstance(build_tokenizer(tmp_path), HuggingFaceTokenizer)
+    with pytest.raises(ConfigError, match="is not a tiktoken ranks file"):
+        build_tokenizer(tmp_path / "tokenizer.model")
 
 
 def test_convert_script_refuses_an_hf_tokenizer(tmp_path, capsys):
