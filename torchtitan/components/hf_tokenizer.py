@@ -3,7 +3,7 @@ Hugging Face model folders ship (DeepSeek-V3 and Qwen3 ship nothing else; Llama 
 to ``original/tokenizer.model``), with the ``bos_token`` / ``eos_token`` of the
 ``tokenizer_config.json`` beside it. It encodes like
 :class:`~torchtitan.components.tokenizer.Llama3Tokenizer`: no special tokens added unless asked,
-and special-token strings inside the text stay text. Writing one:
+and the strings of special and added tokens inside the text stay text. Writing one:
 ``torchtitan.components.tokenizer_export``.
 """
 
