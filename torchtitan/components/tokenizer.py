@@ -174,6 +174,10 @@ class Llama3Tokenizer:
             ids.append(self.eos_id)
         return ids
 
+    def token_name(self, token_id: int) -> str:
+        """The string of one token id (a special token's name)."""
+        return self._model.decode([token_id])
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of token `ids`; special ids decode to their names, invalid UTF-8 to U+FFFD."""
         return self._model.decode(list(ids))
