@@ -64,6 +64,13 @@ class Trainer:
         self.model_args = self.model_spec.args_for(
             config.model.flavor, seq_len=config.training.seq_len, config=config
         )
+        # The model's own work after each optimizer step (MoE balancing), for flavors with it.
+        self._after_optimizer_step = (
+            self.model_spec.after_optimizer_step
+            if not self.model_spec.has_experts
+            or self.model_spec.flavor_has_experts(config.model.flavor)
+            else None
+        )
         self.tokenizer, self.dataloader = (None, None) if on_meta else self.build_data()
         self.parallelize_context = ParallelizeContext.from_config(config, self.parallel_dims)
         self.model_parts, stages = self.build_model_parts(self.model_args, self.parallelize_context)
@@ -390,12 +397,12 @@ class Trainer:
         else:
             self._skip_nonfinite_step(result)
         self.lr_schedulers.step()
-        if self.model_spec.after_optimizer_step is not None:
+        if self._after_optimizer_step is not None:
             group = self.loss_mesh.get_group() if self.loss_mesh is not None else None
             pp = self.pp_mesh.get_group() if self.pp_mesh is not None else None
             # Metrics read values on the host: only on the steps that log them.
             report = self.metrics.should_log(self.step, self._last_step)
-            self.model_metrics = self.model_spec.after_optimizer_step(
+            self.model_metrics = self._after_optimizer_step(
                 self.model_parts, group, pp, report=report
             )
         return result

@@ -143,6 +143,18 @@ def _deepseek_style_tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
+def _one_process_and_ep2(tmp_path: Path, flags: list[str]) -> list[float]:
+    """Runs ``flags`` in one process (``one``) and on EP 2 ranks (``ep2``), the same global
+    batch; their losses must be equal. Returns them."""
+    one = _run(tmp_path / "one", 1, *flags, "--training.local_batch_size", "8")
+    ep = _run(
+        tmp_path / "ep2", 2, *flags, "--training.local_batch_size", "4",
+        "--parallelism.expert_parallel_degree", "2",
+    )  # fmt: skip
+    assert ep == pytest.approx(one, rel=1e-5)
+    return one
+
+
 def test_deepseek_hf_import_under_expert_parallelism(tmp_path):
     """A DeepSeek-V3 HF folder (per-expert tensors) read by EP 2 ranks, each keeping its own
     experts: the losses of one process, the first one the HF model's own. Trained with the
@@ -162,11 +174,37 @@ def test_deepseek_hf_import_under_expert_parallelism(tmp_path):
     flags = ["--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel", "--training.steps",
              "2", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
              "--model.tokenizer_path", str(tmp_path / "hf")]  # fmt: skip
-    one = _run(tmp_path / "one", 1, *flags, "--training.local_batch_size", "8")
-    ep = _run(
-        tmp_path / "ep2", 2, *flags, "--training.local_batch_size", "4",
-        "--parallelism.expert_parallel_degree", "2",
-    )  # fmt: skip
-    assert ep == pytest.approx(one, rel=1e-5)
+    one = _one_process_and_ep2(tmp_path, flags)
     model = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert one[0] == pytest.approx(_hf_loss(model, tmp_path / "hf"), rel=1e-5)
+
+
+def test_qwen3_moe_hf_in_and_out_under_expert_parallelism(tmp_path):
+    """A Qwen3-MoE HF folder (per-expert tensors, ``transformers``' Qwen3MoeForCausalLM)
+    trained by one process and by EP 2 ranks: the same losses, the first one the HF model's
+    own; both export what ``transformers`` loads, the same weights."""
+    from torchtitan.models.qwen3.args import flavors as qwen3_flavors
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+    args = dataclasses.replace(qwen3_flavors["debugmodel_moe"], max_seq_len=64)
+    fields = Qwen3StateDictAdapter(args).hf_config(
+        tied=False, dtype=torch.float32, bos_id=None, eos_id=None
+    )
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**fields)).save_pretrained(
+        tmp_path / "hf"
+    )
+    flags = ["--module", "qwen3", "--config", "qwen3_moe_debugmodel", "--training.steps", "2",
+             "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+             "--checkpoint.last_save_in_hf", "--checkpoint.export_dtype", "float32"]  # fmt: skip
+    one = _one_process_and_ep2(tmp_path, flags)
+    model = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert one[0] == pytest.approx(_hf_loss(model), rel=1e-5)
+    exports = [tmp_path / run / "checkpoint/hf-step-2" for run in ("one", "ep2")]
+    trained = transformers.AutoModelForCausalLM.from_pretrained(exports[1]).eval()
+    assert type(trained).__name__ == "Qwen3MoeForCausalLM"
+    assert _hf_loss(trained) < one[0]  # two steps from the import moved it
+    first, second = (checkpoint_hf.read_tensors(e) for e in exports)
+    assert first.keys() == second.keys()
+    for name, tensor in first.items():
+        torch.testing.assert_close(second[name], tensor, rtol=0, atol=5e-5, msg=name)

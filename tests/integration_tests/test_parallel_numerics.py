@@ -41,6 +41,13 @@ MOE = (
 MOE_REFERENCE = ("ref_moe", 1, f"--training.local_batch_size 8 {MOE}")
 QWEN3 = "--module qwen3 --config qwen3_debugmodel"
 QWEN3_REFERENCE = ("ref_qwen3", 1, f"--training.local_batch_size 8 {QWEN3}")
+# Qwen3's MoE (cases named qwen3moe_*): Llama 3's attention plans with the shared MoE plans,
+# softmax routing without shared experts; both balancing rules on, as for MOE.
+QWEN3_MOE = (
+    "--module qwen3 --config qwen3_moe_debugmodel --moe.aux_loss_coeff 0.01 "
+    "--moe.load_balance_coeff 0.01"
+)
+QWEN3_MOE_REFERENCE = ("ref_qwen3moe", 1, f"--training.local_batch_size 8 {QWEN3_MOE}")
 # Validation (cases named validation_*) after steps 5 and 10, in global batches of 8 rows read
 # alike by every layout (by_row): the first 24 of the bundled split's 72 full batches;
 # ref_validation_all reads them all once.
@@ -254,6 +261,24 @@ CASES = {
         4,
         f"{QWEN3} --training.local_batch_size 4 --parallelism.tensor_parallel_degree 2",
     ),
+    # Qwen3's MoE: TP splitting every expert's hidden width; EP across the TP ranks (each
+    # routing its own sequence shard) with the experts FSDP-sharded over the rest; pipeline
+    # stages with experts split by EP.
+    "qwen3moe_tp2_no_sp": (
+        2,
+        f"{QWEN3_MOE} --training.local_batch_size 8 --parallelism.tensor_parallel_degree 2 "
+        "--parallelism.no_enable_sequence_parallel",
+    ),
+    "qwen3moe_ep2_tp2": (
+        4,
+        f"{QWEN3_MOE} --training.local_batch_size 4 --parallelism.expert_parallel_degree 2 "
+        "--parallelism.tensor_parallel_degree 2",
+    ),
+    "qwen3moe_pp2_ep2": (
+        4,
+        f"{QWEN3_MOE} --training.local_batch_size 4 --parallelism.pipeline_parallel_degree 2 "
+        "--parallelism.pipeline_parallel_microbatch_size 2 --parallelism.expert_parallel_degree 2",
+    ),
     # TP without EP splits every expert's hidden width (routed and shared).
     "moe_tp2_no_sp": (
         2,
@@ -398,6 +423,7 @@ def _killed_by_signal(stderr: str) -> bool:
 def results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("numerics")
     references = (REFERENCE, BLOCK_CAUSAL_REFERENCE, MOE_REFERENCE, QWEN3_REFERENCE)
+    references += (QWEN3_MOE_REFERENCE,)
     references += (VALIDATION_REFERENCE,)
     references += (WHOLE_SPLIT,)
     _launch(out, 1, [(name, flags) for name, _, flags in references])
@@ -420,6 +446,8 @@ def test_layout_matches_one_process(results, case):
         reference = MOE_REFERENCE[0]
     elif case.startswith("qwen3_"):
         reference = QWEN3_REFERENCE[0]
+    elif case.startswith("qwen3moe_"):
+        reference = QWEN3_MOE_REFERENCE[0]
     elif case.startswith("validation_"):
         reference = VALIDATION_REFERENCE[0]
     ref, run = _load(results, reference), _load(results, case)

@@ -99,7 +99,7 @@ def hf_family(folder: str | os.PathLike) -> str | None:
             adapter = _adapter_class(spec) if spec.state_dict_adapter is not None else None
         except (ImportError, ConfigError, AttributeError):
             continue  # not a family (models/common), or one this install cannot load
-        if getattr(adapter, "model_type", None) == model_type:
+        if model_type in _model_types(adapter):
             return spec.name
     return None
 
@@ -107,11 +107,12 @@ def hf_family(folder: str | os.PathLike) -> str | None:
 def matching_flavor(spec, folder: str | os.PathLike) -> str:
     """The flavor of ``spec`` whose shapes the HF folder's ``config.json`` has."""
     config = read_config(folder)
-    model_type = getattr(_adapter_class(spec), "model_type", None)
-    if config.get("model_type") not in (None, model_type):
+    model_types = _model_types(_adapter_class(spec))
+    if config.get("model_type") not in (None, *model_types):
+        names = " or ".join(repr(t) for t in model_types)
         raise ConfigError(
             f"{folder}: model_type {config['model_type']!r} is not {spec.name}'s "
-            f"({model_type!r}); pass the --module that reads it"
+            f"({names}); pass the --module that reads it"
         )
     for flavor, args in spec.flavors.items():
         try:
@@ -120,6 +121,14 @@ def matching_flavor(spec, folder: str | os.PathLike) -> str:
         except ConfigError:
             continue
     raise ConfigError(f"{folder}: no {spec.name} flavor has its shapes; pass --flavor")
+
+
+def _model_types(adapter) -> tuple:
+    """The HF ``model_type`` values an adapter class reads (``model_types``, else its one
+    ``model_type``)."""
+    if adapter is None:
+        return ()
+    return getattr(adapter, "model_types", (getattr(adapter, "model_type", None),))
 
 
 class _Shards:
@@ -208,6 +217,16 @@ def save_hf(
     ``tokenizer`` (a run's, or ``None``): its bos/eos ids go in ``config.json`` and rank 0
     writes it as ``tokenizer.json`` + ``tokenizer_config.json`` (``save_hf_tokenizer``)."""
     folder = Path(folder)
+    lost = [name for part in model_parts for name in _state_without_a_place(part, adapter)]
+    lost = sorted({name for rank_lost in _gather(lost) for name in rank_lost})
+    if lost:  # every rank raises: none waits in a collective below
+        more = f" (and {len(lost) - 1} more like it)" if len(lost) > 1 else ""
+        raise ConfigError(
+            f"{lost[0]}{more} is not zero and {adapter.architecture} has no place for it: the "
+            f"exported model would compute differently, so nothing was written to {folder}. "
+            "An MoE routing bias is learned with --moe.load_balance_coeff > 0; train with "
+            "--moe.load_balance_coeff 0 (--moe.aux_loss_coeff balances instead)"
+        )
     tensors: dict[str, torch.Tensor] = {}
     embedding = output = None
     for part in model_parts:
@@ -270,6 +289,24 @@ def _mapped_tensors(part: nn.Module, adapter) -> list[tuple[str, torch.Tensor]]:
             continue
         buffers.append((name, buffer))
     return [*part.named_parameters(), *buffers]
+
+
+def _state_without_a_place(part: nn.Module, adapter) -> list[str]:
+    """Our names of the saved buffers of ``part`` that the adapter does not map and that are
+    not all zero (an export would drop state that changes the model's outputs: a learned MoE
+    routing bias where the HF model has none). Zero ones are the HF model's implicit value."""
+    lost = []
+    for module_name, module in part.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is None or name in module._non_persistent_buffers_set:
+                continue
+            ours = _clean(f"{module_name}.{name}" if module_name else name)
+            try:
+                adapter.hf_names(ours)
+            except KeyError:
+                if bool(buffer.detach().ne(0).any()):
+                    lost.append(ours)
+    return lost
 
 
 def _chunks(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:

@@ -384,10 +384,12 @@ def validate_parallelism(config: JobConfig, spec: ModelSpec, world_size: int) ->
     parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
     t = config.training
     parallel_dims.grad_accum_steps(t.local_batch_size, t.global_batch_size)
-    if parallel_dims.ep > 1 and not spec.has_experts:
+    if parallel_dims.ep > 1 and not spec.flavor_has_experts(config.model.flavor):
+        what = f"flavor {config.model.flavor}" if spec.has_experts else f"model {spec.name}"
         raise ConfigError(
-            f"--parallelism.expert_parallel_degree={parallel_dims.ep}: model {spec.name} has no "
-            "experts; use 1, or a mixture-of-experts model (--module deepseek_v3)"
+            f"--parallelism.expert_parallel_degree={parallel_dims.ep}: {what} has no experts; "
+            "use 1, or a mixture-of-experts model (--module deepseek_v3, or --module qwen3 "
+            "--config qwen3_30b_a3b)"
         )
     if spec.validate is not None:
         spec.validate(config, parallel_dims)

@@ -113,8 +113,9 @@ class ModelSpec:
     """``state_dict_adapter(args)``: converts tensors to and from the Hugging Face layout
     (``models/llama3/state_dict_adapter.py``); ``None``: no HF import or export."""
     has_experts: bool = False
-    """Mixture-of-experts layers: ``--parallelism.expert_parallel_degree`` and ``--moe.*``
-    apply (the args have a ``moe`` field, ``models.common.moe_args.MoEArgs``)."""
+    """Mixture-of-experts layers in some flavors: those whose args' ``moe`` field
+    (``models.common.moe_args.MoEArgs``) is set (:meth:`flavor_has_experts`); for them
+    ``--parallelism.expert_parallel_degree``, ``--moe.*`` and ``after_optimizer_step`` apply."""
     after_optimizer_step: Callable[..., dict[str, float]] | None = None
     """``after_optimizer_step(model_parts, group, pp_group, *, report)``, called by the
     trainer after every optimizer step with the process group of the ranks that see different
@@ -122,11 +123,16 @@ class ModelSpec:
     to log (e.g. MoE expert-bias updates and loads) when ``report`` (a logging step), else
     ``{}`` without reading values on the host."""
 
+    def flavor_has_experts(self, flavor: str) -> bool:
+        """Whether ``flavor`` has mixture-of-experts layers."""
+        args = self.flavors.get(flavor)
+        return self.has_experts and getattr(args, "moe", None) is not None
+
     def args_for(self, flavor: str, *, seq_len: int, config: JobConfig | None = None) -> Any:
         """The flavor's args with the RoPE/position table sized for ``seq_len`` and, for a
-        family with experts, the run's ``--moe.*`` settings."""
+        flavor with experts, the run's ``--moe.*`` settings."""
         args = dataclasses.replace(self.flavors[flavor], max_seq_len=seq_len)
-        if self.has_experts and config is not None:
+        if self.flavor_has_experts(flavor) and config is not None:
             args = dataclasses.replace(args, moe=with_training(args.moe, config.moe))
         return args
 

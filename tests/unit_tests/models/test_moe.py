@@ -201,6 +201,30 @@ def test_parameter_count_matches_the_built_debug_model():
             "--parallelism.no_enable_sequence_parallel with expert and tensor parallelism",
         ),
         ("llama3", 2, ["--parallelism.expert_parallel_degree", "2"], "model llama3 has no experts"),
+        # Qwen3: a family with dense and MoE flavors.
+        ("qwen3", 2, ["--parallelism.expert_parallel_degree", "2"], "flavor debugmodel has no experts"),
+        ("qwen3", 2, ["--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2"], None),
+        (
+            "qwen3",
+            4,
+            [
+                "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2",
+                "--parallelism.tensor_parallel_degree", "2", "--parallelism.no_enable_sequence_parallel",
+            ],
+            "--parallelism.no_enable_sequence_parallel with expert and tensor parallelism",
+        ),
+        (
+            "qwen3",
+            2,
+            ["--model.flavor", "debugmodel_moe", "--checkpoint.enable", "--checkpoint.last_save_in_hf", "--moe.load_balance_coeff", "1e-3"],
+            "--checkpoint.last_save_in_hf with --moe.load_balance_coeff > 0",
+        ),
+        (
+            "qwen3",
+            2,
+            ["--model.flavor", "debugmodel_moe", "--comm.mode", "local_tensor", "--moe.experts_impl", "loop"],
+            "--moe.experts_impl loop under COMM_MODE=local_tensor is not implemented for qwen3",
+        ),
         (
             "deepseek_v3",
             2,

@@ -191,3 +191,126 @@ def test_other_rotary_settings_are_refused(tmp_path, overrides, expected):
     folder = _save(tmp_path, "hf", **overrides)
     with pytest.raises(ConfigError, match=expected):
         checkpoint_hf.load_hf_([_ours()], Qwen3StateDictAdapter(ARGS), folder)
+
+
+# Qwen3's MoE sizes: the published config.json (hidden_size, intermediate_size,
+# moe_intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+# num_experts, num_experts_per_tok; norm_topk_prob true, untied) and the model cards' totals
+# (total, activated, non-embedding), in billions.
+PUBLISHED_MOE_CONFIGS = {
+    "30B-A3B": ((2048, 6144, 768, 48, 32, 4, 128, 8), (30.5, 3.3, 29.9)),
+    "235B-A22B": ((4096, 12288, 1536, 94, 64, 4, 128, 8), (235.0, 22.0, 234.0)),
+}
+MOE_ARGS = dataclasses.replace(flavors["debugmodel_moe"], n_layers=2, max_seq_len=64)
+
+
+def _hf_moe_config(args):
+    return transformers.Qwen3MoeConfig(
+        hidden_size=args.dim, intermediate_size=args.ffn_hidden_dim,
+        moe_intermediate_size=args.moe_hidden_dim, num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads, num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim, vocab_size=args.vocab_size, num_experts=args.moe.num_experts,
+        num_experts_per_tok=args.moe.top_k, norm_topk_prob=True, rms_norm_eps=args.norm_eps,
+        rope_theta=args.rope_theta, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("flavor", sorted(PUBLISHED_MOE_CONFIGS))
+def test_moe_flavors_match_the_published_shapes_and_sizes(flavor):
+    args = flavors[flavor]
+    m = args.moe
+    shape = (args.dim, args.ffn_hidden_dim, args.moe_hidden_dim, args.n_layers, args.n_heads,
+             args.kv_heads, m.num_experts, m.top_k)  # fmt: skip
+    published, (total, activated, non_embedding) = PUBLISHED_MOE_CONFIGS[flavor]
+    assert shape == published
+    assert (m.score_func, m.route_norm, m.num_shared_experts, m.route_scale) == (
+        "softmax", True, 0, 1.0,
+    )  # fmt: skip
+    with torch.device("meta"):
+        ours = sum(p.numel() for p in Transformer(args).parameters())
+        theirs = transformers.Qwen3MoeForCausalLM(_hf_moe_config(args))
+    assert ours == args.num_params() == sum(p.numel() for p in theirs.parameters())
+    assert args.num_params() / 1e9 == pytest.approx(total, abs=0.6)  # "235B": rounded
+    assert args.num_params(activated=True) / 1e9 == pytest.approx(activated, abs=0.2)
+    embeddings = 2 * args.vocab_size * args.dim
+    assert (args.num_params() - embeddings) / 1e9 == pytest.approx(non_embedding, abs=0.6)
+    # Per token only top_k of the experts compute: FLOPs follow the activated weights.
+    dense_flops = 6 * args.num_params(exclude_embedding=True)
+    assert args.flops_per_token(4096) < dense_flops / 5
+
+
+def _random_hf_moe(seed: int):
+    torch.manual_seed(seed)
+    hf = transformers.Qwen3MoeForCausalLM(_hf_moe_config(MOE_ARGS)).eval()
+    with torch.no_grad():  # norms and routers random too: a swap or a transpose would show
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif "gate" in name and p.dim() == 2 and p.shape[0] == MOE_ARGS.moe.num_experts:
+                p.normal_(0.0, 0.5)
+    return hf
+
+
+def test_moe_import_export_and_round_trip(tmp_path):
+    hf = _random_hf_moe(3)
+    hf.save_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        want = hf(TOKENS).logits
+    assert checkpoint_hf.hf_family(tmp_path / "hf") == "qwen3"
+    ours = _ours(MOE_ARGS)
+    adapter = Qwen3StateDictAdapter(MOE_ARGS)
+    checkpoint_hf.load_hf_([ours], adapter, tmp_path / "hf")
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS), want, rtol=1e-5, atol=1e-5)
+
+    checkpoint_hf.save_hf(
+        [ours], adapter, tmp_path / "out", dtype=torch.float32, writer=True, pipelined=False
+    )
+    config = json.loads((tmp_path / "out/config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == ("qwen3_moe", ["Qwen3MoeForCausalLM"])
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back).__name__ == "Qwen3MoeForCausalLM"
+    with torch.no_grad():
+        torch.testing.assert_close(back(TOKENS).logits, want, rtol=1e-5, atol=1e-5)
+    original, exported = (checkpoint_hf.read_tensors(tmp_path / d) for d in ("hf", "out"))
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+
+
+def test_a_learned_routing_bias_is_not_exported_silently(tmp_path):
+    """Qwen3MoeForCausalLM routes without a bias: dropping a moved one would change which
+    experts every token picks."""
+    ours = _ours(MOE_ARGS)
+    adapter = Qwen3StateDictAdapter(MOE_ARGS)
+    checkpoint_hf.save_hf(  # a zero bias is HF's implicit one
+        [ours], adapter, tmp_path / "zero", dtype=torch.float32, writer=True, pipelined=False
+    )
+    with torch.no_grad():
+        ours.layers["1"].moe.expert_bias[3] = 0.01
+    with pytest.raises(
+        ConfigError, match=r"layers\.1\.moe\.expert_bias is not zero .*--moe\.load_balance_coeff 0"
+    ):
+        checkpoint_hf.save_hf(
+            [ours], adapter, tmp_path / "out", dtype=torch.float32, writer=True, pipelined=False
+        )
+    assert not (tmp_path / "out").exists()
+
+
+def test_moe_folders_and_flavors_do_not_cross(tmp_path):
+    from torchtitan.models.spec import get_model_spec
+
+    full = dataclasses.replace(flavors["debugmodel_moe"], max_seq_len=64)
+    transformers.Qwen3MoeForCausalLM(_hf_moe_config(full)).save_pretrained(tmp_path / "full")
+    assert checkpoint_hf.matching_flavor(get_model_spec("qwen3"), tmp_path / "full") == (
+        "debugmodel_moe"
+    )
+    _random_hf_moe(4).save_pretrained(tmp_path / "moe")
+    dense = _save(tmp_path, "dense")
+    with pytest.raises(ConfigError, match="model_type 'qwen3_moe' is not 'qwen3'"):
+        checkpoint_hf.load_hf_([_ours()], Qwen3StateDictAdapter(ARGS), tmp_path / "moe")
+    with pytest.raises(ConfigError, match="model_type 'qwen3' is not 'qwen3_moe'"):
+        checkpoint_hf.load_hf_([_ours(MOE_ARGS)], Qwen3StateDictAdapter(MOE_ARGS), dense)
+    config = json.loads((tmp_path / "moe/config.json").read_text())
+    (tmp_path / "moe/config.json").write_text(json.dumps(config | {"mlp_only_layers": [1]}))
+    with pytest.raises(ConfigError, match=r"mlp_only_layers=\[1\] \(flavor: \[\]\)"):
+        checkpoint_hf.load_hf_([_ours(MOE_ARGS)], Qwen3StateDictAdapter(MOE_ARGS), tmp_path / "moe")

@@ -4,6 +4,8 @@ import here: flavors are read by the config pre-flight."""
 import dataclasses
 from typing import Literal
 
+from torchtitan.config.errors import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class MoEArgs:
@@ -41,3 +43,48 @@ def with_training(args: MoEArgs, moe_config) -> MoEArgs:
         capacity_factor=moe_config.capacity_factor,
         experts_impl=moe_config.experts_impl,
     )
+
+
+def check_moe_degrees(args: MoEArgs, hidden: int, *, flavor: str, tp: int, ep: int) -> None:
+    """Reject tensor- and expert-parallel degrees that cannot split a flavor's experts of
+    hidden width ``hidden`` evenly (one line, ``ConfigError``)."""
+    flag = f"--parallelism.tensor_parallel_degree={tp}"
+    widths = {"the shared experts' hidden size": hidden * args.num_shared_experts}
+    if ep == 1:  # else expert parallelism splits the routed experts, whole
+        widths["the routed experts' hidden size"] = hidden
+    for name, value in widths.items():
+        if value and value % tp:
+            raise ConfigError(f"{flag} does not divide {name}={value} of flavor {flavor}")
+    if args.num_experts % ep:
+        raise ConfigError(
+            f"--parallelism.expert_parallel_degree={ep} does not divide num_experts="
+            f"{args.num_experts} of flavor {flavor}: each expert-parallel rank holds "
+            "num_experts / ep experts"
+        )
+
+
+def check_moe_run(config, parallel_dims, family: str) -> None:
+    """The ``--moe.*`` settings and parallel degrees a run with experts must respect (one
+    line, ``ConfigError``); ``config`` a ``JobConfig``, ``parallel_dims`` its degrees."""
+    moe = config.moe
+    if config.comm.mode == "local_tensor":  # simulated ranks route differently
+        why = "under COMM_MODE=local_tensor"
+        if moe.experts_impl == "loop":
+            raise ConfigError(
+                f"--moe.experts_impl loop {why} is not implemented for {family} yet: each "
+                "rank's rows per expert differ; use grouped_mm or auto"
+            )
+        if moe.capacity_factor > 0:
+            raise ConfigError(
+                f"--moe.capacity_factor > 0 {why} is not implemented for {family} yet: each "
+                "rank drops a different number of routings"
+            )
+    if parallel_dims.ep > 1 and parallel_dims.tp > 1:
+        if not config.parallelism.enable_sequence_parallel:
+            raise ConfigError(
+                "--parallelism.no_enable_sequence_parallel with expert and tensor parallelism: "
+                "experts span the TP ranks, each routing its own sequence shard; keep sequence "
+                "parallelism on, or use --parallelism.expert_parallel_degree 1"
+            )
+    if moe.capacity_factor < 0 or moe.aux_loss_coeff < 0:
+        raise ConfigError("--moe.capacity_factor and --moe.aux_loss_coeff must be >= 0")

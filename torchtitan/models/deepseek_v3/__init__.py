@@ -1,7 +1,7 @@
 """DeepSeek-V3 (multi-head latent attention, mixture of experts). Importing this package does
 not import torch; the model and its plans load when a run builds them."""
 
-from torchtitan.config.errors import ConfigError
+from torchtitan.models.common.moe_args import check_moe_run
 from torchtitan.models.deepseek_v3 import config_registry
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args, check_parallel_degrees, flavors
 from torchtitan.models.deepseek_v3.pipeline import pipeline_deepseek_v3
@@ -13,35 +13,7 @@ __all__ = ["DeepSeekV3Args", "config_registry", "flavors", "model_spec"]
 def validate(config, parallel_dims) -> None:
     """Model-specific checks of a config against its parallel degrees (no torch import)."""
     flavor = config.model.flavor
-    moe = config.moe
-    simulating = config.comm.mode == "local_tensor"
-    rules = []
-    if simulating:  # simulated ranks route differently: no per-rank sizes in Python
-        why = "under COMM_MODE=local_tensor"
-        rules += [
-            (
-                moe.experts_impl == "loop",
-                f"--moe.experts_impl loop {why}",
-                "each rank's rows per expert differ; use grouped_mm or auto",
-            ),
-            (
-                moe.capacity_factor > 0,
-                f"--moe.capacity_factor > 0 {why}",
-                "each rank drops a different number of routings",
-            ),
-        ]
-    for given, what, fix in rules:
-        if given:
-            raise ConfigError(f"{what} is not implemented for deepseek_v3 yet: {fix}")
-    if parallel_dims.ep > 1 and parallel_dims.tp > 1:
-        if not config.parallelism.enable_sequence_parallel:
-            raise ConfigError(
-                "--parallelism.no_enable_sequence_parallel with expert and tensor parallelism: "
-                "experts span the TP ranks, each routing its own sequence shard; keep sequence "
-                "parallelism on, or use --parallelism.expert_parallel_degree 1"
-            )
-    if config.moe.capacity_factor < 0 or config.moe.aux_loss_coeff < 0:
-        raise ConfigError("--moe.capacity_factor and --moe.aux_loss_coeff must be >= 0")
+    check_moe_run(config, parallel_dims, "deepseek_v3")
     check_parallel_degrees(
         flavors[flavor],
         flavor=flavor,

@@ -3,7 +3,7 @@
 import dataclasses
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.models.common.moe_args import MoEArgs
+from torchtitan.models.common.moe_args import MoEArgs, check_moe_degrees
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,25 +118,17 @@ def check_parallel_degrees(
     dims = {
         "n_heads": args.n_heads,
         "the dense FFN hidden size": args.inter_dim,
-        "the shared experts' hidden size": args.moe_inter_dim * args.moe.num_shared_experts,
         "vocab_size": args.vocab_size,
     }
-    if ep == 1 and args.moe.num_experts:  # else expert parallelism splits the routed experts
-        dims["the routed experts' hidden size"] = args.moe_inter_dim
     for name, value in dims.items():
         if value and value % tp:
             raise ConfigError(f"{flag} does not divide {name}={value} of flavor {flavor}")
+    check_moe_degrees(args.moe, args.moe_inter_dim, flavor=flavor, tp=tp, ep=ep)
     if tp > 1 and sequence_parallel and (seq_len // cp) % tp:
         share = f" / context_parallel_degree {cp}" if cp > 1 else ""
         raise ConfigError(
             f"{flag} does not divide --training.seq_len={seq_len}{share} (sequence parallelism "
             "splits the sequence); change either, or pass --parallelism.no_enable_sequence_parallel"
-        )
-    if args.moe.num_experts % ep:
-        raise ConfigError(
-            f"--parallelism.expert_parallel_degree={ep} does not divide num_experts="
-            f"{args.moe.num_experts} of flavor {flavor}: each expert-parallel rank holds "
-            "num_experts / ep experts"
         )
 
 

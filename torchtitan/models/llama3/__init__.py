@@ -3,6 +3,7 @@ pre-flight can list and validate configs quickly; the model and its plans load w
 builds them."""
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.models.common.moe_args import check_moe_run
 from torchtitan.models.llama3 import config_registry
 from torchtitan.models.llama3.args import Llama3Args, check_parallel_degrees, flavors
 from torchtitan.models.llama3.pipeline import pipeline_llama3
@@ -24,6 +25,8 @@ def validate_args(args: Llama3Args, config, parallel_dims) -> None:
             "pipeline parallelism puts on different stages; use "
             "--parallelism.pipeline_parallel_degree 1 or an untied flavor"
         )
+    if args.moe is not None:
+        check_moe_run(config, parallel_dims, config.model.name)
     check_parallel_degrees(
         args,
         flavor=config.model.flavor,
@@ -31,6 +34,7 @@ def validate_args(args: Llama3Args, config, parallel_dims) -> None:
         sequence_parallel=config.parallelism.enable_sequence_parallel,
         seq_len=config.training.seq_len,
         cp=parallel_dims.cp,
+        ep=parallel_dims.ep,
     )
 
 

@@ -3,6 +3,7 @@
 import dataclasses
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.models.common.moe_args import MoEArgs, check_moe_degrees
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,11 @@ class Llama3Args:
     qk_norm: bool = False
     """RMSNorm each query and key head (over its dims, one weight shared by the heads) before
     the rotary embedding, as Qwen3 does."""
+    moe: MoEArgs | None = None
+    """A mixture of experts in every block in place of the dense SwiGLU (Qwen3's MoE sizes);
+    ``None``: dense."""
+    moe_hidden_dim: int = 0
+    """Hidden width of one expert (HF's ``moe_intermediate_size``), with ``moe``."""
 
     @property
     def head_dim(self) -> int:
@@ -54,20 +60,31 @@ class Llama3Args:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
-    def num_params(self, *, exclude_embedding: bool = False) -> int:
-        """Exact parameter count, computed from the dims (matches the built module)."""
+    def ffn_params(self, *, activated: bool) -> int:
+        """One block's SwiGLU, or its mixture of experts (router, routed experts: ``top_k``
+        of them when ``activated``, shared experts)."""
+        if self.moe is None:
+            return 3 * self.dim * self.ffn_hidden_dim
+        m = self.moe
+        expert = 3 * self.dim * self.moe_hidden_dim
+        routed = m.top_k if activated else m.num_experts
+        return self.dim * m.num_experts + (routed + m.num_shared_experts) * expert
+
+    def num_params(self, *, exclude_embedding: bool = False, activated: bool = False) -> int:
+        """Exact parameter count, computed from the dims (matches the built module);
+        ``activated``: the routed experts a token uses (``top_k`` per block), not all."""
         q_dim, kv_dim = self.n_heads * self.head_dim, self.kv_heads * self.head_dim
         attn = self.dim * q_dim * 2 + self.dim * kv_dim * 2 + 2 * self.head_dim * self.qk_norm
-        ffn = 3 * self.dim * self.ffn_hidden_dim
-        block = attn + ffn + 2 * self.dim
+        block = attn + self.ffn_params(activated=activated) + 2 * self.dim
         embedding = self.vocab_size * self.dim
         output = 0 if self.tie_word_embeddings else self.vocab_size * self.dim
         total = self.n_layers * block + self.dim + embedding + output
         return total - embedding if exclude_embedding else total
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6 x (non-embedding params) + attention (12 * L * H * D * S)."""
-        dense = 6 * self.num_params(exclude_embedding=True)
+        """Training FLOPs per token: 6 x (non-embedding params a token activates) + attention
+        (12 * L * H * D * S)."""
+        dense = 6 * self.num_params(exclude_embedding=True, activated=True)
         if self.tie_word_embeddings:
             # The tied output projection is still a matmul per token.
             dense += 6 * self.vocab_size * self.dim
@@ -76,20 +93,31 @@ class Llama3Args:
 
 
 def check_parallel_degrees(
-    args: Llama3Args, *, flavor: str, tp: int, sequence_parallel: bool, seq_len: int, cp: int = 1
+    args: Llama3Args,
+    *,
+    flavor: str,
+    tp: int,
+    sequence_parallel: bool,
+    seq_len: int,
+    cp: int = 1,
+    ep: int = 1,
 ) -> None:
-    """Reject tensor-parallel degrees that cannot split this flavor evenly (``seq_len``: the
-    whole sequence, of which each context-parallel rank holds ``seq_len / cp``)."""
+    """Reject tensor- and expert-parallel degrees that cannot split this flavor evenly
+    (``seq_len``: the whole sequence, of which each context-parallel rank holds ``seq_len /
+    cp``)."""
     flag = f"--parallelism.tensor_parallel_degree={tp}"
     dims = {
         "n_heads": args.n_heads,
         "n_kv_heads": args.kv_heads,
-        "the FFN hidden size": args.ffn_hidden_dim,
         "vocab_size": args.vocab_size,
     }
+    if args.moe is None:
+        dims["the FFN hidden size"] = args.ffn_hidden_dim
     for name, value in dims.items():
         if value % tp:
             raise ConfigError(f"{flag} does not divide {name}={value} of flavor {flavor}")
+    if args.moe is not None:
+        check_moe_degrees(args.moe, args.moe_hidden_dim, flavor=flavor, tp=tp, ep=ep)
     if tp > 1 and sequence_parallel and (seq_len // cp) % tp:
         share = f" / context_parallel_degree {cp}" if cp > 1 else ""
         raise ConfigError(

@@ -10,6 +10,7 @@ from torch import nn
 
 from torchtitan.models.common.attention import ScaledDotProductAttention, attention_documents
 from torchtitan.models.common.feed_forward import FeedForward
+from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.rope import apply_rope
 from torchtitan.models.llama3.args import Llama3Args, RopeScaling
 
@@ -86,12 +87,19 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    """Attention then a SwiGLU (``feed_forward``), or with ``args.moe`` a mixture of experts
+    (``moe``)."""
+
     def __init__(self, layer_id: int, args: Llama3Args):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.moe_enabled = args.moe is not None
+        if self.moe_enabled:
+            self.moe = MoE(args.dim, args.moe_hidden_dim, args.moe)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.init_std = 0.02 / (2 * depth) ** 0.5
 
@@ -99,13 +107,14 @@ class TransformerBlock(nn.Module):
         self, x: torch.Tensor, rope_cis: torch.Tensor, documents: torch.Tensor | None = None
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope_cis, documents)
-        return h + self.feed_forward(self.ffn_norm(h))
+        ffn = self.moe if self.moe_enabled else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
 
     def init_weights(self) -> None:
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
         self.attention.init_weights(self.init_std)
-        self.feed_forward.init_weights(self.init_std)
+        (self.moe if self.moe_enabled else self.feed_forward).init_weights(self.init_std)
 
 
 class Transformer(nn.Module):

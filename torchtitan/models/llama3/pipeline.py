@@ -12,10 +12,11 @@ def pipeline_llama3(args: Llama3Args, num_stages: int, parallelism: Parallelism)
     balances the matmul cost), or the explicit ``--parallelism.module_fqns_per_model_part``."""
     if parallelism.module_fqns_per_model_part:
         return decoder_stages_by_name(parallelism.module_fqns_per_model_part, args.n_layers)
-    # Costs in blocks, from the matmul weights a token passes through: the embedding is a
-    # lookup; the output projection is vocab x dim (about 2.4 blocks for 8B, 0.7 for debug).
+    # Costs in blocks, from the matmul weights a token passes through (with experts, those it
+    # activates): the embedding is a lookup; the output projection is vocab x dim (about 2.4
+    # blocks for 8B, 0.7 for debug).
     q_dim, kv_dim = args.n_heads * args.head_dim, args.kv_heads * args.head_dim
-    block = 2 * args.dim * q_dim + 2 * args.dim * kv_dim + 3 * args.dim * args.ffn_hidden_dim
+    block = 2 * args.dim * q_dim + 2 * args.dim * kv_dim + args.ffn_params(activated=True)
     return split_blocks(
         args.n_layers,
         num_stages,

@@ -1,9 +1,10 @@
-"""Qwen3 (dense). Llama 3's model, parallelization plans and pipeline split, with Qwen3's
-per-head query/key norms and explicit head and FFN widths (``args.py``). Importing this
-package does not import torch."""
+"""Qwen3, dense and mixture-of-experts. Llama 3's model, parallelization plans and pipeline
+split, with Qwen3's per-head query/key norms, explicit head and FFN widths, and, in the MoE
+sizes, experts in every block (``args.py``). Importing this package does not import torch."""
 
 import dataclasses
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.models.llama3 import model_spec as llama3_spec
 from torchtitan.models.llama3 import validate_args
 from torchtitan.models.qwen3 import config_registry
@@ -15,7 +16,15 @@ __all__ = ["Qwen3Args", "config_registry", "flavors", "model_spec"]
 
 def validate(config, parallel_dims) -> None:
     """Model-specific checks of a config against its parallel degrees (no torch import)."""
-    validate_args(flavors[config.model.flavor], config, parallel_dims)
+    args = flavors[config.model.flavor]
+    validate_args(args, config, parallel_dims)
+    if args.moe is not None and config.checkpoint.last_save_in_hf:
+        if config.moe.load_balance_coeff > 0:
+            raise ConfigError(
+                "--checkpoint.last_save_in_hf with --moe.load_balance_coeff > 0: the routing "
+                "bias it learns has no place in Qwen3MoeForCausalLM (the export would route "
+                "differently); pass --moe.load_balance_coeff 0 (--moe.aux_loss_coeff balances)"
+            )
 
 
 # Llama 3's model, plans, pipeline split and FLOP count, with Qwen3's flavors and HF mapping.
@@ -26,4 +35,6 @@ model_spec = dataclasses.replace(
     config_registry=config_registry,
     validate=validate,
     state_dict_adapter=lazy("torchtitan.models.qwen3.state_dict_adapter:Qwen3StateDictAdapter"),
+    has_experts=True,  # the MoE flavors
+    after_optimizer_step=lazy("torchtitan.models.common.moe:update_expert_biases"),
 )

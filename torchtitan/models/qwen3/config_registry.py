@@ -1,6 +1,8 @@
 """Named Qwen3 training configs: ``--module qwen3 --config <function name>``."""
 
-from torchtitan.config.job_config import JobConfig
+import dataclasses
+
+from torchtitan.config.job_config import JobConfig, MoE
 from torchtitan.models.common.presets import debug_run, pretraining_run
 
 # Every Qwen3 size shares one tokenizer (a tokenizer.json without a bos token: documents are
@@ -15,14 +17,28 @@ def qwen3_debugmodel() -> JobConfig:
     return debug_run("qwen3")
 
 
+# Qwen3's MoE sizes balance their experts with a loss (Qwen's router_aux_loss_coef, 0.001),
+# not a routing bias, which their Hugging Face form has no place for: with these settings a
+# run exports to Qwen3MoeForCausalLM exactly.
+QWEN3_MOE_BALANCING = MoE(load_balance_coeff=0.0, aux_loss_coeff=1e-3)
+
+
+def qwen3_moe_debugmodel() -> JobConfig:
+    """4-layer, 256-wide Qwen3 with 8 experts (top 2) in every block, on the bundled corpus."""
+    return dataclasses.replace(debug_run("qwen3", flavor="debugmodel_moe"), moe=QWEN3_MOE_BALANCING)
+
+
 def _pretraining(
     flavor: str, *, lr: float, local_batch_size: int, ac: str = "selective"
 ) -> JobConfig:
     """The full-size runs, 4096 tokens per sequence, with the Qwen3 tokenizer."""
-    return pretraining_run(
+    config = pretraining_run(
         "qwen3", flavor, tokenizer_path=f"assets/hf/{TOKENIZER_REPO.split('/')[1]}", lr=lr,
         local_batch_size=local_batch_size, seq_len=4096, ac=ac,
     )  # fmt: skip
+    if "-A" in flavor:  # the MoE sizes
+        config = dataclasses.replace(config, moe=QWEN3_MOE_BALANCING)
+    return config
 
 
 def qwen3_0_6b() -> JobConfig:
@@ -47,3 +63,14 @@ def qwen3_14b() -> JobConfig:
 
 def qwen3_32b() -> JobConfig:
     return _pretraining("32B", lr=1.5e-4, local_batch_size=1, ac="full")
+
+
+def qwen3_30b_a3b() -> JobConfig:
+    """Qwen3-30B-A3B (128 experts, 8 per token); give it expert parallelism, e.g.
+    ``--parallelism.expert_parallel_degree 8``."""
+    return _pretraining("30B-A3B", lr=3e-4, local_batch_size=1, ac="full")
+
+
+def qwen3_235b_a22b() -> JobConfig:
+    """Qwen3-235B-A22B (128 experts, 8 per token), for many nodes with expert parallelism."""
+    return _pretraining("235B-A22B", lr=1.5e-4, local_batch_size=1, ac="full")
