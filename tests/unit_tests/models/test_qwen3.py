@@ -314,3 +314,27 @@ def test_moe_folders_and_flavors_do_not_cross(tmp_path):
     (tmp_path / "moe/config.json").write_text(json.dumps(config | {"mlp_only_layers": [1]}))
     with pytest.raises(ConfigError, match=r"mlp_only_layers=\[1\] \(flavor: \[\]\)"):
         checkpoint_hf.load_hf_([_ours(MOE_ARGS)], Qwen3StateDictAdapter(MOE_ARGS), tmp_path / "moe")
+
+
+def test_sampling_from_a_checkpoint_routes_with_its_expert_bias(tmp_path):
+    """The routing bias is a buffer, not a parameter: a DCP checkpoint's is loaded too."""
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.checkpoint_states import ModelState
+    from torchtitan.config.job_config import Checkpoint
+    from torchtitan.generate import load_model
+
+    args = dataclasses.replace(flavors["debugmodel_moe"], max_seq_len=64)
+    trained = _ours(args)
+    with torch.no_grad():  # a bias that moves tokens to other experts
+        for block in trained.layers.values():
+            block.moe.expert_bias.copy_(torch.linspace(-0.5, 0.5, args.moe.num_experts))
+    manager = CheckpointManager(
+        Checkpoint(enable=True, folder="checkpoint"), dump_folder=str(tmp_path),
+        states={"model": ModelState([trained])}, device_type="cpu",
+        run_config='[model]\nname = "qwen3"\nflavor = "debugmodel_moe"\n',
+    )  # fmt: skip
+    manager.save(1, model_only=True)
+    model, _, _ = load_model(tmp_path, None, None, torch.device("cpu"))
+    assert torch.equal(model.layers["0"].moe.expert_bias, trained.layers["0"].moe.expert_bias)
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS), trained(TOKENS), rtol=0, atol=0)
