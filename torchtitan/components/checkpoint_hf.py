@@ -217,6 +217,8 @@ def save_hf(
     ``tokenizer`` (a run's, or ``None``): its bos/eos ids go in ``config.json`` and rank 0
     writes it as ``tokenizer.json`` + ``tokenizer_config.json`` (``save_hf_tokenizer``)."""
     folder = Path(folder)
+    # What the HF model cannot express is refused on every rank before any write or collective.
+    adapter.hf_config(tied=False, dtype=dtype, bos_id=None, eos_id=None)
     lost = [name for part in model_parts for name in _state_without_a_place(part, adapter)]
     lost = sorted({name for rank_lost in _gather(lost) for name in rank_lost})
     if lost:  # every rank raises: none waits in a collective below

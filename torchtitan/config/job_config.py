@@ -336,9 +336,11 @@ class Float8:
     """With the float8 all-gather: compute every float8 weight's scale after the optimizer
     step in one all-reduce, instead of one all-reduce per weight inside each all-gather."""
 
-    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    filter_fqns: list[str] = field(default_factory=lambda: ["output", "router.gate"])
     """Linear layers whose name contains one of these stay in high precision (so do layers
-    whose dims are not multiples of 16)."""
+    whose dims are not multiples of 16). The default keeps the output projection and MoE
+    routers (their logits pick each token's experts; 128 or 256 experts pass the alignment
+    rule)."""
 
     emulate: bool = False
     """Emulate float8 matmuls in high precision (a GPU below compute capability 8.9)."""

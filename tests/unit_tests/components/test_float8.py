@@ -37,6 +37,11 @@ def test_filter_keeps_named_and_unaligned_linears_in_high_precision():
     assert wanted(nn.Linear(256, 512), "layers.0.attention.wq", filter_fqns=filters)
     assert not wanted(nn.Linear(256, 2048), "output", filter_fqns=filters)
     assert not wanted(nn.Linear(256, 8), "layers.1.moe.router.gate", filter_fqns=filters)
+    # A router of 128 experts is aligned: the default filter keeps it in high precision.
+    default = Float8Config().filter_fqns
+    assert wanted(nn.Linear(256, 128), "layers.1.moe.router.gate", filter_fqns=filters)
+    assert not wanted(nn.Linear(256, 128), "layers.1.moe.router.gate", filter_fqns=default)
+    assert wanted(nn.Linear(256, 512), "layers.0.moe.shared_experts.w1", filter_fqns=default)
     assert not wanted(nn.Linear(24, 256), "layers.0.feed_forward.w2", filter_fqns=filters)
     assert not wanted(nn.Embedding(10, 16), "tok_embeddings", filter_fqns=filters)
 

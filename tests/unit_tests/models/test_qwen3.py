@@ -338,3 +338,25 @@ def test_sampling_from_a_checkpoint_routes_with_its_expert_bias(tmp_path):
     assert torch.equal(model.layers["0"].moe.expert_bias, trained.layers["0"].moe.expert_bias)
     with torch.no_grad():
         torch.testing.assert_close(model(TOKENS), trained(TOKENS), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"use_sliding_window": True}, "use_sliding_window=True is not what our blocks compute"),
+        ({"attention_bias": True}, "attention_bias=True is not what our blocks compute"),
+        ({"hidden_act": "gelu"}, "hidden_act=gelu is not what our blocks compute"),
+        ({"norm_topk_prob": None}, r"norm_topk_prob=False \(flavor: True\)"),  # HF's default
+        ({"mlp_only_layers": None}, None),  # HF reads null as no dense layer
+    ],
+)
+def test_moe_folders_that_compute_otherwise_are_refused(tmp_path, overrides, expected):
+    _random_hf_moe(5).save_pretrained(tmp_path / "moe")
+    config = json.loads((tmp_path / "moe/config.json").read_text())
+    (tmp_path / "moe/config.json").write_text(json.dumps(config | overrides))
+    adapter, ours = Qwen3StateDictAdapter(MOE_ARGS), _ours(MOE_ARGS)
+    if expected is None:
+        checkpoint_hf.load_hf_([ours], adapter, tmp_path / "moe")
+        return
+    with pytest.raises(ConfigError, match=expected):
+        checkpoint_hf.load_hf_([ours], adapter, tmp_path / "moe")

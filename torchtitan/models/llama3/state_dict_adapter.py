@@ -152,6 +152,18 @@ class Llama3StateDictAdapter:
             raise ConfigError(
                 f"{where}: head_dim {head_dim} differs from the flavor's {a.head_dim}"
             )
+        # Computations our blocks do not have: the HF model's logits would differ.
+        other = [
+            f"{k}={config[k]}"
+            for k, ours in (("attention_bias", False), ("mlp_bias", False),
+                            ("use_sliding_window", False), ("hidden_act", "silu"))
+            if config.get(k) not in (None, ours)
+        ]  # fmt: skip
+        if other:
+            raise ConfigError(
+                f"{where}: the HF model's {', '.join(other)} is not what our blocks compute "
+                "(no biases, full attention, SiLU); it cannot be loaded"
+            )
         self._check_rope(config, where)
 
     def _check_rope(self, config: dict[str, Any], where: str) -> None:

@@ -17,10 +17,13 @@ def qwen3_debugmodel() -> JobConfig:
     return debug_run("qwen3")
 
 
-# Qwen3's MoE sizes balance their experts with a loss (Qwen's router_aux_loss_coef, 0.001),
-# not a routing bias, which their Hugging Face form has no place for: with these settings a
-# run exports to Qwen3MoeForCausalLM exactly.
-QWEN3_MOE_BALANCING = MoE(load_balance_coeff=0.0, aux_loss_coeff=1e-3)
+# Qwen3's MoE sizes balance their experts with a loss, not a routing bias (which their Hugging
+# Face form has no place for: with these settings a run exports to Qwen3MoeForCausalLM
+# exactly). Qwen's loss is Switch's over the whole batch, all layers pooled, weighted 0.001
+# (router_aux_loss_coef); ours is DeepSeek-V3's sequence-wise loss per layer, whose gradient per
+# router score is about coeff / tokens where Qwen's is 0.001 x top_k / (layers x tokens):
+# 1.7e-4 for 30B-A3B, 8.5e-5 for 235B-A22B. 1e-4 is DeepSeek-V3's own weight for its loss.
+QWEN3_MOE_BALANCING = MoE(load_balance_coeff=0.0, aux_loss_coeff=1e-4)
 
 
 def qwen3_moe_debugmodel() -> JobConfig:

@@ -109,17 +109,19 @@ class Qwen3StateDictAdapter(Llama3StateDictAdapter):
                 f"Qwen3MoeForCausalLM routes by softmax over every expert, without shared "
                 f"experts or scaling; this flavor's {', '.join(wrong)} has no HF equivalent"
             )
-        return config | self._moe_fields() | {"router_aux_loss_coef": m.aux_loss_coeff}
+        # (router_aux_loss_coef stays transformers' default: Qwen's loss is not ours.)
+        return config | self._moe_fields()
 
     def check_hf_config(self, config: dict[str, Any], where: str) -> None:
         super().check_hf_config(config, where)
         if self.args.moe is None:
             return
-        defaults = {"decoder_sparse_step": 1, "mlp_only_layers": []}
-        # transformers 5 writes the published num_experts as num_local_experts.
-        config = {"num_experts": config.get("num_local_experts")} | config
+        # transformers' defaults for absent (or null) fields; transformers 5 writes the
+        # published num_experts as num_local_experts.
+        defaults = {"decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": False,
+                    "num_experts": config.get("num_local_experts")}  # fmt: skip
         wanted = self._moe_fields()
-        found = {k: config.get(k, defaults.get(k)) for k in wanted}
+        found = {k: defaults.get(k) if config.get(k) is None else config[k] for k in wanted}
         wrong = [f"{k}={found[k]} (flavor: {v})" for k, v in wanted.items() if found[k] != v]
         if wrong:
             raise ConfigError(
