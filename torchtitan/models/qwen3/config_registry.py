@@ -4,6 +4,7 @@ import dataclasses
 
 from torchtitan.config.job_config import JobConfig, MoE
 from torchtitan.models.common.presets import debug_run, pretraining_run
+from torchtitan.models.qwen3.args import flavors
 
 # Every Qwen3 size shares one tokenizer (a tokenizer.json without a bos token: documents are
 # framed by <|endoftext|>), downloaded into assets/hf/Qwen3-0.6B-Base by
@@ -39,7 +40,7 @@ def _pretraining(
         "qwen3", flavor, tokenizer_path=f"assets/hf/{TOKENIZER_REPO.split('/')[1]}", lr=lr,
         local_batch_size=local_batch_size, seq_len=4096, ac=ac,
     )  # fmt: skip
-    if "-A" in flavor:  # the MoE sizes
+    if flavors[flavor].moe is not None:  # the MoE sizes
         config = dataclasses.replace(config, moe=QWEN3_MOE_BALANCING)
     return config
 
