@@ -208,3 +208,24 @@ def test_qwen3_moe_hf_in_and_out_under_expert_parallelism(tmp_path):
     assert first.keys() == second.keys()
     for name, tensor in first.items():
         torch.testing.assert_close(second[name], tensor, rtol=0, atol=5e-5, msg=name)
+
+
+def test_an_export_without_a_place_for_the_routing_bias_is_refused_on_every_stage(tmp_path):
+    """A Qwen3-MoE run resumed (routing bias frozen, --moe.load_balance_coeff 0) from one that
+    learned a bias, exported in HF form from 2 pipeline stages: every rank refuses in one line
+    (none waits in the export's collectives), exit 2; the DCP checkpoint stands, no HF folder."""
+    flags = ["--module", "qwen3", "--config", "qwen3_moe_debugmodel", "--checkpoint.enable",
+             "--parallelism.pipeline_parallel_degree", "2",
+             "--parallelism.pipeline_parallel_microbatch_size", "4"]  # fmt: skip
+    first = run_train(tmp_path, *flags, "--training.steps", "2", "--moe.load_balance_coeff", "0.01",
+                      ngpu=2, timeout=600)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_train(
+        tmp_path, *flags, "--training.steps", "3", "--checkpoint.last_save_in_hf", ngpu=2,
+        log_rank="0,1", timeout=600,
+    )  # fmt: skip
+    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    errors = [line for line in resumed.stderr.splitlines() if "error: " in line]
+    assert errors and all("expert_bias" in line and "no place for it" in line for line in errors)
+    assert (tmp_path / "checkpoint/step-3").is_dir()
+    assert not (tmp_path / "checkpoint/hf-step-3").exists()

@@ -226,8 +226,9 @@ def save_hf(
         raise ConfigError(
             f"{lost[0]}{more} is not zero and {adapter.architecture} has no place for it: the "
             f"exported model would compute differently, so nothing was written to {folder}. "
-            "An MoE routing bias is learned with --moe.load_balance_coeff > 0; train with "
-            "--moe.load_balance_coeff 0 (--moe.aux_loss_coeff balances instead)"
+            "An MoE routing bias moves with --moe.load_balance_coeff > 0 and stays as a "
+            "checkpoint holds it: export runs trained with --moe.load_balance_coeff 0 from "
+            "the start (--moe.aux_loss_coeff balances instead)"
         )
     tensors: dict[str, torch.Tensor] = {}
     embedding = output = None
