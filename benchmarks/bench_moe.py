@@ -2,8 +2,10 @@
 
     python benchmarks/bench_moe.py                          # 1 process, EP 2, EP 2 x FSDP 2
     python benchmarks/bench_moe.py --layouts ep2 --steps 20 --seq_len 512
+    python benchmarks/bench_moe.py --config qwen3_moe_debugmodel   # Qwen3's MoE
 
-Runs ``deepseek_v3_debugmodel`` through ``run_train.sh`` per layout (one after the other),
+Runs ``--config`` (``deepseek_v3_debugmodel``, or ``qwen3_moe_debugmodel``) through
+``run_train.sh`` per layout (one after the other),
 ``--batch`` sequences of ``--seq_len`` tokens per data-parallel rank, fp32, and traces step
 ``--steps - 1`` of rank 0 with torch.profiler. Printed per layout: median tokens/s per rank
 of the steps after ``--warmup``, rank 0's peak RSS, and the share of the traced step's wall
@@ -29,6 +31,8 @@ LAYOUTS = {
     "ep2": (2, ["--parallelism.expert_parallel_degree", "2"]),
     "ep2_fsdp2": (4, ["--parallelism.expert_parallel_degree", "2"]),
 }
+CONFIGS = {"deepseek_v3_debugmodel": "deepseek_v3", "qwen3_moe_debugmodel": "qwen3"}
+"""The debug MoE configs, with their module."""
 ALL_TO_ALL = re.compile(r"all_?to_?all", re.IGNORECASE)
 
 
@@ -74,8 +78,8 @@ def run(args: argparse.Namespace, ranks: int, flags: list[str]) -> tuple[float, 
         env = os.environ | {
             "NGPU": str(ranks),
             "PYTHON": sys.executable,
-            "MODULE": "deepseek_v3",
-            "CONFIG": "deepseek_v3_debugmodel",
+            "MODULE": CONFIGS[args.config],
+            "CONFIG": args.config,
         }
         out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if out.returncode != 0:
@@ -93,6 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--config", choices=list(CONFIGS), default="deepseek_v3_debugmodel")
     parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq_len", type=int, default=512)
@@ -100,7 +105,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
     print(
-        f"deepseek_v3_debugmodel, {args.batch} x {args.seq_len} per data-parallel rank, fp32, "
+        f"{args.config}, {args.batch} x {args.seq_len} per data-parallel rank, fp32, "
         f"{args.steps} steps (median of steps {args.warmup + 1}+, traced step left out)"
     )
     print(f"{'layout':<12}{'ranks':>6}{'tok/s/rank':>12}{'peak RSS':>10}{'all-to-all':>12}")

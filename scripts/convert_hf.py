@@ -48,8 +48,12 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _model(spec, flavor: str) -> torch.nn.Module:
+def _model(spec, flavor: str, seq_len: int | None = None) -> torch.nn.Module:
+    """The flavor's model, initialised; ``seq_len``: the training's (it sizes the RoPE table,
+    and DeepSeek-V3 scales its rotary embedding beyond its original length)."""
     args = spec.flavors[flavor]
+    if seq_len is not None:
+        args = spec.args_for(flavor, seq_len=seq_len)
     with torch.device("meta"):
         model = spec.build_model(args)
     model.to_empty(device="cpu")
@@ -61,15 +65,29 @@ def to_hf(
     step: Path, out: Path, module: str | None, flavor: str | None, dtype: str,
     tokenizer_path: Path | None = None,
 ) -> None:  # fmt: skip
-    saved = {}
+    if out.exists() and any(out.iterdir()):  # before the minutes a large model takes to load
+        raise ConfigError(f"{out} exists and is not empty: choose another folder or remove it")
+    saved, seq_len = {}, None
     if (step / CONFIG_FILE).is_file():
-        saved = tomllib.loads((step / CONFIG_FILE).read_text())["model"]
+        run = tomllib.loads((step / CONFIG_FILE).read_text())
+        saved, seq_len = run["model"], run.get("training", {}).get("seq_len")
         module, flavor = module or saved["name"], flavor or saved["flavor"]
     if module is None or flavor is None:
         raise ConfigError(f"{step} has no {CONFIG_FILE}: pass --module and --flavor")
     spec = get_model_spec(module)
-    model = _model(spec, flavor)
-    model.load_state_dict(read_full_model(step), strict=False)
+    model = _model(spec, flavor, seq_len)
+    state = read_full_model(step)
+    wanted = model.state_dict().keys()
+    missing, extra = sorted(wanted - state.keys()), sorted(state.keys() - wanted)
+    if missing or extra:
+        raise ConfigError(
+            f"{step} is not a checkpoint of {module} {flavor}: "
+            + (f"no {missing[0]} ({len(missing)} missing)" if missing else "")
+            + (", " if missing and extra else "")
+            + (f"{extra[0]} is not in the model ({len(extra)} such)" if extra else "")
+            + "; pass the --module and --flavor it was trained with"
+        )
+    model.load_state_dict(state)
     if tokenizer_path is None and "tokenizer_path" in saved:
         tokenizer_path = resolve_path(saved["tokenizer_path"])
     tokenizer = None
@@ -81,8 +99,9 @@ def to_hf(
                 f"--tokenizer {tokenizer_path} has {tokenizer.vocab_size} tokens, more than "
                 f"{flavor}'s vocabulary of {vocab}: pass the model's own tokenizer"
             )
+    args = spec.flavors[flavor] if seq_len is None else spec.args_for(flavor, seq_len=seq_len)
     checkpoint_hf.save_hf(
-        [model], spec.state_dict_adapter(spec.flavors[flavor]), out, dtype=DTYPES[dtype],
+        [model], spec.state_dict_adapter(args), out, dtype=DTYPES[dtype],
         writer=True, pipelined=False, tokenizer=tokenizer,
     )  # fmt: skip
     if tokenizer is None:
@@ -95,7 +114,8 @@ def to_hf(
 def from_hf(folder: Path, out: Path, module: str, flavor: str | None) -> None:
     spec = get_model_spec(module)
     flavor = flavor or checkpoint_hf.matching_flavor(spec, folder)
-    model = _model(spec, flavor)
+    seq_len = checkpoint_hf.read_config(folder).get("max_position_embeddings")
+    model = _model(spec, flavor, seq_len)
     # The folder's own tokenizer, where it has one, is what the checkpoint was trained with.
     tokenizer = find_tokenizer_file(folder)
     tokenizer_line = (
@@ -103,7 +123,7 @@ def from_hf(folder: Path, out: Path, module: str, flavor: str | None) -> None:
         if tokenizer is None
         else f"tokenizer_path = {json.dumps(str(folder.resolve()), ensure_ascii=False)}\n"
     )
-    checkpoint_hf.load_hf_([model], spec.state_dict_adapter(spec.flavors[flavor]), folder)
+    checkpoint_hf.load_hf_([model], spec.state_dict_adapter(model.args), folder)
     manager = CheckpointManager(
         Checkpoint(enable=True, folder=out.name), dump_folder=str(out.parent),
         states={"model": ModelState([model])}, device_type="cpu",

@@ -75,24 +75,28 @@ def banner(trainer: Trainer) -> str:
 
 
 def estimate_memory(trainer: Trainer) -> memory_estimate.MemoryEstimate:
-    """This rank's memory: exact state bytes from the built model, peak from shallow copies
-    (the larger of the extrapolated step peak and end of forward)."""
+    """This rank's memory: exact state bytes from the built model, peak from shallow copies:
+    the largest of the extrapolated step peak, the end of forward, and the end of backward
+    (parameters, every gradient and the optimizer state at once: where a model whose weights
+    outweigh its activations peaks, Qwen3 30B-A3B under EP; the probes peak at the loss, before
+    any gradient)."""
     n_layers = trainer.model_args.n_layers
     (one, _), (two, ratio) = _probe_step(trainer, 1), _probe_step(trainer, 2)
-    peak = max(
-        memory_estimate.extrapolate(one["forward"], two["forward"], n_layers),
-        memory_estimate.extrapolate_peak(one, two, n_layers),
-        key=lambda categories: categories["Total"],
-    )
     parameters = [p for part in trainer.model_parts for p in part.parameters()]
     params = memory_estimate.local_bytes(parameters)
     grads = memory_estimate.local_bytes(p for p in parameters if p.requires_grad)
+    optimizer = int(params * ratio)
+    forward = memory_estimate.extrapolate(one["forward"], two["forward"], n_layers)
+    held = {"Parameter": params, "Gradient": grads, "Optstate": optimizer}
+    held["Buffer"] = forward.get("Buffer", 0)
+    peak = max(
+        forward,
+        memory_estimate.extrapolate_peak(one, two, n_layers),
+        held | {"Total": sum(held.values())},
+        key=lambda categories: categories["Total"],
+    )
     return memory_estimate.MemoryEstimate(
-        n_layers=n_layers,
-        parameters=params,
-        gradients=grads,
-        optimizer=int(params * ratio),
-        peak=peak,
+        n_layers=n_layers, parameters=params, gradients=grads, optimizer=optimizer, peak=peak
     )
 
 

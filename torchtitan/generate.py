@@ -119,6 +119,7 @@ def load_model(
     )
     from torchtitan.components.tokenizer import find_tokenizer_file
     from torchtitan.models.spec import get_model_spec
+    from torchtitan.tools.paths import resolve_path
 
     tokenizer = DEFAULT_TOKENIZER
     is_step = (path / ".metadata").is_file()  # a DCP checkpoint
@@ -130,20 +131,24 @@ def load_model(
                 "--checkpoint.enable when training) or a Hugging Face folder"
             )
         path = found[-1]
+    seq_len = None  # the training's: the RoPE table (DeepSeek-V3 scales beyond its original)
     if (path / CONFIG_FILE).is_file():
-        saved = tomllib.loads((path / CONFIG_FILE).read_text()).get("model", {})
+        run = tomllib.loads((path / CONFIG_FILE).read_text())
+        saved = run.get("model", {})
         module, flavor = module or saved.get("name"), flavor or saved.get("flavor")
-        tokenizer = Path(saved.get("tokenizer_path", tokenizer))
+        tokenizer = resolve_path(saved.get("tokenizer_path", tokenizer))
+        seq_len = run.get("training", {}).get("seq_len")
     if module is None and checkpoint_hf.is_hf_folder(path):
         module = checkpoint_hf.hf_family(path)
     spec = get_model_spec(module or "llama3")
     if checkpoint_hf.is_hf_folder(path):
         flavor = flavor or checkpoint_hf.matching_flavor(spec, path)
+        seq_len = seq_len or checkpoint_hf.read_config(path).get("max_position_embeddings")
         if find_tokenizer_file(path) is not None:  # exported with its tokenizer
             tokenizer = path
     if flavor is None:
         raise ConfigError(f"{path} has no {CONFIG_FILE}: pass --module and --flavor")
-    args = spec.flavors[flavor]
+    args = spec.flavors[flavor] if seq_len is None else spec.args_for(flavor, seq_len=seq_len)
     with torch.device("meta"):
         model = spec.build_model(args)
     if tp > 1:

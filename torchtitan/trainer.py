@@ -392,12 +392,14 @@ class Trainer:
         if self.checkpointer is not None:  # a pinned-memory save may still read the weights
             self.checkpointer.wait_for_staging()
         # The norm is global, so every rank takes the same branch.
-        if not dist_utils.values_are_real() or bool(torch.isfinite(grad_norm)):
+        stepped = not dist_utils.values_are_real() or bool(torch.isfinite(grad_norm))
+        if stepped:
             self.optimizers.step()
         else:
             self._skip_nonfinite_step(result)
         self.lr_schedulers.step()
-        if self._after_optimizer_step is not None:
+        # A skipped update moves nothing (its routing counts join the next step's balancing).
+        if self._after_optimizer_step is not None and stepped:
             group = self.loss_mesh.get_group() if self.loss_mesh is not None else None
             pp = self.pp_mesh.get_group() if self.pp_mesh is not None else None
             # Metrics read values on the host: only on the steps that log them.

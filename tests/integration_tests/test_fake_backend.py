@@ -226,3 +226,18 @@ def test_deepseek_v3_671b_with_expert_parallelism_estimates_on_one_cpu_process(t
     assert _gib(out, "parameters") == pytest.approx(expected, rel=rel)
     assert _gib(out, "optimizer state") == pytest.approx(2 * expected, rel=rel)
     assert _gib(out, "Activation") > 0.1
+
+
+def test_a_model_whose_weights_outweigh_its_activations_peaks_at_the_end_of_backward(tmp_path):
+    """Qwen3 30B-A3B on 8 simulated ranks with EP 8: parameters, gradients and optimizer state
+    (57 GiB) outweigh the step's activations. The shallow probes peak at the loss, before any
+    gradient exists; the estimate's peak still holds every gradient with the weights."""
+    result = _dry_run(
+        tmp_path, "qwen3_30b_a3b", 8, "--parallelism.expert_parallel_degree", "8", MODULE="qwen3"
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    expected = 30_532_122_624 * 4 / 8 / GiB
+    assert _gib(out, "parameters") == pytest.approx(expected, rel=0.01)
+    state = _gib(out, "parameters") + _gib(out, "gradients") + _gib(out, "optimizer state")
+    assert _gib(out, "peak of a step") >= state - 0.03  # (each figure rounded to 0.01)

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchtitan.components.checkpoint_files import free_name
 from torchtitan.components.tokenizer_export import save_hf_tokenizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed import local_tensor
@@ -56,6 +57,14 @@ class HFIO:
         load_hf_(self.model_parts, self.adapter, folder)
 
     def save(self, folder: str | os.PathLike, dtype: torch.dtype) -> None:
+        """Export to ``folder``; one there already (another run's) is moved aside first, to
+        ``<folder>.replaced``, as checkpoints are."""
+        folder = Path(folder)
+        if _rank() == 0 and folder.exists():
+            aside = free_name(folder.with_name(folder.name + ".replaced"))
+            os.replace(folder, aside)
+            logger.warning(f"{folder} existed (not written by this run): moved to {aside}")
+        _barrier()
         save_hf(
             self.model_parts, self.adapter, folder, dtype=dtype, writer=self.writer,
             pipelined=self.pipelined, tokenizer=self.tokenizer,
@@ -120,7 +129,37 @@ def matching_flavor(spec, folder: str | os.PathLike) -> str:
             return flavor
         except ConfigError:
             continue
-    raise ConfigError(f"{folder}: no {spec.name} flavor has its shapes; pass --flavor")
+    raise ConfigError(
+        f"{folder}: no {spec.name} flavor has its shapes; pass the flavor (--model.flavor, or "
+        "--flavor to the scripts)"
+    )
+
+
+def hf_rope(config: dict[str, Any]) -> tuple[float, str, dict[str, Any]]:
+    """An HF ``config.json``'s rotary embedding: its base (``transformers``' default 10000
+    where none is given), the scaling type (``default``: none) and the scaling's fields. Reads
+    both forms (``rope_theta`` + ``rope_scaling``, and transformers 5's ``rope_parameters``)."""
+    params = dict(config.get("rope_parameters") or {})
+    theta = params.pop("rope_theta", config.get("rope_theta"))
+    scaling = config.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    return float(10000.0 if theta is None else theta), kind, scaling or {}
+
+
+def check_computation(config: dict[str, Any], where: str, wanted: dict[str, Any]) -> None:
+    """Refuse (one line) an HF model whose ``config.json`` sets one of ``wanted``'s fields to
+    another value (absent or null: the field's default, taken as ours): norms' epsilon,
+    activation, biases and the like, which change the logits without changing a shape."""
+    other = [
+        f"{k}={config[k]} (ours: {v})"
+        for k, v in wanted.items()
+        if config.get(k) is not None and config[k] != v
+    ]
+    if other:
+        raise ConfigError(
+            f"{where}: the HF model's {', '.join(other)} is not what this --model.flavor "
+            "computes; it would give other logits"
+        )
 
 
 def _model_types(adapter) -> tuple:
@@ -168,10 +207,25 @@ def load_hf_(model_parts: Sequence[nn.Module], adapter, folder: str | os.PathLik
     """Fill every parameter of ``model_parts`` from the HF folder (shapes checked against the
     flavor first: a mismatch is a one-line ``ConfigError``)."""
     folder = Path(folder)
-    where = f"--checkpoint.initial_load_path {folder}"
-    adapter.check_hf_config(read_config(folder), where)
+    where = str(folder)
+    config = read_config(folder)
+    quantized = config.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise ConfigError(
+            f"{where}: the weights are quantized ({method}, quantization_config in config.json); "
+            "dequantize them to bf16 or fp32 first (e.g. with transformers), then load that"
+        )
+    adapter.check_hf_config(config, where)
     shards = _Shards(folder)
     available = set(shards.files)
+    tied = getattr(adapter.args, "tie_word_embeddings", False)
+    embedding, head = "model.embed_tokens.weight", "lm_head.weight"
+    if tied and head in available and not torch.equal(shards.get(head), shards.get(embedding)):
+        raise ConfigError(
+            f"{where}: the HF model's output projection (lm_head) differs from its embedding, "
+            "which this --model.flavor ties; pick an untied flavor"
+        )
     for part in model_parts:
         full_state = {}
         for name, tensor in _mapped_tensors(part, adapter):
@@ -220,8 +274,15 @@ def save_hf(
     # What the HF model cannot express is refused on every rank before any write or collective.
     adapter.hf_config(tied=False, dtype=dtype, bos_id=None, eos_id=None)
     lost = [name for part in model_parts for name in _state_without_a_place(part, adapter)]
-    lost = sorted({name for rank_lost in _gather(lost) for name in rank_lost})
-    if lost:  # every rank raises: none waits in a collective below
+    occupied = folder.exists() and any(folder.iterdir())
+    gathered = _gather([lost, occupied])  # before any rank creates the folder
+    if any(o for _, o in gathered):  # every rank raises: none waits in a collective below
+        raise ConfigError(
+            f"{folder} exists and is not empty: an export never writes over files (old shards "
+            "would mix with new ones); choose another folder or remove it"
+        )
+    lost = sorted({name for rank_lost, _ in gathered for name in rank_lost})
+    if lost:
         more = f" (and {len(lost) - 1} more like it)" if len(lost) > 1 else ""
         raise ConfigError(
             f"{lost[0]}{more} is not zero and {adapter.architecture} has no place for it: the "
@@ -242,7 +303,10 @@ def save_hf(
                 output = full
             if writer:
                 for hf, t in adapter.to_hf(ours, full).items():
-                    tensors[hf] = t.to(dtype).contiguous()
+                    # Routing tensors the HF model keeps in float32: a bias step of 1e-3
+                    # is under bf16's spacing near 1 and would change the experts chosen.
+                    fp32 = hf.endswith(getattr(adapter, "keep_in_fp32", ()))
+                    tensors[hf] = t.to(torch.float32 if fp32 else dtype).contiguous()
     # Tied when our output is the embedding (a tied flavor, or untouched since a tied import);
     # stages of a pipeline hold them apart: exported untied.
     tied = not pipelined and (

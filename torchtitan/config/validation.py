@@ -348,6 +348,12 @@ def _local_tensor_checks(config: JobConfig) -> list[tuple[bool, str]]:
                 f"--checkpoint.async_mode {config.checkpoint.async_mode} {why} (the simulation "
                 "only reads checkpoints); drop the flag",
             ),
+            (
+                not config.validation.sample_prompt,
+                f"--validation.sample_prompt {why} (sampling reads each token on the host, "
+                "which simulated ranks hold apart); sample from the checkpoint of a real run "
+                "(python -m torchtitan.generate)",
+            ),
         ]
     simple = _fsdp_impl(config) == "simple"
     return checks + [

@@ -2,6 +2,7 @@
 tensors, the routing bias, MLA's projections; logits agree both ways, round trip bit-identical."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -80,6 +81,67 @@ def test_other_routing_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="routed_scaling_factor=2.5 \\(flavor: 1.0\\)") as e:
         checkpoint_hf.load_hf_([_ours()], DeepSeekV3StateDictAdapter(ARGS), tmp_path / "hf")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("args", "change", "expected"),
+    [
+        (
+            ARGS,
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}},
+            "rope_theta 50000.0 differs",
+        ),  # fmt: skip
+        (ARGS, {"rms_norm_eps": 1e-2}, r"rms_norm_eps=0\.01 \(ours: 1e-06\)"),
+        (ARGS, {"hidden_act": "gelu"}, "hidden_act=gelu"),
+        # The published V3 config scales (YaRN) at every length; ours beyond original_seq_len.
+        (
+            ARGS,
+            {
+                "rope_scaling": {
+                    "type": "yarn",
+                    "factor": 40.0,
+                    "beta_fast": 32,
+                    "beta_slow": 1,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0,
+                    "original_max_position_embeddings": 4096,
+                }
+            },
+            "train longer sequences",
+        ),  # fmt: skip
+        (YARN, {"rope_scaling": None, "rope_parameters": None}, "does not scale"),
+        (
+            dataclasses.replace(ARGS, moe=dataclasses.replace(ARGS.moe, score_func="softmax")),
+            {},
+            "routes with softmax scores",
+        ),  # fmt: skip
+    ],
+)
+def test_folders_that_would_compute_otherwise_are_refused(tmp_path, args, change, expected):
+    hf = _hf_model(YARN if args is YARN else ARGS)
+    hf.save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf/config.json").read_text())
+    (tmp_path / "hf/config.json").write_text(json.dumps(config | change))
+    with pytest.raises(ConfigError, match=expected) as e:
+        checkpoint_hf.load_hf_([_ours(args)], DeepSeekV3StateDictAdapter(args), tmp_path / "hf")
+    assert "\n" not in str(e.value)
+
+
+def test_a_bf16_export_keeps_the_routing_in_float32(tmp_path):
+    """transformers keeps the router and its bias in float32: a bias step of 1e-3 is under
+    bf16's spacing near 0.5."""
+    ours = _ours()
+    with torch.no_grad():
+        ours.layers["2"].moe.expert_bias.fill_(0.5 + 1e-3)
+    checkpoint_hf.save_hf(
+        [ours], DeepSeekV3StateDictAdapter(ARGS), tmp_path / "bf16", dtype=torch.bfloat16,
+        writer=True, pipelined=False,
+    )  # fmt: skip
+    tensors = checkpoint_hf.read_tensors(tmp_path / "bf16")
+    bias = tensors["model.layers.2.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and bias[0].item() == pytest.approx(0.501)
+    assert tensors["model.layers.2.mlp.gate.weight"].dtype == torch.float32
+    assert tensors["model.layers.2.mlp.experts.0.gate_proj.weight"].dtype == torch.bfloat16
 
 
 def test_token_ids_zero_are_written():

@@ -128,7 +128,7 @@ def test_convert_script_round_trips_through_a_dcp_checkpoint(tmp_path):
     config = transformers.LlamaConfig(
         hidden_size=a.dim, intermediate_size=a.ffn_hidden_dim, num_hidden_layers=a.n_layers,
         num_attention_heads=a.n_heads, num_key_value_heads=a.kv_heads, vocab_size=a.vocab_size,
-        rope_theta=a.rope_theta,
+        rope_theta=a.rope_theta, rms_norm_eps=a.norm_eps,
     )  # fmt: skip
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
     # The folder's tokenizer goes into the checkpoint's config, and from there back out.
@@ -144,6 +144,39 @@ def test_convert_script_round_trips_through_a_dcp_checkpoint(tmp_path):
     # The source had no tokenizer_config.json: the export names bos and eos for transformers.
     config = json.loads((tmp_path / "back/tokenizer_config.json").read_text())
     assert (config["bos_token"], config["eos_token"]) == ("<|begin_of_text|>", "<|end_of_text|>")
+
+    # An export never writes into a folder that holds files (old shards would mix with new).
+    before = sorted(p.name for p in (tmp_path / "back").iterdir())
+    assert convert.main(["to_hf", str(tmp_path / "ckpt/step-0"), str(tmp_path / "back")]) == 2
+    assert sorted(p.name for p in (tmp_path / "back").iterdir()) == before
+    # A checkpoint converted as another flavor or family: one line, nothing written.
+    for flags in (["--flavor", "debug_100m"], ["--module", "qwen3", "--flavor", "debugmodel"]):
+        out = tmp_path / f"wrong_{flags[-1]}"
+        assert convert.main(["to_hf", str(tmp_path / "ckpt/step-0"), str(out), *flags]) == 2
+        assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"rms_norm_eps": 1e-2}, r"rms_norm_eps=0\.01 \(ours: 1e-05\)"),
+        ({"quantization_config": {"quant_method": "fp8"}}, r"quantized \(fp8"),
+        ({"rope_theta": None, "rope_parameters": None}, "rope_theta 10000.0 differs"),  # HF's
+    ],
+)
+def test_folders_that_would_compute_otherwise_are_refused(tmp_path, change, expected):
+    _hf_model(tied=False).save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf/config.json").read_text())
+    (tmp_path / "hf/config.json").write_text(json.dumps(config | change))
+    with pytest.raises(ConfigError, match=expected):
+        checkpoint_hf.load_hf_([_ours(ARGS)], Llama3StateDictAdapter(ARGS), tmp_path / "hf")
+
+
+def test_a_tied_flavor_refuses_an_untied_model(tmp_path):
+    _hf_model(tied=False).save_pretrained(tmp_path / "hf")
+    args = dataclasses.replace(ARGS, tie_word_embeddings=True)
+    with pytest.raises(ConfigError, match="lm_head.* differs from its embedding"):
+        checkpoint_hf.load_hf_([_ours(args)], Llama3StateDictAdapter(args), tmp_path / "hf")
 
 
 def test_greedy_generation_equals_transformers_generate(tmp_path):

@@ -140,7 +140,7 @@ def test_a_qwen3_folder_is_found_to_be_qwen3_without_module(tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     assert checkpoint_hf.hf_family(tmp_path / "hf") == "qwen3"
     model, found, _ = load_model(tmp_path / "hf", None, None, torch.device("cpu"))
-    assert found == flavors["debugmodel"]
+    assert found == args  # the folder's max_position_embeddings sizes the RoPE table
     with torch.no_grad():
         torch.testing.assert_close(model(TOKENS), hf(TOKENS).logits, rtol=1e-5, atol=1e-5)
 
@@ -343,9 +343,15 @@ def test_sampling_from_a_checkpoint_routes_with_its_expert_bias(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        ({"use_sliding_window": True}, "use_sliding_window=True is not what our blocks compute"),
-        ({"attention_bias": True}, "attention_bias=True is not what our blocks compute"),
-        ({"hidden_act": "gelu"}, "hidden_act=gelu is not what our blocks compute"),
+        (
+            {"use_sliding_window": True},
+            "use_sliding_window=True .* is not what this --model.flavor computes",
+        ),
+        (
+            {"attention_bias": True},
+            "attention_bias=True .* is not what this --model.flavor computes",
+        ),
+        ({"hidden_act": "gelu"}, "hidden_act=gelu .* is not what this --model.flavor computes"),
         ({"norm_topk_prob": None}, r"norm_topk_prob=False \(flavor: True\)"),  # HF's default
         ({"mlp_only_layers": None}, None),  # HF reads null as no dense layer
     ],
@@ -360,3 +366,19 @@ def test_moe_folders_that_compute_otherwise_are_refused(tmp_path, overrides, exp
         return
     with pytest.raises(ConfigError, match=expected):
         checkpoint_hf.load_hf_([ours], adapter, tmp_path / "moe")
+
+
+def test_a_run_exporting_over_another_runs_export_moves_it_aside(tmp_path):
+    """The trainer's ``hf-step-N`` export, where another run left one: kept, renamed, as
+    checkpoints are; the new export is whole (no old shard mixed in)."""
+    ours = _ours(MOE_ARGS)
+    hfio = checkpoint_hf.HFIO([ours], Qwen3StateDictAdapter(MOE_ARGS), writer=True, pipelined=False)
+    folder = tmp_path / "hf-step-3"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"another run's")
+    hfio.save(folder, torch.float32)
+    assert (tmp_path / "hf-step-3.replaced/model.safetensors").read_bytes() == b"another run's"
+    assert not (folder / "model.safetensors").exists()
+    back = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(TOKENS).logits, ours(TOKENS), rtol=1e-5, atol=1e-5)

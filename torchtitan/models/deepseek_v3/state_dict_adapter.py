@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from torchtitan.components.checkpoint_hf import check_computation, hf_rope
 from torchtitan.config.errors import ConfigError
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
 
@@ -41,6 +42,9 @@ class DeepSeekV3StateDictAdapter:
 
     architecture = "DeepseekV3ForCausalLM"
     model_type = "deepseek_v3"
+    keep_in_fp32 = ("mlp.gate.e_score_correction_bias", "mlp.gate.weight")
+    """HF names exported in float32 whatever the export dtype (``transformers`` keeps them so:
+    the router's scores and bias pick the experts)."""
 
     def __init__(self, args: DeepSeekV3Args):
         self.args = args
@@ -167,3 +171,55 @@ class DeepSeekV3StateDictAdapter:
                 f"{where}: the HF model's {', '.join(wrong)} differ from this --model.flavor; "
                 "pick the flavor with its shapes"
             )
+        if self.args.moe.score_func != "sigmoid":
+            raise ConfigError(
+                f"{where}: this --model.flavor routes with {self.args.moe.score_func} scores; "
+                "Hugging Face's DeepSeek-V3 routes with sigmoid scores only"
+            )
+        check_computation(config, where, {
+            "rms_norm_eps": self.args.norm_eps, "hidden_act": "silu", "attention_bias": False,
+        })  # fmt: skip
+        self._check_rope(config, where)
+
+    def _check_rope(self, config: dict[str, Any], where: str) -> None:
+        """The rotary base, and YaRN: ours scales beyond ``original_seq_len`` only, that is
+        when the run's ``--training.seq_len`` is longer; the HF model scales whenever its
+        ``config.json`` says so. Both must agree, with the same YaRN settings."""
+        a = self.args
+        theta, kind, scaling = hf_rope(config)
+        if theta != a.rope_theta:
+            raise ConfigError(
+                f"{where}: rope_theta {theta} differs from the flavor's {a.rope_theta}"
+            )
+        ours = a.max_seq_len > a.original_seq_len
+        if kind not in ("default", "yarn"):
+            raise ConfigError(f"{where}: the HF model scales its rotary embedding ({kind}); ours "
+                              "knows YaRN only")  # fmt: skip
+        if (kind == "yarn") != ours:
+            raise ConfigError(
+                f"{where}: the HF model {'scales' if kind == 'yarn' else 'does not scale'} its "
+                f"rotary embedding (YaRN); ours does {'not ' if not ours else ''}at "
+                f"--training.seq_len {a.max_seq_len} (it scales beyond the flavor's "
+                f"original_seq_len {a.original_seq_len}): "
+                + ("train longer sequences" if not ours else "train sequences of at most "
+                   f"{a.original_seq_len}")
+            )  # fmt: skip
+        if kind == "yarn":
+            wanted = {
+                "factor": a.rope_factor,
+                "original_max_position_embeddings": a.original_seq_len,
+                "beta_fast": a.beta_fast,
+                "beta_slow": a.beta_slow,
+                "mscale": a.mscale,
+                "mscale_all_dim": a.mscale,
+            }
+            wrong = [
+                f"{k}={scaling.get(k)} (flavor: {v})"
+                for k, v in wanted.items()
+                if scaling.get(k) is not None and scaling.get(k) != v
+            ]
+            if wrong:
+                raise ConfigError(
+                    f"{where}: the HF model's YaRN {', '.join(wrong)} differs from this "
+                    "--model.flavor's"
+                )

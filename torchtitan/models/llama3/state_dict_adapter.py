@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from torchtitan.components.checkpoint_hf import check_computation, hf_rope
 from torchtitan.config.errors import ConfigError
 from torchtitan.models.llama3.args import Llama3Args
 
@@ -152,18 +153,11 @@ class Llama3StateDictAdapter:
             raise ConfigError(
                 f"{where}: head_dim {head_dim} differs from the flavor's {a.head_dim}"
             )
-        # Computations our blocks do not have: the HF model's logits would differ.
-        other = [
-            f"{k}={config[k]}"
-            for k, ours in (("attention_bias", False), ("mlp_bias", False),
-                            ("use_sliding_window", False), ("hidden_act", "silu"))
-            if config.get(k) not in (None, ours)
-        ]  # fmt: skip
-        if other:
-            raise ConfigError(
-                f"{where}: the HF model's {', '.join(other)} is not what our blocks compute "
-                "(no biases, full attention, SiLU); it cannot be loaded"
-            )
+        # What changes the logits without changing a shape.
+        check_computation(config, where, {
+            "rms_norm_eps": a.norm_eps, "hidden_act": "silu", "attention_bias": False,
+            "mlp_bias": False, "use_sliding_window": False,
+        })  # fmt: skip
         self._check_rope(config, where)
 
     def _check_rope(self, config: dict[str, Any], where: str) -> None:
@@ -172,11 +166,8 @@ class Llama3StateDictAdapter:
         logits. Reads both ``config.json`` forms (``rope_theta`` + ``rope_scaling``, and
         transformers 5's ``rope_parameters``)."""
         a = self.args
-        params = dict(config.get("rope_parameters") or {})
-        theta = params.pop("rope_theta", config.get("rope_theta"))
-        scaling = config.get("rope_scaling") or params
-        kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-        if theta is not None and float(theta) != a.rope_theta:
+        theta, kind, scaling = hf_rope(config)
+        if theta != a.rope_theta:
             raise ConfigError(
                 f"{where}: rope_theta {theta} differs from the flavor's {a.rope_theta}"
             )
