@@ -402,8 +402,11 @@ class Trainer:
         if self._after_optimizer_step is not None and stepped:
             group = self.loss_mesh.get_group() if self.loss_mesh is not None else None
             pp = self.pp_mesh.get_group() if self.pp_mesh is not None else None
-            # Metrics read values on the host: only on the steps that log them.
-            report = self.metrics.should_log(self.step, self._last_step)
+            # Metrics read values on the host: only on the steps that log them (a validation
+            # step logs a line too).
+            report = self.metrics.should_log(self.step, self._last_step) or (
+                self.validator is not None and self.validator.should_run(self.step, self._last_step)
+            )
             self.model_metrics = self._after_optimizer_step(
                 self.model_parts, group, pp, report=report
             )

@@ -55,3 +55,19 @@ def test_the_debug_model_learns_and_bias_balancing_lowers_the_expert_load(tmp_pa
         for layer, line in lines.items():
             assert list(line.get_xdata()) == [r["step"] for r in run]
             assert line.get_ydata()[-1] == run[-1][f"moe_load_max_over_mean/{layer}"]
+
+
+def test_qwen3_moe_logs_its_expert_loads_on_every_line_validation_steps_included(tmp_path):
+    """Qwen3's MoE balances by the loss alone (its configs: no routing bias); a step that
+    logs only because validation ran carries the MoE metrics too."""
+    result = run_train(
+        tmp_path, "--training.steps", "6", "--training.seq_len", "128", "--checkpoint.no_enable",
+        "--metrics.log_freq", "4", "--validation.enable", "--validation.freq", "3",
+        "--validation.steps", "2", ngpu=1, MODULE="qwen3", CONFIG="qwen3_moe_debugmodel",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = [r for r in records(tmp_path) if "loss" in r]
+    assert [r["step"] for r in run] == [1, 3, 4, 6]  # the first step always logs
+    for r in run:
+        assert r["moe_load_max_over_mean"] >= 1 and r["moe_aux_loss"] > 0, r
+        assert "moe_bias_update" not in r  # --moe.load_balance_coeff 0

@@ -304,7 +304,7 @@ def save_hf(
             if writer:
                 for hf, t in adapter.to_hf(ours, full).items():
                     # Routing tensors the HF model keeps in float32: a bias step of 1e-3
-                    # is under bf16's spacing near 1 and would change the experts chosen.
+                    # is under bf16's spacing near 0.5 and would change the experts chosen.
                     fp32 = hf.endswith(getattr(adapter, "keep_in_fp32", ()))
                     tensors[hf] = t.to(torch.float32 if fp32 else dtype).contiguous()
     # Tied when our output is the embedding (a tied flavor, or untouched since a tied import);
