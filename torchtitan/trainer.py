@@ -410,6 +410,8 @@ class Trainer:
             self.model_metrics = self._after_optimizer_step(
                 self.model_parts, group, pp, report=report
             )
+        elif not stepped:
+            self.model_metrics = {}  # not the last update's
         return result
 
     def close(self) -> None:
