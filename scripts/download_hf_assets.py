@@ -1,18 +1,21 @@
-"""Download a model's tokenizer from the Hugging Face hub (needs network and, for the gated
-meta-llama repos, an access token with the licence accepted on the repo's page).
+"""Download a model's tokenizer and weights from the Hugging Face hub (needs network and, for
+the gated meta-llama repos, an access token with the licence accepted on the repo's page).
 
 Usage:
     python scripts/download_hf_assets.py --repo_id meta-llama/Llama-3.1-8B --assets tokenizer \\
         [--local_dir assets/hf/Llama-3.1-8B] [--hf_token hf_...]
     python scripts/download_hf_assets.py --repo_id deepseek-ai/DeepSeek-V3 --assets tokenizer
+    python scripts/download_hf_assets.py --repo_id Qwen/Qwen3-30B-A3B --assets tokenizer weights
 
 Llama 3 repos ship the tiktoken ranks file (`original/tokenizer.model`) and `tokenizer.json`;
 DeepSeek repos ship only `tokenizer.json` (+ `tokenizer_config.json`, which names bos and eos).
 torchtitan reads either (`--model.tokenizer_path` the folder: the ranks file wins where both are).
+`weights` fetches `config.json` and the safetensors weights (every shard the index names): an
+HF model folder for `--checkpoint.initial_load_path` (or `scripts/convert_hf.py from_hf`).
 
 The token may also come from the HF_TOKEN environment variable. At the end the script prints the
-`--model.tokenizer_path` flag that points training at the downloaded files. Tests never run this;
-they use the small tokenizer bundled in tests/assets/tokenizer.
+flags that point training at the downloaded files. Tests never run this against the hub; they
+use the small tokenizer bundled in tests/assets/tokenizer.
 """
 
 from __future__ import annotations
@@ -29,10 +32,15 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # Hugging Face tokenizer every model repo has (torchtitan reads both).
 ASSET_FILES: dict[str, tuple[str, ...]] = {
     "tokenizer": ("original/tokenizer.model", "tokenizer.json", "tokenizer_config.json"),
+    # An HF model folder (config.json, safetensors weights): --checkpoint.initial_load_path
+    # reads it. A sharded model's shards are the ones its index names.
+    "weights": ("config.json", "model.safetensors.index.json", "model.safetensors"),
 }
 REQUIRED_ONE_OF: dict[str, tuple[str, ...]] = {
     "tokenizer": ("original/tokenizer.model", "tokenizer.json"),
+    "weights": ("model.safetensors.index.json", "model.safetensors"),
 }
+INDEX = "model.safetensors.index.json"
 
 
 class DownloadError(RuntimeError):
@@ -98,7 +106,27 @@ def download_assets(
                 f"--repo_id={repo_id} has no {' or '.join(REQUIRED_ONE_OF[asset])}; use a model "
                 "repo, e.g. meta-llama/Llama-3.1-8B or deepseek-ai/DeepSeek-V3"
             )
+        if asset == "weights":
+            if "config.json" not in found:
+                raise DownloadError(f"--repo_id={repo_id} has weights but no config.json")
+            if INDEX in found:
+                downloaded += _download_shards(repo_id, local_dir, token)
     return downloaded
+
+
+def _download_shards(repo_id: str, local_dir: Path, token: str | None) -> list[Path]:
+    """Every shard file the downloaded index names (its ``weight_map`` values)."""
+    import json
+
+    weight_map = json.loads((local_dir / INDEX).read_text())["weight_map"]
+    paths = []
+    for filename in sorted(set(weight_map.values())):
+        path = _download_file(repo_id, filename, local_dir, token)
+        if path is None:
+            raise DownloadError(f"{repo_id}: {INDEX} names {filename}, which the repo lacks")
+        print(f"  {filename} -> {path}")
+        paths.append(path)
+    return paths
 
 
 def _display_path(path: Path) -> str:
@@ -110,7 +138,7 @@ def _display_path(path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description="Download a model's assets (the tokenizer) from the Hugging Face hub."
+        description="Download a model's assets (tokenizer, weights) from the Hugging Face hub."
     )
     parser.add_argument(
         "--repo_id", default="meta-llama/Llama-3.1-8B", help="hub repository, owner/name"
@@ -120,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         choices=sorted(ASSET_FILES),
         default=["tokenizer"],
-        help="what to download (only the tokenizer for now)",
+        help="what to download: the tokenizer, and/or the weights (config.json and safetensors, "
+        "for --checkpoint.initial_load_path)",
     )
     parser.add_argument(
         "--local_dir",
@@ -147,7 +176,14 @@ def main(argv: list[str] | None = None) -> None:
         download_assets(args.repo_id, args.assets, local_dir, token)
     except DownloadError as e:
         sys.exit(f"error: {e}")
-    print(f"done; train with --model.tokenizer_path={_display_path(local_dir)}")
+    flags = []
+    if "tokenizer" in args.assets:
+        flags.append(f"--model.tokenizer_path={_display_path(local_dir)}")
+    if "weights" in args.assets:
+        flags.append(
+            f"--checkpoint.enable --checkpoint.initial_load_path={_display_path(local_dir)}"
+        )
+    print(f"done; train with {' '.join(flags)}")
 
 
 if __name__ == "__main__":

@@ -198,3 +198,39 @@ def test_download_takes_whichever_tokenizer_a_repo_ships(tmp_path, monkeypatch, 
     else:
         with pytest.raises(script.DownloadError, match=error):
             script.download_assets("owner/name", ["tokenizer"], tmp_path, None)
+
+
+@pytest.mark.parametrize(
+    ("repo_files", "error"),
+    [
+        ({"config.json", "model.safetensors"}, None),  # one file
+        ({"config.json", "model.safetensors.index.json", "a.safetensors", "b.safetensors"}, None),
+        ({"config.json", "model.safetensors.index.json", "a.safetensors"}, "names b.safetensors"),
+        ({"model.safetensors"}, "no config.json"),
+        ({"config.json"}, "has no model.safetensors.index.json or model.safetensors"),
+    ],
+)
+def test_download_fetches_the_weights_and_every_shard_the_index_names(
+    tmp_path, monkeypatch, repo_files, error
+):
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    try:
+        import download_hf_assets as script
+    finally:
+        sys.path.pop(0)
+    index = {"weight_map": {"x": "a.safetensors", "y": "b.safetensors", "z": "a.safetensors"}}
+
+    def fake_download(repo_id, filename, local_dir, token):
+        if filename not in repo_files:
+            return None
+        if filename == "model.safetensors.index.json":
+            (local_dir / filename).write_text(json.dumps(index))
+        return local_dir / filename
+
+    monkeypatch.setattr(script, "_download_file", fake_download)
+    if error is None:
+        got = script.download_assets("owner/name", ["weights"], tmp_path, None)
+        assert {p.relative_to(tmp_path).as_posix() for p in got} == repo_files
+    else:
+        with pytest.raises(script.DownloadError, match=error):
+            script.download_assets("owner/name", ["weights"], tmp_path, None)
