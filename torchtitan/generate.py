@@ -115,6 +115,7 @@ def load_model(
     from torchtitan.components.checkpoint_files import (
         CONFIG_FILE,
         complete_checkpoints,
+        persistent_buffers,
         read_full_model,
     )
     from torchtitan.components.tokenizer import find_tokenizer_file
@@ -163,21 +164,11 @@ def load_model(
             if name not in state:
                 raise ConfigError(f"{path} has no {name}: not a checkpoint of {flavor}")
             param.copy_(_placed_like(param, state[name].to(device, param.dtype)))
-        for name, buffer in _saved_buffers(model):  # e.g. an MoE routing bias: it routes
+        for name, buffer in persistent_buffers(model):  # e.g. an MoE routing bias: it routes
             if name in state:
                 buffer.copy_(state[name].to(device, buffer.dtype))
     print(f"Loaded {spec.name} {flavor} from {path}", file=sys.stderr)
     return model.eval(), args, tokenizer
-
-
-def _saved_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The buffers a checkpoint holds (persistent ones), by name."""
-    return [
-        (f"{prefix}.{name}" if prefix else name, buffer)
-        for prefix, module in model.named_modules()
-        for name, buffer in module.named_buffers(recurse=False)
-        if name not in module._non_persistent_buffers_set
-    ]
 
 
 def _tensor_parallel(model: nn.Module, spec, flavor: str, tp: int, device: torch.device):

@@ -65,12 +65,7 @@ class Trainer:
             config.model.flavor, seq_len=config.training.seq_len, config=config
         )
         # The model's own work after each optimizer step (MoE balancing), for flavors with it.
-        self._after_optimizer_step = (
-            self.model_spec.after_optimizer_step
-            if not self.model_spec.has_experts
-            or self.model_spec.flavor_has_experts(config.model.flavor)
-            else None
-        )
+        self._after_optimizer_step = self.model_spec.after_optimizer_step_for(config.model.flavor)
         self.tokenizer, self.dataloader = (None, None) if on_meta else self.build_data()
         self.parallelize_context = ParallelizeContext.from_config(config, self.parallel_dims)
         self.model_parts, stages = self.build_model_parts(self.model_args, self.parallelize_context)
@@ -398,7 +393,8 @@ class Trainer:
         else:
             self._skip_nonfinite_step(result)
         self.lr_schedulers.step()
-        # A skipped update moves nothing (its routing counts join the next step's balancing).
+        # A skipped update moves and reports nothing (its routing counts join the next step's).
+        self.model_metrics = {}
         if self._after_optimizer_step is not None and stepped:
             group = self.loss_mesh.get_group() if self.loss_mesh is not None else None
             pp = self.pp_mesh.get_group() if self.pp_mesh is not None else None
@@ -410,8 +406,6 @@ class Trainer:
             self.model_metrics = self._after_optimizer_step(
                 self.model_parts, group, pp, report=report
             )
-        elif not stepped:
-            self.model_metrics = {}  # not the last update's
         return result
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
@@ -309,3 +310,13 @@ def read_full_model(path: Path) -> dict[str, torch.Tensor]:
             no_dist=True,
         )
     return state
+
+
+def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers of ``module`` that its state dict (and so a checkpoint) holds, by name."""
+    return [
+        (f"{prefix}.{name}" if prefix else name, buffer)
+        for prefix, sub in module.named_modules()
+        for name, buffer in sub.named_buffers(recurse=False)
+        if buffer is not None and name not in sub._non_persistent_buffers_set
+    ]

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from torchtitan.components.checkpoint_files import free_name
+from torchtitan.components.checkpoint_files import free_name, persistent_buffers
 from torchtitan.components.tokenizer_export import save_hf_tokenizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed import local_tensor
@@ -363,16 +363,12 @@ def _state_without_a_place(part: nn.Module, adapter) -> list[str]:
     not all zero (an export would drop state that changes the model's outputs: a learned MoE
     routing bias where the HF model has none). Zero ones are the HF model's implicit value."""
     lost = []
-    for module_name, module in part.named_modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            if buffer is None or name in module._non_persistent_buffers_set:
-                continue
-            ours = _clean(f"{module_name}.{name}" if module_name else name)
-            try:
-                adapter.hf_names(ours)
-            except KeyError:
-                if bool(buffer.detach().ne(0).any()):
-                    lost.append(ours)
+    for name, buffer in persistent_buffers(part):
+        try:
+            adapter.hf_names(_clean(name))
+        except KeyError:
+            if bool(buffer.detach().ne(0).any()):
+                lost.append(_clean(name))
     return lost
 
 

@@ -128,6 +128,13 @@ class ModelSpec:
         args = self.flavors.get(flavor)
         return self.has_experts and getattr(args, "moe", None) is not None
 
+    def after_optimizer_step_for(self, flavor: str) -> Callable[..., dict[str, float]] | None:
+        """``after_optimizer_step`` for a run of ``flavor`` (in a family with experts, only
+        its flavors with experts have the work it does)."""
+        if self.has_experts and not self.flavor_has_experts(flavor):
+            return None
+        return self.after_optimizer_step
+
     def args_for(self, flavor: str, *, seq_len: int, config: JobConfig | None = None) -> Any:
         """The flavor's args with the RoPE/position table sized for ``seq_len`` and, for a
         flavor with experts, the run's ``--moe.*`` settings."""
