@@ -71,3 +71,21 @@ def test_qwen3_moe_logs_its_expert_loads_on_every_line_validation_steps_included
     for r in run:
         assert r["moe_load_max_over_mean"] >= 1 and r["moe_aux_loss"] > 0, r
         assert "moe_bias_update" not in r  # --moe.load_balance_coeff 0
+
+
+def test_a_skipped_step_moves_no_routing_bias(tmp_path):
+    """--debug.skip_nonfinite_steps: a step whose gradient norm is not finite updates nothing,
+    the routing bias included, and its log line reports no balancing."""
+    result = run_train(
+        tmp_path, "--training.steps", "4", "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps",
+        "0", "--checkpoint.no_enable", "--debug.skip_nonfinite_steps",
+        "--moe.load_balance_coeff", "0.01", ngpu=1, MODULE="deepseek_v3",
+        CONFIG="deepseek_v3_debugmodel",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = [r for r in records(tmp_path) if "loss" in r]
+    before = [{"skipped_steps": 0}, *run[:-1]]
+    skipped = [b["skipped_steps"] > a["skipped_steps"] for a, b in zip(before, run, strict=True)]
+    assert any(skipped) and not skipped[0]
+    for r, was_skipped in zip(run, skipped, strict=True):
+        assert ("moe_bias_update" in r) != was_skipped, r

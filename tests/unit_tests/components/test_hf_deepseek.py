@@ -150,3 +150,30 @@ def test_token_ids_zero_are_written():
         tied=False, dtype=torch.float32, bos_id=0, eos_id=1
     )
     assert (fields["bos_token_id"], fields["eos_token_id"]) == (0, 1)
+
+
+def test_sampling_builds_the_model_the_run_trained(tmp_path, monkeypatch):
+    """A checkpoint of a run at --training.seq_len 8192 (past DeepSeek-V3's original 4096:
+    YaRN on) samples with YaRN; its relative tokenizer path resolves from any directory."""
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.checkpoint_states import ModelState
+    from torchtitan.config.job_config import Checkpoint
+    from torchtitan.generate import load_model
+    from torchtitan.models.deepseek_v3.model import precompute_yarn_cis
+
+    trained = dataclasses.replace(flavors["debugmodel"], max_seq_len=8192)
+    model = _ours(trained)
+    run_config = (
+        '[model]\nname = "deepseek_v3"\nflavor = "debugmodel"\n'
+        'tokenizer_path = "tests/assets/tokenizer"\n[training]\nseq_len = 8192\n'
+    )
+    CheckpointManager(
+        Checkpoint(enable=True, folder="checkpoint"), dump_folder=str(tmp_path),
+        states={"model": ModelState([model])}, device_type="cpu", run_config=run_config,
+    ).save(1, model_only=True)  # fmt: skip
+    monkeypatch.chdir(tmp_path)  # not the repository
+    loaded, args, tokenizer = load_model(tmp_path, None, None, torch.device("cpu"))
+    assert args.max_seq_len == 8192 and tokenizer.is_dir()
+    assert torch.equal(loaded.rope_cis, precompute_yarn_cis(trained))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(TOKENS), model(TOKENS), rtol=0, atol=0)
