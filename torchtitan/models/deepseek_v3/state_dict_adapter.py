@@ -142,15 +142,7 @@ class DeepSeekV3StateDictAdapter:
             "torch_dtype": str(dtype).removeprefix("torch."),
         }
         if a.max_seq_len > a.original_seq_len:  # our YaRN table is on
-            config["rope_scaling"] = {
-                "rope_type": "yarn",
-                "factor": a.rope_factor,
-                "original_max_position_embeddings": a.original_seq_len,
-                "beta_fast": a.beta_fast,
-                "beta_slow": a.beta_slow,
-                "mscale": a.mscale,
-                "mscale_all_dim": a.mscale,
-            }
+            config["rope_scaling"] = {"rope_type": "yarn", **self._yarn_fields()}
         config |= {
             k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id)) if v is not None
         }
@@ -181,6 +173,18 @@ class DeepSeekV3StateDictAdapter:
         })  # fmt: skip
         self._check_rope(config, where)
 
+    def _yarn_fields(self) -> dict[str, Any]:
+        """Our YaRN settings under HF's ``rope_scaling`` names."""
+        a = self.args
+        return {
+            "factor": a.rope_factor,
+            "original_max_position_embeddings": a.original_seq_len,
+            "beta_fast": a.beta_fast,
+            "beta_slow": a.beta_slow,
+            "mscale": a.mscale,
+            "mscale_all_dim": a.mscale,
+        }
+
     def _check_rope(self, config: dict[str, Any], where: str) -> None:
         """The rotary base, and YaRN: ours scales beyond ``original_seq_len`` only, that is
         when the run's ``--training.seq_len`` is longer; the HF model scales whenever its
@@ -205,14 +209,7 @@ class DeepSeekV3StateDictAdapter:
                    f"{a.original_seq_len}")
             )  # fmt: skip
         if kind == "yarn":
-            wanted = {
-                "factor": a.rope_factor,
-                "original_max_position_embeddings": a.original_seq_len,
-                "beta_fast": a.beta_fast,
-                "beta_slow": a.beta_slow,
-                "mscale": a.mscale,
-                "mscale_all_dim": a.mscale,
-            }
+            wanted = self._yarn_fields()
             wrong = [
                 f"{k}={scaling.get(k)} (flavor: {v})"
                 for k, v in wanted.items()
