@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.components import checkpoint_hf
+from torchtitan.components import checkpoint_hf, lora
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_files import CONFIG_FILE, read_full_model
 from torchtitan.components.checkpoint_states import ModelState
@@ -67,7 +67,7 @@ def to_hf(
 ) -> None:  # fmt: skip
     if out.exists() and any(out.iterdir()):  # before the minutes a large model takes to load
         raise ConfigError(f"{out} exists and is not empty: choose another folder or remove it")
-    saved, seq_len = {}, None
+    saved, seq_len, run = {}, None, {}
     if (step / CONFIG_FILE).is_file():
         run = tomllib.loads((step / CONFIG_FILE).read_text())
         saved, seq_len = run["model"], run.get("training", {}).get("seq_len")
@@ -76,7 +76,8 @@ def to_hf(
         raise ConfigError(f"{step} has no {CONFIG_FILE}: pass --module and --flavor")
     spec = get_model_spec(module)
     model = _model(spec, flavor, seq_len)
-    state = read_full_model(step)
+    # LoRA adapters folded into their layers' weights: the HF model is a plain one.
+    state = lora.merge_state_dict(read_full_model(step), lora.scale_of(run.get("lora")))
     wanted = model.state_dict().keys()
     missing, extra = sorted(wanted - state.keys()), sorted(state.keys() - wanted)
     if missing or extra:

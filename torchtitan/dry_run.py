@@ -85,7 +85,7 @@ def estimate_memory(trainer: Trainer) -> memory_estimate.MemoryEstimate:
     parameters = [p for part in trainer.model_parts for p in part.parameters()]
     params = memory_estimate.local_bytes(parameters)
     grads = memory_estimate.local_bytes(p for p in parameters if p.requires_grad)
-    optimizer = int(params * ratio)
+    optimizer = int(grads * ratio)
     forward = memory_estimate.extrapolate(one["forward"], two["forward"], n_layers)
     held = {"Parameter": params, "Gradient": grads, "Optstate": optimizer}
     held["Buffer"] = forward.get("Buffer", 0)
@@ -156,9 +156,9 @@ def _probe_step(trainer: Trainer, depth: int | None) -> tuple[dict[str, dict[str
             forward_backward=forward_backward,
             optimizer_step=optimizer_step,
         )
-        ratio = memory_estimate.local_bytes(optimizers.state_tensors()) / max(
-            memory_estimate.local_bytes(parameters), 1
-        )
+        # Per trainable byte: frozen parameters (LoRA's base weights) have no state.
+        trainable = memory_estimate.local_bytes(p for p in parameters if p.requires_grad)
+        ratio = memory_estimate.local_bytes(optimizers.state_tensors()) / max(trainable, 1)
     return moments, ratio
 
 
@@ -204,7 +204,7 @@ def estimate_pipeline_memory(trainer: Trainer) -> memory_estimate.MemoryEstimate
     parameters = [q for part in trainer.model_parts for q in part.parameters()]
     params = memory_estimate.local_bytes(parameters)
     grads = memory_estimate.local_bytes(q for q in parameters if q.requires_grad)
-    optimizer = int(params * ratio)
+    optimizer = int(grads * ratio)
     peak = {
         "Activation": activations + transient,
         "Temp": max(one.get("Temp", 0), two.get("Temp", 0)),

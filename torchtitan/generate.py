@@ -111,7 +111,7 @@ def load_model(
     bundled one. ``tp > 1``: the model's tensor-parallel plan over this torchrun's ranks
     (without sequence and loss parallelism: every rank gets the whole logits and samples the
     same token)."""
-    from torchtitan.components import checkpoint_hf
+    from torchtitan.components import checkpoint_hf, lora
     from torchtitan.components.checkpoint_files import (
         CONFIG_FILE,
         complete_checkpoints,
@@ -133,6 +133,7 @@ def load_model(
             )
         path = found[-1]
     seq_len = None  # the training's: the RoPE table (DeepSeek-V3 scales beyond its original)
+    run: dict = {}
     if (path / CONFIG_FILE).is_file():
         run = tomllib.loads((path / CONFIG_FILE).read_text())
         saved = run.get("model", {})
@@ -159,7 +160,8 @@ def load_model(
     if checkpoint_hf.is_hf_folder(path):
         checkpoint_hf.load_hf_([model], spec.state_dict_adapter(args), path)
     else:
-        state = read_full_model(path)
+        # LoRA adapters folded into their layers: the plain model computes the adapted one.
+        state = lora.merge_state_dict(read_full_model(path), lora.scale_of(run.get("lora")))
         for name, param in model.named_parameters():
             if name not in state:
                 raise ConfigError(f"{path} has no {name}: not a checkpoint of {flavor}")

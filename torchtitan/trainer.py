@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from torchtitan.batch_runner import Batch, BatchRunner, pipeline_dtypes
-from torchtitan.components import checkpoint_hf, float8, preemption
+from torchtitan.components import checkpoint_hf, float8, lora, preemption
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_states import build_checkpoint_states
 from torchtitan.components.dataloader import build_dataloader
@@ -69,8 +69,10 @@ class Trainer:
         self.tokenizer, self.dataloader = (None, None) if on_meta else self.build_data()
         self.parallelize_context = ParallelizeContext.from_config(config, self.parallel_dims)
         self.model_parts, stages = self.build_model_parts(self.model_args, self.parallelize_context)
-        n_params = sum(p.numel() for part in self.model_parts for p in part.parameters())
-        logger.info(f"Model {config.model.name} {config.model.flavor}: {n_params:,} parameters")
+        self.stage_indices = [stage.stage_index for stage in stages]  # of each model part
+        for part in self.model_parts:
+            lora.check_added(part, config.lora, config.model.name)
+        self._log_parameters()
         if not on_meta:
             self.init_weights()
         self.runner = BatchRunner(
@@ -214,6 +216,8 @@ class Trainer:
         pipeline split, each parallelized, and their ``PipelineStage`` wrappers."""
         with torch.device("meta"):
             model = self.model_spec.build_model(args)
+        if context.lora.rank > 0:
+            lora.targets(model, context.lora)  # on the whole model, before a pipeline split
         dims, p, t = context.parallel_dims, context.parallelism, context.training
         if not dims.pp_enabled:
             return [self.model_spec.parallelize(model, context)], []
@@ -238,22 +242,58 @@ class Trainer:
         )
         return parts, stages
 
+    def _log_parameters(self) -> None:
+        named = [(n, p) for part in self.model_parts for n, p in part.named_parameters()]
+        n_params = sum(p.numel() for _, p in named)
+        c = self.config
+        line = f"Model {c.model.name} {c.model.flavor}: {n_params:,} parameters"
+        if c.lora.rank > 0:
+            adapters = lora.adapter_count(named)
+            layers = sum(
+                1 for part in self.model_parts for m in part.modules() if lora.is_adapted(m)
+            )
+            line += (
+                f", of which {adapters:,} train: LoRA rank {c.lora.rank} on {layers} linear "
+                f"layers{' of this pipeline rank' if self.parallel_dims.pp_enabled else ''}"
+            )
+            if not (c.checkpoint.enable and c.checkpoint.initial_load_path):
+                logger.warning(
+                    "--lora.rank adapts a pretrained model, but no --checkpoint.initial_load_path "
+                    "is given: unless a checkpoint is resumed, the frozen weights stay random"
+                )
+        logger.info(line)
+
     def init_weights(self) -> None:
         """Materialise the model parts on the device with the seed's one-process weights."""
-        build_full = functools.partial(self.model_spec.build_model, self.model_args)
+
+        def build_full() -> nn.Module:
+            return lora.add_adapters(self.model_spec.build_model(self.model_args), self.config.lora)
+
         dist_utils.init_model_weights(
-            self.model_parts, build_full, seed=self.seed, device=self.device
+            self.model_parts,
+            build_full,
+            seed=self.seed,
+            stage_indices=self.stage_indices or None,
+            device=self.device,
+            after_init=lora.init_adapters if self.config.lora.rank > 0 else None,
         )
         for part in self.model_parts:
             part.train()
 
     def build_metrics(self) -> MetricsProcessor:
         c = self.config
+        flops = self.model_spec.flops_per_token(self.model_args, c.training.seq_len)
+        if c.lora.rank > 0:  # the frozen weights get no gradient
+            with torch.device("meta"):  # the whole model's adapters, whatever this rank holds
+                chosen = lora.targets(self.model_spec.build_model(self.model_args), c.lora)
+            adapters = sum(c.lora.rank * (m.in_features + m.out_features) for m in chosen.values())
+            weights = self.model_spec.flops_per_token(self.model_args, 0)
+            flops = lora.flops_per_token(flops, weights, adapters)
         return MetricsProcessor(
             c.metrics,
             dump_folder=c.job.dump_folder,
             device=self.device,
-            flops_per_token=self.model_spec.flops_per_token(self.model_args, c.training.seq_len),
+            flops_per_token=flops,
             rank=self.rank,
             save_rank=self.rank == 0 or c.metrics.save_for_all_ranks,
         )

@@ -48,6 +48,10 @@ QWEN3_MOE = (
     "--moe.load_balance_coeff 0.01"
 )
 QWEN3_MOE_REFERENCE = ("ref_qwen3moe", 1, f"--training.local_batch_size 8 {QWEN3_MOE}")
+# LoRA (cases named lora_*): rank-4 adapters on every block's linear layers, the rest frozen;
+# a learning rate at which they move the loss within 10 steps.
+LORA = "--lora.rank 4 --lora.alpha 8 --optimizer.lr 1e-2"
+LORA_REFERENCE = ("ref_lora", 1, f"--training.local_batch_size 8 {LORA}")
 # Validation (cases named validation_*) after steps 5 and 10, in global batches of 8 rows read
 # alike by every layout (by_row): the first 24 of the bundled split's 72 full batches;
 # ref_validation_all reads them all once.
@@ -353,6 +357,18 @@ CASES = {
         f"{MOE} --training.local_batch_size 4 --parallelism.expert_parallel_degree 2 "
         "--compile.enable --activation_checkpoint.mode full",
     ),
+    # LoRA: adapters placed from their layers' TP placements (column-parallel: B split with
+    # the outputs; row-parallel: A split with the inputs), FSDP-sharded with the frozen
+    # weights; pipeline stages adapt their own blocks.
+    "lora_fsdp2_tp2": (
+        4,
+        f"{LORA} --training.local_batch_size 4 --parallelism.tensor_parallel_degree 2",
+    ),
+    "lora_pp2_fsdp2": (
+        4,
+        f"{LORA} --training.local_batch_size 4 --parallelism.pipeline_parallel_degree 2 "
+        "--parallelism.pipeline_parallel_microbatch_size 2",
+    ),
     "moe_tp2_cp2_ep4": (
         4,
         f"{MOE} --training.local_batch_size 8 --parallelism.context_parallel_degree 2 "
@@ -424,7 +440,7 @@ def results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("numerics")
     references = (REFERENCE, BLOCK_CAUSAL_REFERENCE, MOE_REFERENCE, QWEN3_REFERENCE)
     references += (QWEN3_MOE_REFERENCE,)
-    references += (VALIDATION_REFERENCE,)
+    references += (VALIDATION_REFERENCE, LORA_REFERENCE)
     references += (WHOLE_SPLIT,)
     _launch(out, 1, [(name, flags) for name, _, flags in references])
     cases = CASES | FLOAT8_CASES
@@ -450,6 +466,8 @@ def test_layout_matches_one_process(results, case):
         reference = QWEN3_MOE_REFERENCE[0]
     elif case.startswith("validation_"):
         reference = VALIDATION_REFERENCE[0]
+    elif case.startswith("lora_"):
+        reference = LORA_REFERENCE[0]
     ref, run = _load(results, reference), _load(results, case)
     assert [r["step"] for r in run["records"]] == list(range(1, 11))
     for got, want in zip(run["records"], ref["records"], strict=True):

@@ -36,7 +36,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.components import checkpoint_hf
+from torchtitan.components import checkpoint_hf, lora
 from torchtitan.components.checkpoint_files import (
     CONFIG_FILE,
     MANIFEST,
@@ -53,13 +53,12 @@ from torchtitan.components.checkpoint_files import (
     read_full_model,
     saved_config,
     saved_state_keys,
+    saved_tensor_metadata,
     verify,
     weights_only_message,
     write_durably,
 )
-from torchtitan.components.checkpoint_states import (
-    match_dataloader_layout,
-)
+from torchtitan.components.checkpoint_states import ModelState, match_dataloader_layout
 from torchtitan.components.checkpoint_writer import (
     CheckpointWriter,
     close_stager,
@@ -235,9 +234,11 @@ class CheckpointManager:
         )
         return int(STEP_DIR.match(path.name).group(1))
 
-    def _check_model_fits(self, path: Path, *, flag: str) -> None:
-        """Names and shapes of the saved model tensors against this model's, before loading."""
-        shapes = {k: tuple(v.shape) for k, v in self.states["model"].state_dict().items()}
+    def _check_model_fits(self, path: Path, *, flag: str, model: ModelState | None = None) -> None:
+        """Names and shapes of the saved model tensors against this model's (``model``, by
+        default the whole), before loading."""
+        model = model or self.states["model"]
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         if dist.is_initialized() and not local_tensor.is_simulating():
             # Pipeline stages hold different parts: compare the whole model's names.
             every_rank: list[dict] = [{}] * dist.get_world_size()
@@ -247,15 +248,22 @@ class CheckpointManager:
         problem = model_mismatch(path, shapes, partial=local_pipeline.first_rank() is not None)
         if problem is None:
             return
-        written_by = saved_config(path)
-        saved = (written_by or {}).get("model", {})
-        here = tomllib.loads(self.run_config).get("model", {}) if self.run_config else {}
-        differ = [k for k in sorted(saved) if k in here and saved[k] != here[k]]
+        written_by = saved_config(path) or {}
+        run = tomllib.loads(self.run_config) if self.run_config else {}
+        differ = [
+            (section, k, saved[k], here[k])
+            for section in ("model", "lora")
+            # Configs from before LoRA existed have no [lora] section: it was off.
+            for saved, here in [(written_by.get(section, {"rank": 0}), run.get(section, {}))]
+            for k in sorted(saved)
+            if k in here and saved[k] != here[k]
+        ]
         if differ:
             cause = "it was saved with " + ", ".join(
-                f"--model.{k} {saved[k]} (this run: {here[k]})" for k in differ
+                f"--{section}.{k} {theirs} (this run: {ours})"
+                for section, k, theirs, ours in differ
             )
-        elif written_by is not None:
+        elif written_by:
             cause = f"compare the [model] section of {path / CONFIG_FILE} with this run's"
         else:
             cause = "was it saved with another --model.flavor?"
@@ -268,21 +276,36 @@ class CheckpointManager:
         problem = self._verify(path)
         if problem:
             raise ConfigError(f"--checkpoint.initial_load_path {path}: {problem}")
-        self._check_model_fits(path, flag="--checkpoint.initial_load_path: ")
+        model = self._without_missing_adapters(path)
+        self._check_model_fits(path, flag="--checkpoint.initial_load_path: ", model=model)
         logger.info(f"Loading model weights from {path}")
         if local_tensor.is_simulating():
             # DCP cannot gather LocalTensors: read the whole model on the host (as one
             # process would), then every simulated rank copies its shards out of it.
             full = read_full_model(path)
-            for part in self.states["model"].model_parts:
-                local_tensor.copy_full_state_(part, full)
+            for part in model.model_parts:
+                local_tensor.copy_full_state_(part, full, leave_out=model.leave_out)
             return
         dcp.load(
-            {"model": self.states["model"]},
+            {"model": model},
             storage_reader=SafeFileSystemReader(str(path)),
             planner=SafeLoadPlanner(),
             no_dist=_no_dist(),
         )
+
+    def _without_missing_adapters(self, path: Path) -> ModelState:
+        """The model to load weights into from ``path``: without its LoRA adapters when the
+        checkpoint has none (the frozen model fine-tuning starts from), so they keep their
+        initialisation."""
+        model = self.states["model"]
+        adapters = {k for k in model.state_dict() if lora.is_adapter_name(k)}
+        if not adapters:
+            return model
+        saved = {k.removeprefix("model.") for k in saved_tensor_metadata(path)}
+        if adapters & saved:
+            return model
+        logger.info(f"{path} has no LoRA adapters: they start from their initialisation")
+        return model.without(adapters)
 
     # ---- saving ----------------------------------------------------------------------------
 

@@ -11,6 +11,9 @@ Export (:func:`save_hf`): every parameter's full tensor is gathered where it liv
 DTensor mesh); the first rank of each pipeline stage writes that stage's tensors as shards of
 at most ``max_shard_bytes``; rank 0 writes ``model.safetensors.index.json`` and ``config.json``.
 
+LoRA: an import fills the frozen weights (the adapters keep their initialisation); an export
+folds each adapter into its layer's weight (``W + alpha / r * B A``), a plain HF model.
+
 DCP's own Hugging Face reader/writer (torch >= 2.8) is not used: it maps tensors by name only,
 and Llama's rotary layout needs a permutation of whole query/key matrices on the way.
 """
@@ -29,6 +32,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from torchtitan.components import lora
 from torchtitan.components.checkpoint_files import free_name, persistent_buffers
 from torchtitan.components.tokenizer_export import save_hf_tokenizer
 from torchtitan.config.errors import ConfigError
@@ -229,6 +233,8 @@ def load_hf_(model_parts: Sequence[nn.Module], adapter, folder: str | os.PathLik
     for part in model_parts:
         full_state = {}
         for name, tensor in _mapped_tensors(part, adapter):
+            if lora.is_adapter_name(name):  # the HF model is the frozen one: they keep their init
+                continue
             ours = _clean(name)
             sources = adapter.source_names(ours, available)
             missing = [s for s in sources if s not in available]
@@ -295,7 +301,14 @@ def save_hf(
     embedding = output = None
     for part in model_parts:
         for name, param in _mapped_tensors(part, adapter):
-            full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+            if lora.is_adapter_name(name):  # folded into their layer's weight
+                continue
+            full = _full(param)
+            owner = part.get_submodule(name.rpartition(".")[0])
+            if lora.is_adapted(owner) and name.endswith(".weight"):
+                full = lora.merged_weight(
+                    full, _full(owner.lora_a), _full(owner.lora_b), owner.lora_scale
+                )
             ours = _clean(name)
             if ours == "tok_embeddings.weight":
                 embedding = full
@@ -343,6 +356,11 @@ def save_hf(
                 logger.warning(f"Tokenizer not written to {folder}: {e}")
         logger.info(f"Hugging Face model written to {folder} ({total} shard(s), {size:,} bytes)")
     _barrier()
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (gathered on every rank of its mesh for a DTensor)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
 
 
 def _mapped_tensors(part: nn.Module, adapter) -> list[tuple[str, torch.Tensor]]:

@@ -27,14 +27,22 @@ class ModelState(Stateful):
     sharded), under the names of the whole model: the parts' names do not overlap, so a
     checkpoint saved with one split (pipeline stages) loads into any other."""
 
-    def __init__(self, model_parts: Sequence[nn.Module]):
+    def __init__(
+        self, model_parts: Sequence[nn.Module], *, leave_out: frozenset[str] = frozenset()
+    ):
         self.model_parts = list(model_parts)
+        self.leave_out = leave_out
+
+    def without(self, names: set[str]) -> "ModelState":
+        """The same model with ``names`` neither saved nor loaded (LoRA adapters when a
+        checkpoint of the frozen model loads: they keep their initialisation)."""
+        return ModelState(self.model_parts, leave_out=self.leave_out | frozenset(names))
 
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
         for part in self.model_parts:
             merged.update(get_model_state_dict(part))
-        return merged
+        return {k: v for k, v in merged.items() if k not in self.leave_out}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Each part takes its own names from the merged dict (a pipeline stage holds a few);

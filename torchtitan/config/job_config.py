@@ -231,9 +231,9 @@ class Parallelism:
     piece (the last rank then does most of the attention work)."""
 
     expert_parallel_degree: int = 1
-    """Ranks that split each MoE layer's routed experts (``num_experts / ep`` each): borrowed
-    from dp_shard, and with TP from the TP ranks first (then a multiple of the TP degree);
-    borrowing cp ranks is not implemented yet."""
+    """Ranks that split each MoE layer's routed experts (``num_experts / ep`` each), borrowed
+    from dp_shard x cp x tp: with TP from the TP ranks first (then a multiple of the TP
+    degree), then from the CP and dp_shard ranks (``docs/moe.md``)."""
 
 
 @dataclass
@@ -347,6 +347,29 @@ class Float8:
 
 
 @dataclass
+class LoRA:
+    """Low-rank adapters: fine-tune a pretrained model (``--checkpoint.initial_load_path``) by
+    training two small matrices beside chosen linear layers while every original weight stays
+    frozen (``docs/lora.md``)."""
+
+    rank: int = 0
+    """Rank r of each adapter (``A: [r, in]``, ``B: [out, r]``); 0 turns LoRA off."""
+
+    alpha: float = 16.0
+    """The adapter's output is scaled by ``alpha / rank``."""
+
+    target_modules: list[str] = field(default_factory=list)
+    """Linear layers that get adapters, by name or dotted name suffix (``wq``,
+    ``attention.wo``, ``shared_experts.w1``, ``output``); empty: every linear layer inside the
+    transformer blocks except MoE routers. Routed experts and embeddings get none. Separate
+    names by spaces or commas."""
+
+    def targets(self) -> list[str]:
+        """``target_modules`` with comma-separated entries split."""
+        return [name for entry in self.target_modules for name in entry.split(",") if name]
+
+
+@dataclass
 class MoE:
     """Training-time settings of mixture-of-experts layers (the experts' shapes are the
     flavor's); ignored by dense models."""
@@ -422,6 +445,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
+    lora: LoRA = field(default_factory=LoRA)
     moe: MoE = field(default_factory=MoE)
     profiling: Profiling = field(default_factory=Profiling)
     metrics: Metrics = field(default_factory=Metrics)

@@ -94,10 +94,21 @@ def validate_pipeline(config: JobConfig, spec: ModelSpec) -> None:
             "--parallelism.pipeline_parallel_degree with --training.enable_cpu_offload is not "
             "supported yet; drop one",
         ),
+        (
+            not (config.validation.enable and _neighbours_on_one_rank(layout.stages_by_rank)),
+            f"--validation.enable with {flag} {schedule}: a rank holds two neighbouring stages "
+            "(a V-shaped schedule), and torch's evaluation of such a schedule still runs the "
+            "backward hand-off between them and fails (torch 2.13); validate under a looped "
+            "schedule (1F1B, Interleaved1F1B, ...) or drop --validation.enable",
+        ),
     ]
     for ok, message in rules:
         if not ok:
             raise ConfigError(message)
+
+
+def _neighbours_on_one_rank(stages_by_rank: list[list[int]]) -> bool:
+    return any(stage + 1 in stages for stages in stages_by_rank for stage in stages)
 
 
 def validate_context_parallel(config: JobConfig, spec: ModelSpec) -> None:

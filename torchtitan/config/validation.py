@@ -118,6 +118,7 @@ def validate(config: JobConfig) -> None:
     checks += _checkpoint_checks(config)
     checks += _path_checks(config)
     checks += _float8_checks(config)
+    checks += _lora_checks(config)
     checks += _activation_checkpoint_checks(config)
     checks += _compile_checks(config)
     checks += _local_tensor_checks(config)
@@ -234,6 +235,23 @@ def _float8_checks(config: JobConfig) -> list[tuple[bool, str]]:
         (
             f.enable or not f.enable_fsdp_float8_all_gather,
             "--float8.enable_fsdp_float8_all_gather does nothing without --float8.enable; add it",
+        ),
+    ]
+
+
+def _lora_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    lo = config.lora
+    return [
+        (lo.rank >= 0, f"--lora.rank={lo.rank} must be >= 0 (0 turns LoRA off)"),
+        (lo.rank == 0 or lo.alpha > 0, f"--lora.alpha={lo.alpha} must be > 0"),
+        (
+            lo.rank > 0 or not lo.target_modules,
+            "--lora.target_modules does nothing without --lora.rank; add e.g. --lora.rank 8",
+        ),
+        (
+            all(not t.startswith(".") and not t.endswith(".") for t in lo.targets()),
+            f"--lora.target_modules {' '.join(lo.target_modules)}: each entry is a module name "
+            "or a dotted name suffix, like wq or attention.wo",
         ),
     ]
 

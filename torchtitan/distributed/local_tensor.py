@@ -22,7 +22,7 @@ These helpers also work in a real multi-process run, where they act on this rank
 
 import contextlib
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import TypeVar
 
 import torch
@@ -247,13 +247,18 @@ def load_full_model_(model: nn.Module, full: nn.Module) -> None:
 
 
 @torch.no_grad()
-def copy_full_state_(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+def copy_full_state_(
+    model: nn.Module, state: dict[str, torch.Tensor], *, leave_out: Collection[str] = ()
+) -> None:
     """Copy the whole model's values ``state`` (host tensors by parameter name, e.g. read from
     a checkpoint) into ``model``'s parameters, each simulated rank its own shards; parameters
-    missing from ``state`` are an error, buffers are taken where ``state`` has them. Copies
-    in place: the optimizer keeps its parameters."""
+    missing from ``state`` are an error (unless named in ``leave_out``: they keep their
+    values), buffers are taken where ``state`` has them. Copies in place: the optimizer keeps
+    its parameters."""
     for name, param in model.named_parameters():
         key = _clean_name(name)
+        if key in leave_out:
+            continue
         if key not in state:
             raise KeyError(f"{key} is in the model but not in the loaded state")
         param.copy_(_placed_like(param, state[key].to(param.dtype)))

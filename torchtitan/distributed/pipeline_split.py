@@ -139,6 +139,14 @@ def check_module_names(names_per_stage: list[list[str]], units: list[str]) -> No
         raise ConfigError(
             f"{_FLAG}module_fqns_per_model_part: {', '.join(repeated)} on several stages"
         )
+    # Stages run one after another: read in order they must be the model's own order (else
+    # the final norm could run mid-model, or blocks swap places, and still train).
+    for name, unit in zip(named, units, strict=True):
+        if name != unit:
+            raise ConfigError(
+                f"{_FLAG}module_fqns_per_model_part: {name} comes where the model has {unit}; "
+                f"{every}, stage after stage"
+            )
 
 
 def parse_module_names(parts: list[str]) -> list[list[str]]:
@@ -158,7 +166,12 @@ def read_csv_schedule(path: str, pp: int) -> tuple[list[list[int]], int, bool]:
         raise ConfigError(f"{_CSV_FLAG} {path} does not exist; pass a CSV file")
     with file.open(newline="") as f:
         rows = [[cell.strip() for cell in row if cell.strip()] for row in csv.reader(f)]
-    rows = [row for row in rows if row]
+    blank = [i for i, row in enumerate(rows) if not row]
+    if blank:  # torch reads every row of the file as a pipeline rank, a blank one too
+        raise ConfigError(
+            f"{_CSV_FLAG} {path}: line {blank[0] + 1} is blank, and every line is a pipeline "
+            "rank; remove it"
+        )
     if len(rows) != pp:
         raise ConfigError(
             f"{_CSV_FLAG} {path} has {len(rows)} rows, one per pipeline rank is needed: "
@@ -166,19 +179,21 @@ def read_csv_schedule(path: str, pp: int) -> tuple[list[list[int]], int, bool]:
         )
     stages: list[list[int]] = []
     microbatches, kinds = set(), set()
+    actions: list[tuple[int, str, int]] = []
     for rank, row in enumerate(rows):
         mine = set()
         for cell in row:
             match = _ACTION.match(cell)
-            if match is None or match.group(2) not in ("F", "B", "I", "W"):
+            if match is None or match.group(2) not in ("F", "B", "I", "W") or not match.group(3):
                 raise ConfigError(
                     f"{_CSV_FLAG} {path}: {cell!r} in row {rank} is not an action like 0F1 "
                     "(stage, F/B/I/W, micro-batch)"
                 )
-            mine.add(int(match.group(1)))
-            kinds.add(match.group(2))
-            if match.group(3):
-                microbatches.add(int(match.group(3)))
+            stage, kind, microbatch = int(match.group(1)), match.group(2), int(match.group(3))
+            mine.add(stage)
+            kinds.add(kind)
+            microbatches.add(microbatch)
+            actions.append((stage, kind, microbatch))
         stages.append(sorted(mine))
     flat = sorted(s for row in stages for s in row)
     if flat != list(range(len(flat))) or len({len(row) for row in stages}) != 1:
@@ -186,7 +201,27 @@ def read_csv_schedule(path: str, pp: int) -> tuple[list[list[int]], int, bool]:
             f"{_CSV_FLAG} {path}: every stage 0..N-1 must appear on exactly one rank and every "
             f"rank must hold as many stages; found {stages}"
         )
+    _check_csv_actions(path, actions, num_stages=len(flat), microbatches=len(microbatches))
     return stages, len(microbatches), bool(kinds & {"I", "W"})
+
+
+def _check_csv_actions(
+    path: str, actions: list[tuple[int, str, int]], *, num_stages: int, microbatches: int
+) -> None:
+    """Every stage runs each micro-batch 0..n-1 (``n`` distinct numbers: a gap leaves one
+    out) once forward and once backward (``B``, or both halves ``I`` and ``W``), as torch's
+    runtime checks inside every rank."""
+    for stage in range(num_stages):
+        for microbatch in range(microbatches):
+            done = [k for s, k, m in actions if s == stage and m == microbatch]
+            backward = sorted(k for k in done if k != "F")
+            if done.count("F") != 1 or backward not in (["B"], ["I", "W"]):
+                raise ConfigError(
+                    f"{_CSV_FLAG} {path}: stage {stage} runs micro-batch {microbatch} as "
+                    f"{' '.join(f'{stage}{k}{microbatch}' for k in done) or 'nothing'}; every "
+                    f"stage needs, for each of the {microbatches} micro-batches 0..{microbatches - 1}, "
+                    "one F and one B (or one I and one W)"
+                )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -196,30 +196,42 @@ def init_model_weights(
     *,
     seed: int,
     device: torch.device,
+    stage_indices: Sequence[int] | None = None,
+    after_init: Callable[[nn.Module], None] | None = None,
 ) -> None:
     """Materialise the model parts (built on meta, parallelized) on ``device`` with the values
-    a one-process run initialises with ``seed``: initial weights depend only on the seed and
-    the flavor, never on the parallelism."""
+    a one-process run initialises with ``seed``: on CPU and in simulations the initial weights
+    depend only on the seed and the flavor, never on the parallelism. On accelerators DTensor's
+    generator gives FSDP and TP shards their slices of one initialisation, but pipeline stages
+    (``stage_indices``: each part's) cannot replay the draws of the stages before them: stage
+    ``i`` draws from ``seed + i`` (every stage restarting ``seed`` would give the blocks of
+    different stages identical weights). ``after_init(part)`` initialises what the model's own
+    ``init_weights`` does not know (LoRA adapters), from the same random stream."""
     if local_tensor.is_simulating():  # every simulated rank cuts its shards of one init
         with local_tensor.host_only():
-            full = build_full_init(build_full, seed)
+            full = build_full_init(build_full, seed, after_init)
         for part in model_parts:
             local_tensor.load_full_model_(part, full)
         return
-    for part in model_parts:
+    for i, part in enumerate(model_parts):
         part.to_empty(device=device)
-        torch.manual_seed(seed)
+        torch.manual_seed(seed + (stage_indices[i] if stage_indices else 0))
         with torch.no_grad():
             part.init_weights(buffer_device=device)
+            if after_init is not None:
+                after_init(part)
     if dist.is_initialized() and device.type == "cpu" and not fake_collectives():
         # DTensor random ops on CPU draw the same numbers on every shard (no offset-based
         # RNG as on CUDA), which would duplicate heads and hidden units. Use the values a
         # one-process init gives instead: every rank builds them and takes its part.
-        load_full_init(model_parts, build_full, seed)
+        load_full_init(model_parts, build_full, seed, after_init)
 
 
 def load_full_init(
-    model_parts: Sequence[nn.Module], build_full: Callable[[], nn.Module], seed: int
+    model_parts: Sequence[nn.Module],
+    build_full: Callable[[], nn.Module],
+    seed: int,
+    after_init: Callable[[nn.Module], None] | None = None,
 ) -> None:
     """Overwrite parallelized model parts with a one-process initialisation.
 
@@ -228,14 +240,18 @@ def load_full_init(
     with a full state dict). Works for any split and sharding, pipeline stages included; meant
     for small models (CPU runs): the full model must fit in each rank's host memory.
     """
-    full_state = build_full_init(build_full, seed).state_dict()
+    full_state = build_full_init(build_full, seed, after_init).state_dict()
     # A part (pipeline stage) takes its own names from the whole model's state.
     options = StateDictOptions(full_state_dict=True, strict=False)
     for part in model_parts:
         set_model_state_dict(part, full_state, options=options)
 
 
-def build_full_init(build_full: Callable[[], nn.Module], seed: int) -> nn.Module:
+def build_full_init(
+    build_full: Callable[[], nn.Module],
+    seed: int,
+    after_init: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
     """The whole model on the host, initialised as one process would with ``seed``."""
     # Built like the trainer builds: on meta (module constructors draw no random numbers).
     with torch.device("meta"):
@@ -244,6 +260,8 @@ def build_full_init(build_full: Callable[[], nn.Module], seed: int) -> nn.Module
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
         full.init_weights(buffer_device=torch.device("cpu"))
+        if after_init is not None:
+            after_init(full)
     return full
 
 

@@ -20,6 +20,7 @@ from torchtitan.config.job_config import (
     Compile,
     Float8,
     JobConfig,
+    LoRA,
     Parallelism,
     Training,
 )
@@ -57,6 +58,9 @@ class ParallelizeContext:
     activation_checkpoint: ActivationCheckpoint
     compile: Compile
     float8: Float8
+    lora: LoRA
+    """``--lora.*``: ``parallelize`` adds the adapters (``components.lora.add_adapters``) after
+    tensor, context and expert parallelism, before activation checkpointing."""
 
     @classmethod
     def from_config(cls, config: JobConfig, parallel_dims: ParallelDims) -> "ParallelizeContext":
@@ -68,6 +72,7 @@ class ParallelizeContext:
             activation_checkpoint=config.activation_checkpoint,
             compile=config.compile,
             float8=config.float8,
+            lora=config.lora,
         )
 
 

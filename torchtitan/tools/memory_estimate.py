@@ -73,7 +73,7 @@ def peak_by_category(
     """
     forward_backward()
     optimizer_step()
-    tracker = MemTracker()
+    tracker = _FrozenAwareTracker()
     tracker.track_external(*model_parts, *optimizers)
     moments = {}
 
@@ -92,6 +92,25 @@ def peak_by_category(
         moment: {str(getattr(k, "value", k)): int(v) for k, v in snapshot.items()}
         for moment, snapshot in moments.items()
     }
+
+
+class _NoHook:
+    """A stand-in for a removable hook handle."""
+
+    def remove(self) -> None:
+        pass
+
+
+class _FrozenAwareTracker(MemTracker):
+    """torch's tracker hooks the gradient of every parameter a module holds when it runs, and
+    a frozen one (LoRA's base weights; under FSDP the unsharded copy of one) refuses hooks
+    (torch 2.11-2.13): mark those hooked already, as they never get a gradient to follow."""
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+        for param in module.parameters():
+            if not param.requires_grad and param not in self._param_to_grad_hook_handles:
+                self._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
 
 def fake_tensor_mode() -> contextlib.AbstractContextManager:

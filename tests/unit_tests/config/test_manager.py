@@ -456,7 +456,7 @@ def test_format_json_has_every_section() -> None:
     config = parse("--training.steps", "3", "--debug.seed", "4")
     data = json.loads(format_config(config, "json"))
     assert list(data) == [f.name for f in dataclasses.fields(JobConfig)]
-    assert len(data) == 16
+    assert len(data) == 17
     assert data["training"]["steps"] == 3
     assert data["debug"]["seed"] == 4
     assert data["training"]["dataset_path"] is None
@@ -742,6 +742,18 @@ def test_whole_block_checkpointing_of_compiled_tensor_parallel_blocks_is_refused
             "2",
             "--parallelism.tensor_parallel_degree 2 --parallelism.enable_async_tensor_parallel",
             "--parallelism.enable_async_tensor_parallel needs",
+        ),
+        (None, "--lora.rank -1", "--lora.rank=-1 must be >= 0 (0 turns LoRA off)"),
+        (None, "--lora.rank 8 --lora.alpha 0", "--lora.alpha=0.0 must be > 0"),
+        (
+            None,
+            "--lora.target_modules wq",
+            "--lora.target_modules does nothing without --lora.rank; add e.g. --lora.rank 8",
+        ),
+        (
+            None,
+            "--lora.rank 8 --lora.target_modules wq,.wo",
+            "--lora.target_modules wq,.wo: each entry is a module name or a dotted name suffix",
         ),
     ],
 )

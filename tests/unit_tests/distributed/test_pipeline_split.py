@@ -151,6 +151,22 @@ _PP = "--parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_
             + ",".join(["tok_embeddings", *(f"layers.{i}" for i in range(6)), "norm", "output"]),
             "lists 1 stages, but 1F1B",
         ),
+        (  # the final norm mid-model would train, silently another architecture
+            f"{_PP} --parallelism.module_fqns_per_model_part "
+            "tok_embeddings,layers.0,layers.1,layers.2,norm layers.3,layers.4,layers.5,output",
+            "module_fqns_per_model_part: norm comes where the model has layers.3",
+        ),
+        (
+            f"{_PP} --parallelism.module_fqns_per_model_part "
+            "tok_embeddings,layers.0,layers.2 layers.1,layers.3,layers.4,layers.5,norm,output",
+            "layers.2 comes where the model has layers.1",
+        ),
+        (
+            f"{_PP} --training.local_batch_size 4 --parallelism.pipeline_parallel_schedule "
+            "ZBVZeroBubble --validation.enable",
+            "--validation.enable with --parallelism.pipeline_parallel_schedule ZBVZeroBubble: a "
+            "rank holds two neighbouring stages",
+        ),
     ],
 )
 def test_impossible_pipeline_layouts_are_refused_in_one_line(monkeypatch, argv, expected):
@@ -179,6 +195,14 @@ _CSV = "--parallelism.pipeline_parallel_schedule_csv"
         (["0F0,0B0", "1F0,1X0"], "", "'1X0' in row 1 is not an action"),
         (["0F0,2F0", "1F0"], "", "every stage 0..N-1 must appear on exactly one rank"),
         (["0F0,0B0", "1F0,1B0"], "", "schedules 1 micro-batches, this run has 4"),
+        (["0F0,0B0", "1F0,1B0", ""], "", "line 3 is blank, and every line is a pipeline rank"),
+        (
+            ["0F0,0F1,0B0", "1F0,1F1,1B0,1B1"],
+            "",
+            "stage 0 runs micro-batch 1 as 0F1; every stage needs, for each of the 2 "
+            "micro-batches 0..1, one F and one B (or one I and one W)",
+        ),
+        (["0F0,0B0,0W0", "1F0,1B0"], "", "stage 0 runs micro-batch 0 as 0F0 0B0 0W0"),
         (
             ["0F0,0I0,0W0", "1F0,1I0,1W0"],
             "--training.local_batch_size 2 --activation_checkpoint.mode selective "

@@ -286,3 +286,22 @@ def test_flex_attention_of_a_ranks_queries_equals_the_whole_sequences_rows():
         attention = ScaledDotProductAttention()
         out = attention(q[:, :, positions], k, v, block_mask)
         torch.testing.assert_close(out, whole[:, :, positions], rtol=1e-5, atol=1e-5)
+
+
+def test_causal_attention_with_repeated_kv_heads_equals_grouped_query_attention():
+    """Where no fused kernel takes grouped queries (CUDA in float32), K/V heads are repeated:
+    the same attention, outputs and gradients."""
+    from torchtitan.models.common import attention
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 16, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, 16, 8, requires_grad=True) for _ in range(2))
+    sdpa = ScaledDotProductAttention()
+    grouped = sdpa(q, k, v)
+    grads = torch.autograd.grad(grouped.sum(), (q, k, v))
+    with unittest.mock.patch.object(attention, "_no_fused_gqa", return_value=True) as check:
+        repeated = sdpa(q, k, v)
+        assert check.called
+    torch.testing.assert_close(repeated, grouped)
+    for got, want in zip(torch.autograd.grad(repeated.sum(), (q, k, v)), grads, strict=True):
+        torch.testing.assert_close(got, want)

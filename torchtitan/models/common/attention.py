@@ -102,6 +102,9 @@ class ScaledDotProductAttention(nn.Module):
                 q, k, v, block_mask=documents, scale=self.scale, enable_gqa=gqa
             )
         if documents is None and query_positions is None:
+            if gqa and _no_fused_gqa(q):
+                k, v = _repeat_heads(k, v, q.shape[1])
+                gqa = False
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, enable_gqa=gqa, scale=self.scale
             )
@@ -113,12 +116,27 @@ class ScaledDotProductAttention(nn.Module):
             return _per_document(q, k, v, documents, query_positions, gqa, self.scale)
         mask = block_causal_mask(documents, query_positions)
         if gqa and q.device.type not in ("cpu", "meta"):
-            repeats = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+            k, v = _repeat_heads(k, v, q.shape[1])
             gqa = False
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=gqa, scale=self.scale
         )
+
+
+def _no_fused_gqa(q: torch.Tensor) -> bool:
+    """Whether grouped-query SDPA would fall to the math kernel: on CUDA only flash takes
+    ``enable_gqa`` (up to torch 2.13), and flash takes no float32. The math kernel holds every
+    score and, on context parallelism's sequence-sharded DTensors, fails outright (mixed
+    Tensor and DTensor); with the K/V heads repeated the memory-efficient kernel runs."""
+    return q.device.type == "cuda" and q.dtype == torch.float32
+
+
+def _repeat_heads(
+    k: torch.Tensor, v: torch.Tensor, heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[bs, kv_h, seq, hd]`` with each head repeated to ``heads`` heads."""
+    repeats = heads // k.shape[1]
+    return k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
 
 
 def _pad_last(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """How DeepSeek-V3 is parallelized: which modules each technique wraps. Plans only.
 
 Order: float8 (linear layers; the routed experts stay in high precision) -> tensor parallel ->
-context parallel -> expert parallel -> activation checkpointing -> torch.compile -> data parallel
-(FSDP), for Llama 3's reasons (``models/llama3/parallelize.py``);
+context parallel -> expert parallel -> LoRA adapters -> activation checkpointing -> torch.compile
+-> data parallel (FSDP), for Llama 3's reasons (``models/llama3/parallelize.py``);
 expert parallelism shards the routed experts' weights before anything wraps the blocks, and FSDP
 shards the experts over the data-parallel ranks EP leaves (``efsdp``) before their blocks.
 """
@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torchtitan.components import lora
 from torchtitan.components.float8 import apply_float8, scalar_cpu_kernels
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.context_parallel import apply_cp
@@ -64,6 +65,7 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
             block_causal=context.attn_mask == "block_causal",
         )
     apply_moe_cp_and_ep(model, context)
+    lora.add_adapters(model, context.lora)  # placed from the weights TP just placed
     apply_ac(model.layers, context.activation_checkpoint)
     compile_blocks(model, context)
     return apply_data_parallel(model, context, experts)

@@ -1,10 +1,11 @@
 """How Llama 3 is parallelized: which modules each technique wraps. Plans only, no machinery.
 
-Order: float8 -> tensor parallel -> context parallel -> expert parallel -> activation
-checkpointing -> torch.compile -> data parallel (FSDP). float8 swaps linear modules, so it comes
-before anything wraps them. TP then because it rewrites parameters into DTensors that the later
+Order: float8 -> tensor parallel -> context parallel -> expert parallel -> LoRA adapters ->
+activation checkpointing -> torch.compile -> data parallel (FSDP). float8 swaps linear modules,
+so it comes before anything wraps them. TP then because it rewrites parameters into DTensors that the later
 wrappers must see; CP hooks the attention product inside the block, before anything wraps the
-block; EP shards the routed experts' weights before anything wraps the blocks; AC wraps the
+block; EP shards the routed experts' weights before anything wraps the blocks; LoRA adapters
+take their placements from the weights TP placed, and exist before FSDP shards; AC wraps the
 TP'd block so recomputation replays its collectives (the CP ring included); compile traces the
 block with its checkpointing; FSDP last so it shards (and gathers) the final parameters of each
 unit, over dp_shard x cp (the experts under EP over the data-parallel ranks EP leaves). Flavors
@@ -25,7 +26,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtitan.components import float8
+from torchtitan.components import float8, lora
 from torchtitan.components.float8 import tp_style
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.context_parallel import apply_cp
@@ -74,6 +75,7 @@ def parallelize_llama3(model: nn.Module, context: ParallelizeContext) -> nn.Modu
             block_causal=context.attn_mask == "block_causal",
         )
     apply_moe_cp_and_ep(model, context)
+    lora.add_adapters(model, context.lora)  # placed from the weights TP just placed
     apply_ac(model.layers, context.activation_checkpoint)
     compile_blocks(model, context)
     return apply_data_parallel(model, context, experts)

@@ -1,0 +1,145 @@
+"""LoRA fine-tuning as a user runs it: from a Hugging Face model, only the adapters train, the
+run resumes exactly, and what it exports is a plain HF model that computes the adapted one."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+transformers = pytest.importorskip("transformers")
+
+from launch import REPO, clean_env, records, run_train  # noqa: E402
+from test_hf_checkpoint import _hf_folder, _hf_loss  # noqa: E402
+
+from torchtitan.components import checkpoint_hf  # noqa: E402
+from torchtitan.components.checkpoint_files import read_full_model  # noqa: E402
+from torchtitan.train import main  # noqa: E402
+
+# A constant LR after warm-up: "train 2, stop, resume to 4" must reproduce "train 4".
+BASE = [
+    "--training.seq_len", "64", "--debug.seed", "0", "--debug.deterministic",
+    "--metrics.log_freq", "1", "--metrics.no_report", "--lr_scheduler.warmup_steps", "2",
+    "--lr_scheduler.decay_type", "constant", "--training.data_sharding", "by_row",
+    "--checkpoint.enable", "--checkpoint.interval", "2",
+]  # fmt: skip
+LORA = ["--lora.rank", "4", "--lora.alpha", "8", "--optimizer.lr", "1e-2"]
+
+pytestmark = pytest.mark.integration
+
+
+def _train(dump: Path, *flags: str) -> int:
+    return main([*BASE, *LORA, "--job.dump_folder", str(dump), *flags])
+
+
+def _losses(dump: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(dump)}
+
+
+def _is_adapter(name: str) -> bool:
+    return name.endswith((".lora_a", ".lora_b"))
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> Path:
+    return _hf_folder(tmp_path_factory.mktemp("hf") / "model")
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory, hf) -> Path:
+    """4 LoRA steps from the HF model in one process, saved at 2 and 4, exported to HF."""
+    dump = tmp_path_factory.mktemp("tuned")
+    flags = ["--checkpoint.initial_load_path", str(hf), "--training.local_batch_size", "8"]
+    assert _train(dump, *flags, "--training.steps", "4", "--checkpoint.last_save_in_hf") == 0
+    return dump
+
+
+def test_only_the_adapters_train_from_the_hf_weights(tuned, hf):
+    losses = _losses(tuned)
+    # B starts at zero: the first step computes the HF model's own loss; then the adapters learn.
+    assert losses[1] == pytest.approx(_hf_loss(hf), rel=1e-5)
+    assert losses[4] < losses[1] - 0.05
+    two, four = (read_full_model(tuned / f"checkpoint/step-{s}") for s in (2, 4))
+    adapters = [k for k in four if _is_adapter(k)]
+    assert len(adapters) == 2 * 7 * 6  # q, k, v, o and the 3 FFN projections of 6 blocks
+    assert all(not torch.equal(two[k], four[k]) for k in adapters)
+    frozen = [k for k in four if not _is_adapter(k)]
+    assert all(torch.equal(two[k], four[k]) for k in frozen)
+    # The frozen weights are the HF model's (a projection the adapter maps without a permute).
+    hf_tensors = checkpoint_hf.read_tensors(hf)
+    torch.testing.assert_close(
+        four["layers.3.feed_forward.w2.weight"],
+        hf_tensors["model.layers.3.mlp.down_proj.weight"],
+        rtol=0,
+        atol=0,
+    )
+    # Optimizer state exists for the adapters only.
+    metadata = dcp.FileSystemReader(str(tuned / "checkpoint/step-2")).read_metadata()
+    exp_avg = [k for k in metadata.state_dict_metadata if k.startswith("optimizer.state.")]
+    exp_avg = [k for k in exp_avg if k.endswith(".exp_avg")]
+    assert exp_avg and all(_is_adapter(k.removesuffix(".exp_avg")) for k in exp_avg)
+    assert len(exp_avg) == len(adapters)
+
+
+def test_a_lora_run_resumes_bitwise(tmp_path, tuned, hf):
+    load = ["--checkpoint.initial_load_path", str(hf), "--training.local_batch_size", "8"]
+    assert _train(tmp_path, *load, "--training.steps", "2") == 0
+    assert _train(tmp_path, *load, "--training.steps", "4") == 0
+    want, got = _losses(tuned), _losses(tmp_path)
+    assert [got[s] for s in (3, 4)] == [want[s] for s in (3, 4)]
+
+
+def test_the_export_is_the_adapted_model_merged(tuned, hf, tmp_path):
+    from torchtitan.generate import load_model
+
+    export = tuned / "checkpoint/hf-step-4"
+    tensors = checkpoint_hf.read_tensors(export)
+    assert not any("lora" in k for k in tensors)
+    # Sampling from the step merges the adapters too: its logits are transformers'.
+    ours, _, _ = load_model(tuned / "checkpoint/step-4", None, None, torch.device("cpu"))
+    theirs = transformers.LlamaForCausalLM.from_pretrained(export).eval()
+    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)
+    assert _hf_loss(export) != pytest.approx(_hf_loss(hf), rel=1e-3)
+    # Converting the step gives the same tensors as the trainer's export.
+    out = tmp_path / "converted"
+    done = subprocess.run(
+        [sys.executable, "scripts/convert_hf.py", "to_hf", str(tuned / "checkpoint/step-4"),
+         str(out)], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    converted = checkpoint_hf.read_tensors(out)
+    assert converted.keys() == tensors.keys()
+    assert all(torch.equal(converted[k], tensors[k]) for k in tensors)
+
+
+def test_resuming_with_another_lora_setting_is_refused_in_one_line(tuned, tmp_path, capfd):
+    dump = tmp_path / "copy"
+    shutil.copytree(tuned, dump)
+    flags = [*BASE, "--job.dump_folder", str(dump), "--training.steps", "6"]
+    assert main([*flags, "--checkpoint.load_step", "2"]) == 2
+    err = capfd.readouterr().err
+    assert "--lora.rank 4 (this run: 0)" in err and "does not fit this model" in err
+
+
+def test_tensor_and_data_parallel_lora_import_and_export_equal_one_process(tuned, hf, tmp_path):
+    result = run_train(
+        tmp_path, *BASE, *LORA, "--checkpoint.initial_load_path", str(hf),
+        "--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
+        "--training.steps", "4", "--checkpoint.last_save_in_hf", ngpu=4, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    want, got = _losses(tuned), _losses(tmp_path)
+    assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)], rel=1e-5)
+    ours = checkpoint_hf.read_tensors(tmp_path / "checkpoint/hf-step-4")
+    one = checkpoint_hf.read_tensors(tuned / "checkpoint/hf-step-4")
+    assert ours.keys() == one.keys()
+    for key, value in one.items():
+        torch.testing.assert_close(ours[key], value, rtol=0, atol=5e-5, msg=key)
+    config = json.loads((tmp_path / "checkpoint/hf-step-4/config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
