@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.components import checkpoint_hf, lora
+from torchtitan.components import checkpoint_hf
 from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.checkpoint_files import CONFIG_FILE, read_full_model
+from torchtitan.components.checkpoint_files import CONFIG_FILE
 from torchtitan.components.checkpoint_states import ModelState
 from torchtitan.components.tokenizer import (
     Llama3Tokenizer,
@@ -77,7 +77,8 @@ def to_hf(
     spec = get_model_spec(module)
     model = _model(spec, flavor, seq_len)
     # LoRA adapters folded into their layers' weights: the HF model is a plain one.
-    state = lora.merge_state_dict(read_full_model(step), lora.scale_of(run.get("lora")))
+    args = spec.flavors[flavor] if seq_len is None else spec.args_for(flavor, seq_len=seq_len)
+    state = checkpoint_hf.read_model_state(step, run, spec, args)
     wanted = model.state_dict().keys()
     missing, extra = sorted(wanted - state.keys()), sorted(state.keys() - wanted)
     if missing or extra:
@@ -100,7 +101,6 @@ def to_hf(
                 f"--tokenizer {tokenizer_path} has {tokenizer.vocab_size} tokens, more than "
                 f"{flavor}'s vocabulary of {vocab}: pass the model's own tokenizer"
             )
-    args = spec.flavors[flavor] if seq_len is None else spec.args_for(flavor, seq_len=seq_len)
     checkpoint_hf.save_hf(
         [model], spec.state_dict_adapter(args), out, dtype=DTYPES[dtype],
         writer=True, pipelined=False, tokenizer=tokenizer,

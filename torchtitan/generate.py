@@ -111,12 +111,11 @@ def load_model(
     bundled one. ``tp > 1``: the model's tensor-parallel plan over this torchrun's ranks
     (without sequence and loss parallelism: every rank gets the whole logits and samples the
     same token)."""
-    from torchtitan.components import checkpoint_hf, lora
+    from torchtitan.components import checkpoint_hf
     from torchtitan.components.checkpoint_files import (
         CONFIG_FILE,
         complete_checkpoints,
         persistent_buffers,
-        read_full_model,
     )
     from torchtitan.components.tokenizer import find_tokenizer_file
     from torchtitan.models.spec import get_model_spec
@@ -161,7 +160,7 @@ def load_model(
         checkpoint_hf.load_hf_([model], spec.state_dict_adapter(args), path)
     else:
         # LoRA adapters folded into their layers: the plain model computes the adapted one.
-        state = lora.merge_state_dict(read_full_model(path), lora.scale_of(run.get("lora")))
+        state = checkpoint_hf.read_model_state(path, run, spec, args)
         for name, param in model.named_parameters():
             if name not in state:
                 raise ConfigError(f"{path} has no {name}: not a checkpoint of {flavor}")

@@ -311,6 +311,8 @@ class Trainer:
             dp_rank=self.dp_rank,
             dp_world_size=self.parallel_dims.dp_degree,
         )
+        if self.config.lora.save_adapters_only:  # the frozen weights stay where they came from
+            states["model"] = states["model"].without(lora.frozen_names(self.model_parts))
         return CheckpointManager(
             c,
             dump_folder=self.config.job.dump_folder,

@@ -143,3 +143,36 @@ def test_tensor_and_data_parallel_lora_import_and_export_equal_one_process(tuned
         torch.testing.assert_close(ours[key], value, rtol=0, atol=5e-5, msg=key)
     config = json.loads((tmp_path / "checkpoint/hf-step-4/config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_adapters_only_saves_resume_and_sample_like_full_ones(tuned, hf, tmp_path, capfd):
+    from torchtitan.generate import load_model
+
+    flags = [
+        "--checkpoint.initial_load_path", str(hf), "--training.local_batch_size", "8",
+        "--lora.save_adapters_only",
+    ]  # fmt: skip
+    assert _train(tmp_path, *flags, "--training.steps", "2") == 0
+    assert _train(tmp_path, *flags, "--training.steps", "4") == 0
+    # The resume read the frozen weights from the HF folder again, then the step.
+    assert "Loading Hugging Face weights" in capfd.readouterr().err
+    want, got = _losses(tuned), _losses(tmp_path)
+    assert [got[s] for s in range(1, 5)] == [want[s] for s in range(1, 5)]
+    saved = read_full_model(tmp_path / "checkpoint/step-4")
+    assert saved and all(_is_adapter(k) for k in saved)
+
+    def size(step: Path) -> int:
+        return sum(f.stat().st_size for f in step.iterdir())
+
+    assert size(tmp_path / "checkpoint/step-4") < size(tuned / "checkpoint/step-4") / 3
+    # Sampling completes the step with the frozen weights: the full save's model exactly.
+    device = torch.device("cpu")
+    ours, _, _ = load_model(tmp_path / "checkpoint/step-4", None, None, device)
+    full, _, _ = load_model(tuned / "checkpoint/step-4", None, None, device)
+    tokens = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ours(tokens), full(tokens))
+    # Without the flag the run would need frozen weights its steps do not hold: refused.
+    assert main([*BASE, *LORA, "--job.dump_folder", str(tmp_path), "--training.steps", "6"]) == 2
+    err = capfd.readouterr().err
+    assert "--lora.save_adapters_only True (this run: False)" in err

@@ -153,7 +153,7 @@ class CheckpointManager:
         for path in reversed(found):
             problem = self._verify(path)
             if problem is None:
-                if c.initial_load_path:
+                if c.initial_load_path and not self._frozen_left_out():
                     logger.warning(
                         f"--checkpoint.initial_load_path {c.initial_load_path} is not used: "
                         f"{self.folder} has checkpoints, resuming from {path.name}"
@@ -169,19 +169,36 @@ class CheckpointManager:
                 f"the folder aside or use another --job.dump_folder; to use one of them anyway, "
                 "repair it and pass --checkpoint.load_step N"
             )
-        if c.initial_load_path and checkpoint_hf.is_hf_folder(c.initial_load_path):
-            if self.hf is None:
-                raise ConfigError(
-                    f"--checkpoint.initial_load_path {c.initial_load_path} is a Hugging Face "
-                    "folder, and this model family has no state-dict adapter to read it"
-                )
-            logger.info(f"Loading Hugging Face weights from {c.initial_load_path}")
-            self.hf.load(c.initial_load_path)
-        elif c.initial_load_path:
-            self._load_model_only(Path(c.initial_load_path))
+        if c.initial_load_path:
+            self._load_initial()
         else:
             logger.info(f"No checkpoint in {self.folder}: training from step 0")
         return 0
+
+    def _load_initial(self) -> None:
+        """The weights of ``--checkpoint.initial_load_path``: an HF folder or a ``step-N``."""
+        path = self.config.initial_load_path
+        if path is None:
+            raise ConfigError(
+                "the checkpoint holds LoRA adapters without the frozen weights "
+                "(--lora.save_adapters_only): pass the --checkpoint.initial_load_path it was "
+                "trained from"
+            )
+        if checkpoint_hf.is_hf_folder(path):
+            if self.hf is None:
+                raise ConfigError(
+                    f"--checkpoint.initial_load_path {path} is a Hugging Face "
+                    "folder, and this model family has no state-dict adapter to read it"
+                )
+            logger.info(f"Loading Hugging Face weights from {path}")
+            self.hf.load(path)
+        else:
+            self._load_model_only(Path(path))
+
+    def _frozen_left_out(self) -> bool:
+        """Whether this run's checkpoints leave the frozen weights out (LoRA's
+        ``--lora.save_adapters_only``): they come from ``--checkpoint.initial_load_path``."""
+        return bool(self.states["model"].leave_out)
 
     def _verify(self, path: Path) -> str | None:
         """``verify`` with checksums, the files' CRCs split over the ranks (each reads its
@@ -223,7 +240,10 @@ class CheckpointManager:
                 f"--checkpoint.exclude_from_loading {' '.join(sorted(missing))} to skip it"
             )
         if "model" in wanted:
-            self._check_model_fits(path, flag="")
+            # Adapters-only saves: the frozen weights first, from where the run started.
+            self._check_model_fits(path, flag="", partial=self._frozen_left_out())
+            if self._frozen_left_out():
+                self._load_initial()
         match_dataloader_layout(path, wanted)
         logger.info(f"Loading checkpoint {path} ({', '.join(wanted)})")
         dcp.load(
@@ -234,9 +254,11 @@ class CheckpointManager:
         )
         return int(STEP_DIR.match(path.name).group(1))
 
-    def _check_model_fits(self, path: Path, *, flag: str, model: ModelState | None = None) -> None:
+    def _check_model_fits(
+        self, path: Path, *, flag: str, model: ModelState | None = None, partial: bool = False
+    ) -> None:
         """Names and shapes of the saved model tensors against this model's (``model``, by
-        default the whole), before loading."""
+        default the saved state's), before loading; ``partial``: the checkpoint may hold more."""
         model = model or self.states["model"]
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         if dist.is_initialized() and not local_tensor.is_simulating():
@@ -245,7 +267,8 @@ class CheckpointManager:
             dist.all_gather_object(every_rank, shapes)
             shapes = {k: v for rank_shapes in every_rank for k, v in rank_shapes.items()}
         # A simulated pipeline rank (a thread) sees only its own stages' names.
-        problem = model_mismatch(path, shapes, partial=local_pipeline.first_rank() is not None)
+        partial = partial or local_pipeline.first_rank() is not None
+        problem = model_mismatch(path, shapes, partial=partial)
         if problem is None:
             return
         written_by = saved_config(path) or {}
@@ -276,7 +299,7 @@ class CheckpointManager:
         problem = self._verify(path)
         if problem:
             raise ConfigError(f"--checkpoint.initial_load_path {path}: {problem}")
-        model = self._without_missing_adapters(path)
+        model = self._model_to_load(path)
         self._check_model_fits(path, flag="--checkpoint.initial_load_path: ", model=model)
         logger.info(f"Loading model weights from {path}")
         if local_tensor.is_simulating():
@@ -293,19 +316,32 @@ class CheckpointManager:
             no_dist=_no_dist(),
         )
 
-    def _without_missing_adapters(self, path: Path) -> ModelState:
-        """The model to load weights into from ``path``: without its LoRA adapters when the
-        checkpoint has none (the frozen model fine-tuning starts from), so they keep their
-        initialisation."""
-        model = self.states["model"]
-        adapters = {k for k in model.state_dict() if lora.is_adapter_name(k)}
+    def _model_to_load(self, path: Path) -> ModelState:
+        """The model to load weights into from ``path`` (model weights only): without its LoRA
+        adapters when the checkpoint has none (the frozen model fine-tuning starts from), so
+        they keep their initialisation; without the frozen weights when it holds only adapters
+        (``--lora.save_adapters_only``), which then come from ``--checkpoint.initial_load_path``
+        first."""
+        model = self.states["model"].whole()
+        names = set(model.state_dict())
+        adapters = {k for k in names if lora.is_adapter_name(k)}
         if not adapters:
             return model
         saved = {k.removeprefix("model.") for k in saved_tensor_metadata(path)}
-        if adapters & saved:
-            return model
-        logger.info(f"{path} has no LoRA adapters: they start from their initialisation")
-        return model.without(adapters)
+        if not adapters & saved:
+            logger.info(f"{path} has no LoRA adapters: they start from their initialisation")
+            return model.without(adapters)
+        frozen = lora.frozen_names(self.states["model"].model_parts)
+        if frozen and not frozen & saved:
+            if str(path) == str(self.config.initial_load_path):
+                raise ConfigError(
+                    f"--checkpoint.initial_load_path {path} holds LoRA adapters without the "
+                    "frozen weights (--lora.save_adapters_only); start from the checkpoint its "
+                    "run started from, or from an HF export of it"
+                )
+            self._load_initial()
+            return model.without(frozen)
+        return model
 
     # ---- saving ----------------------------------------------------------------------------
 

@@ -33,11 +33,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchtitan.components import lora
-from torchtitan.components.checkpoint_files import free_name, persistent_buffers
+from torchtitan.components.checkpoint_files import free_name, persistent_buffers, read_full_model
 from torchtitan.components.tokenizer_export import save_hf_tokenizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed import local_tensor
 from torchtitan.tools.logging import logger
+from torchtitan.tools.paths import resolve_path
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -356,6 +357,35 @@ def save_hf(
                 logger.warning(f"Tokenizer not written to {folder}: {e}")
         logger.info(f"Hugging Face model written to {folder} ({total} shard(s), {size:,} bytes)")
     _barrier()
+
+
+def read_model_state(step: Path, run: dict[str, Any], spec, args) -> dict[str, torch.Tensor]:
+    """The whole model of a ``step-N`` folder (``run``: its saved config) as one process sees
+    it, LoRA adapters folded into their layers' weights. A LoRA run's adapters-only step
+    (``--lora.save_adapters_only``) is completed first with the frozen weights of the run's
+    ``--checkpoint.initial_load_path`` (an HF folder or a ``step-N``)."""
+    state = read_full_model(step)
+    settings = run.get("lora") or {}
+    if settings.get("save_adapters_only") and any(lora.is_adapter_name(k) for k in state):
+        source = (run.get("checkpoint") or {}).get("initial_load_path")
+        if not source or not resolve_path(source).exists():
+            raise ConfigError(
+                f"{step} holds LoRA adapters without the frozen weights, which its run read from "
+                f"--checkpoint.initial_load_path {source}: that path is not here"
+            )
+        source = resolve_path(source)
+        logger.info(f"Frozen weights of {step} from {source}")
+        if is_hf_folder(source):
+            with torch.device("meta"):
+                model = spec.build_model(args)
+            model.to_empty(device="cpu")
+            model.init_weights()
+            load_hf_([model], spec.state_dict_adapter(args), source)
+            base = model.state_dict()
+        else:
+            base = read_full_model(source)
+        state = {k: v for k, v in base.items() if not lora.is_adapter_name(k)} | state
+    return lora.merge_state_dict(state, lora.scale_of(settings))
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

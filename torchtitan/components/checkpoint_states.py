@@ -33,6 +33,10 @@ class ModelState(Stateful):
         self.model_parts = list(model_parts)
         self.leave_out = leave_out
 
+    def whole(self) -> "ModelState":
+        """The same model with nothing left out."""
+        return ModelState(self.model_parts)
+
     def without(self, names: set[str]) -> "ModelState":
         """The same model with ``names`` neither saved nor loaded (LoRA adapters when a
         checkpoint of the frozen model loads: they keep their initialisation)."""

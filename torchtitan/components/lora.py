@@ -214,6 +214,16 @@ def merge_state_dict(
     return merged
 
 
+def frozen_names(model_parts: Iterable[nn.Module]) -> set[str]:
+    """The state-dict names of the frozen parameters of ``model_parts``."""
+    return {
+        clean_name(name)
+        for part in model_parts
+        for name, param in part.named_parameters()
+        if not param.requires_grad
+    }
+
+
 def adapter_count(parameters: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Elements of the adapters among named parameters (global shapes)."""
     return sum(p.numel() for n, p in parameters if is_adapter_name(n))

@@ -364,6 +364,12 @@ class LoRA:
     transformer blocks except MoE routers. Routed experts and embeddings get none. Separate
     names by spaces or commas."""
 
+    save_adapters_only: bool = False
+    """Checkpoints hold the adapters, their optimizer state and the rest of the training state,
+    not the frozen weights: a resume, ``torchtitan.generate`` and ``scripts/convert_hf.py``
+    read those again from ``--checkpoint.initial_load_path`` (required; it must not change).
+    Llama 3 8B at rank 16: 0.5 GB per save instead of 32 GB."""
+
     def targets(self) -> list[str]:
         """``target_modules`` with comma-separated entries split."""
         return [name for entry in self.target_modules for name in entry.split(",") if name]

@@ -253,6 +253,12 @@ def _lora_checks(config: JobConfig) -> list[tuple[bool, str]]:
             f"--lora.target_modules {' '.join(lo.target_modules)}: each entry is a module name "
             "or a dotted name suffix, like wq or attention.wo",
         ),
+        (
+            not lo.save_adapters_only
+            or (lo.rank > 0 and config.checkpoint.enable and config.checkpoint.initial_load_path),
+            "--lora.save_adapters_only needs --lora.rank, --checkpoint.enable and "
+            "--checkpoint.initial_load_path (where every resume reads the frozen weights)",
+        ),
     ]
 
 

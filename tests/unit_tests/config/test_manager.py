@@ -752,6 +752,12 @@ def test_whole_block_checkpointing_of_compiled_tensor_parallel_blocks_is_refused
         ),
         (
             None,
+            "--lora.rank 8 --lora.save_adapters_only --checkpoint.enable",
+            "--lora.save_adapters_only needs --lora.rank, --checkpoint.enable and "
+            "--checkpoint.initial_load_path",
+        ),
+        (
+            None,
             "--lora.rank 8 --lora.target_modules wq,.wo",
             "--lora.target_modules wq,.wo: each entry is a module name or a dotted name suffix",
         ),
