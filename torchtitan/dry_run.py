@@ -9,6 +9,7 @@ otherwise on fake tensors, which carry shapes but no data. Values (loss, norms) 
 
 import dataclasses
 import os
+import re
 
 import torch
 
@@ -116,8 +117,17 @@ def _probe_step(trainer: Trainer, depth: int | None) -> tuple[dict[str, dict[str
         args = with_depth(depth) if with_depth else dataclasses.replace(args, n_layers=depth)
     # Inductor cannot trace fake tensors of an outer fake mode; compiled runs usually need
     # somewhat less activation memory than this estimate.
+    # LoRA targets of numbered blocks (layers.5.attention.wq) name the same layer of every
+    # probe block instead: the shallow model has no block 5 (its adapters are small next to
+    # the activations either way).
+    probe_lora = dataclasses.replace(
+        config.lora,
+        target_modules=[re.sub(r"^layers\.\d+\.", "", t) for t in config.lora.targets()],
+    )
     context = dataclasses.replace(
-        trainer.parallelize_context, compile=dataclasses.replace(config.compile, enable=False)
+        trainer.parallelize_context,
+        compile=dataclasses.replace(config.compile, enable=False),
+        lora=probe_lora,
     )
     t = config.training
     batch_size = t.local_batch_size

@@ -67,6 +67,7 @@ class Trainer:
         # The model's own work after each optimizer step (MoE balancing), for flavors with it.
         self._after_optimizer_step = self.model_spec.after_optimizer_step_for(config.model.flavor)
         self.tokenizer, self.dataloader = (None, None) if on_meta else self.build_data()
+        self.lora_layers = self._lora_targets()
         self.parallelize_context = ParallelizeContext.from_config(config, self.parallel_dims)
         self.model_parts, stages = self.build_model_parts(self.model_args, self.parallelize_context)
         self.stage_indices = [stage.stage_index for stage in stages]  # of each model part
@@ -216,8 +217,6 @@ class Trainer:
         pipeline split, each parallelized, and their ``PipelineStage`` wrappers."""
         with torch.device("meta"):
             model = self.model_spec.build_model(args)
-        if context.lora.rank > 0:
-            lora.targets(model, context.lora)  # on the whole model, before a pipeline split
         dims, p, t = context.parallel_dims, context.parallelism, context.training
         if not dims.pp_enabled:
             return [self.model_spec.parallelize(model, context)], []
@@ -241,6 +240,15 @@ class Trainer:
             loss_parallel=not p.disable_loss_parallel,
         )
         return parts, stages
+
+    def _lora_targets(self) -> list[nn.Module]:
+        """The linear layers of the whole model (on meta) that ``--lora.*`` adapts; a target
+        that names none is refused here, before any pipeline split or dry-run probe."""
+        if self.config.lora.rank <= 0:
+            return []
+        with torch.device("meta"):
+            model = self.model_spec.build_model(self.model_args)
+        return list(lora.targets(model, self.config.lora).values())
 
     def _log_parameters(self) -> None:
         named = [(n, p) for part in self.model_parts for n, p in part.named_parameters()]
@@ -284,9 +292,8 @@ class Trainer:
         c = self.config
         flops = self.model_spec.flops_per_token(self.model_args, c.training.seq_len)
         if c.lora.rank > 0:  # the frozen weights get no gradient
-            with torch.device("meta"):  # the whole model's adapters, whatever this rank holds
-                chosen = lora.targets(self.model_spec.build_model(self.model_args), c.lora)
-            adapters = sum(c.lora.rank * (m.in_features + m.out_features) for m in chosen.values())
+            # the whole model's adapters, whatever this rank holds
+            adapters = sum(c.lora.rank * (m.in_features + m.out_features) for m in self.lora_layers)
             weights = self.model_spec.flops_per_token(self.model_args, 0)
             flops = lora.flops_per_token(flops, weights, adapters)
         return MetricsProcessor(

@@ -125,6 +125,29 @@ def test_resuming_with_another_lora_setting_is_refused_in_one_line(tuned, tmp_pa
     assert main([*flags, "--checkpoint.load_step", "2"]) == 2
     err = capfd.readouterr().err
     assert "--lora.rank 4 (this run: 0)" in err and "does not fit this model" in err
+    # Another alpha changes no shape but rescales every adapter.
+    assert main([*flags, *LORA, "--lora.alpha", "64", "--checkpoint.load_step", "2"]) == 2
+    err = capfd.readouterr().err
+    assert "holds LoRA adapters trained with --lora.alpha 8.0, this run has 64.0" in err
+
+
+def test_simulated_ranks_and_dry_runs_take_lora(tuned, hf, tmp_path):
+    """COMM_MODE=local_tensor imports the HF model around the adapters and trains like one
+    process; a dry run sizes adapters named by block number (its probes have 1-2 blocks)."""
+    result = run_train(
+        tmp_path / "sim", *BASE, *LORA, "--checkpoint.initial_load_path", str(hf),
+        "--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
+        "--training.steps", "2", ngpu=4, COMM_MODE="local_tensor",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    want, got = _losses(tuned), _losses(tmp_path / "sim")
+    assert [got[s] for s in (1, 2)] == pytest.approx([want[s] for s in (1, 2)], rel=1e-5)
+    result = run_train(
+        tmp_path / "dry", "--lora.rank", "4", "--lora.target_modules", "layers.5.attention.wq",
+        ngpu=2, COMM_MODE="fake_backend",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "LoRA rank 4 on 1 linear layers" in result.stderr
 
 
 def test_tensor_and_data_parallel_lora_import_and_export_equal_one_process(tuned, hf, tmp_path):

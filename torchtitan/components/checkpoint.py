@@ -68,7 +68,7 @@ from torchtitan.components.checkpoint_writer import (
 from torchtitan.components.optimizer import Optimizers
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
-from torchtitan.config.job_config import JobConfig
+from torchtitan.config.job_config import JobConfig, LoRA
 from torchtitan.config.manager import apply_toml
 from torchtitan.distributed import local_pipeline, local_tensor
 from torchtitan.tools.logging import logger
@@ -195,6 +195,24 @@ class CheckpointManager:
         else:
             self._load_model_only(Path(path))
 
+    def _check_lora_settings(self, path: Path) -> None:
+        """Adapters trained with another rank, alpha or set of layers compute another model
+        (alpha rescales them without changing a shape): refuse loading them into this run."""
+        saved = (saved_config(path) or {}).get("lora")
+        here = tomllib.loads(self.run_config).get("lora") if self.run_config else None
+        if not (saved or {}).get("rank") or not (here or {}).get("rank"):
+            return  # without adapters on either side the model's names differ: refused apart
+        for key in ("rank", "alpha", "target_modules"):
+            theirs, ours = saved.get(key), here.get(key)
+            if key == "target_modules":
+                theirs, ours = (LoRA(target_modules=v or []).targets() for v in (theirs, ours))
+            if theirs != ours:
+                raise ConfigError(
+                    f"checkpoint {path} holds LoRA adapters trained with --lora.{key} {theirs}, "
+                    f"this run has {ours}: they would compute another model; resume with the "
+                    "same --lora settings"
+                )
+
     def _frozen_left_out(self) -> bool:
         """Whether this run's checkpoints leave the frozen weights out (LoRA's
         ``--lora.save_adapters_only``): they come from ``--checkpoint.initial_load_path``."""
@@ -242,6 +260,7 @@ class CheckpointManager:
         if "model" in wanted:
             # Adapters-only saves: the frozen weights first, from where the run started.
             self._check_model_fits(path, flag="", partial=self._frozen_left_out())
+            self._check_lora_settings(path)
             if self._frozen_left_out():
                 self._load_initial()
         match_dataloader_layout(path, wanted)
@@ -331,6 +350,7 @@ class CheckpointManager:
         if not adapters & saved:
             logger.info(f"{path} has no LoRA adapters: they start from their initialisation")
             return model.without(adapters)
+        self._check_lora_settings(path)  # the adapters load: trained alike?
         frozen = lora.frozen_names(self.states["model"].model_parts)
         if frozen and not frozen & saved:
             if str(path) == str(self.config.initial_load_path):

@@ -257,7 +257,8 @@ def load_hf_(model_parts: Sequence[nn.Module], adapter, folder: str | os.PathLik
             else:
                 tensor.copy_(full)
         if full_state:
-            local_tensor.copy_full_state_(part, full_state)
+            adapters = {_clean(n) for n, _ in part.named_parameters() if lora.is_adapter_name(n)}
+            local_tensor.copy_full_state_(part, full_state, leave_out=adapters)
     logger.info(f"Loaded {len(available)} tensors of the Hugging Face model {folder}")
 
 

@@ -266,4 +266,6 @@ def tp_style(style: type, modules: Sequence[nn.Module], *, float8: bool, **kwarg
 
 def is_float8(module: nn.Module) -> bool:
     """Whether ``module`` is one of torchao's float8 linears."""
-    return nn.Linear in type(module).__mro__ and type(module).__name__ == "Float8Linear"
+    # (a LoRA-adapted float8 linear is a subclass)
+    mro = type(module).__mro__
+    return nn.Linear in mro and any(cls.__name__ == "Float8Linear" for cls in mro)

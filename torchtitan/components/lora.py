@@ -96,6 +96,18 @@ def targets(model: nn.Module, config: LoRA) -> dict[str, nn.Linear]:
             )
     if not chosen:
         raise ConfigError("--lora.rank: this model has no linear layer to adapt")
+    # A weight two modules share (a tied output projection is the embedding table): the
+    # adapter could not be folded into one without changing the other.
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    for name, module in chosen.items():
+        if uses.get(id(module.weight), 0) > 1:
+            raise ConfigError(
+                f"--lora.target_modules: {name} shares its weight with another module (this "
+                "flavor ties the output projection to the embeddings), so its adapter could not "
+                f"be folded into an export; leave {name} out"
+            )
     return chosen
 
 

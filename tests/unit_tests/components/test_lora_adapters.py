@@ -139,3 +139,39 @@ def test_a_family_whose_parallelize_adds_no_adapters_is_refused():
         lora.check_added(part, LoRA(rank=2), "toy")
     lora.add_adapters(part, LoRA(rank=2))
     lora.check_added(part, LoRA(rank=2), "toy")
+
+
+def test_a_tied_output_projection_cannot_take_an_adapter():
+    spec = get_model_spec("llama3")
+    with torch.device("meta"):
+        tied = spec.build_model(spec.flavors["1B"])  # output shares the embedding table
+    with pytest.raises(ConfigError, match="output shares its weight with another module"):
+        lora.targets(tied, LoRA(rank=2, target_modules=["output"]))
+    assert len(lora.targets(tied, LoRA(rank=2))) == 16 * 7  # the blocks' layers are fine
+
+
+def test_an_adapted_float8_linear_is_still_a_float8_linear():
+    from torch import nn
+
+    from torchtitan.components import float8
+
+    class Float8Linear(nn.Linear):  # what float8.is_float8 recognises torchao's class by
+        pass
+
+    model = nn.Module()
+    model.layers = nn.ModuleDict({"0": Float8Linear(4, 4)})
+    lora.add_adapters(model, LoRA(rank=2))
+    assert lora.is_adapted(model.layers["0"]) and float8.is_float8(model.layers["0"])
+
+
+def test_a_part_with_nothing_to_train_gets_an_optimizer_that_does_nothing():
+    """A pipeline stage without adapters (``--lora.target_modules output`` under PP)."""
+    from torchtitan.components.optimizer import build_optimizer
+    from torchtitan.config.job_config import Optimizer
+
+    model = _model(config=LoRA(rank=2, target_modules=["output"]))
+    model.output = None  # the first stage of two
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = build_optimizer(model, Optimizer(), torch.device("cpu"))
+    optimizer.step()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

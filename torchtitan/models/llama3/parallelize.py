@@ -59,9 +59,9 @@ def parallelize_llama3(model: nn.Module, context: ParallelizeContext) -> nn.Modu
             tp_mesh,
             loss_parallel=not parallelism.disable_loss_parallel,
             sequence_parallel=sequence_parallel,
-            float8_styles=float8.tp_in_float8(
-                context.float8, tp_mesh, sequence_parallel=sequence_parallel
-            ),
+            # torchao's styles cast a layer's input to float8 before LoRA's adapter reads it
+            float8_styles=context.lora.rank == 0
+            and float8.tp_in_float8(context.float8, tp_mesh, sequence_parallel=sequence_parallel),
             split_tokens=dims.ep_enabled,
         )
         if parallelism.enable_async_tensor_parallel:
