@@ -14,8 +14,10 @@ import re
 import torch
 
 from torchtitan.batch_runner import BatchRunner
+from torchtitan.components import lora
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config import JobConfig
+from torchtitan.config.errors import ConfigError
 from torchtitan.distributed import ParallelDims, pipeline_split, pipeline_timeline
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.models.spec import get_model_spec
@@ -124,6 +126,13 @@ def _probe_step(trainer: Trainer, depth: int | None) -> tuple[dict[str, dict[str
         config.lora,
         target_modules=[re.sub(r"^layers\.\d+\.", "", t) for t in config.lora.targets()],
     )
+    if probe_lora.rank > 0:
+        with torch.device("meta"):
+            shallow = trainer.model_spec.build_model(args)
+        try:
+            lora.targets(shallow, probe_lora)
+        except ConfigError:  # only layers the probe lacks (DeepSeek-V3's dense blocks)
+            probe_lora = dataclasses.replace(probe_lora, target_modules=[])
     context = dataclasses.replace(
         trainer.parallelize_context,
         compile=dataclasses.replace(config.compile, enable=False),

@@ -148,6 +148,28 @@ def test_simulated_ranks_and_dry_runs_take_lora(tuned, hf, tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "LoRA rank 4 on 1 linear layers" in result.stderr
+    # DeepSeek-V3's probes have only MoE blocks: a target in its dense blocks alone.
+    result = run_train(
+        tmp_path / "dry_deepseek", "--module", "deepseek_v3", "--config",
+        "deepseek_v3_debugmodel", "--lora.rank", "4", "--lora.target_modules", "feed_forward.w1",
+        ngpu=2, COMM_MODE="fake_backend",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_adapter_only_runs_train_on_the_initial_weights_even_from_a_seed(hf, tmp_path):
+    """A seed checkpoint holds random frozen weights; a run that saves adapters only reads the
+    frozen ones from --checkpoint.initial_load_path on every resume, so it must train on those
+    from the start too."""
+    dump = tmp_path / "run"
+    seed = [*BASE, *LORA, "--job.dump_folder", str(dump), "--checkpoint.create_seed_checkpoint"]
+    assert main(seed) == 0
+    flags = [
+        "--checkpoint.initial_load_path", str(hf), "--training.local_batch_size", "8",
+        "--lora.save_adapters_only", "--job.dump_folder", str(dump), "--training.steps", "1",
+    ]  # fmt: skip
+    assert main([*BASE, *LORA, *flags]) == 0
+    assert _losses(dump)[1] == pytest.approx(_hf_loss(hf), rel=1e-5)
 
 
 def test_tensor_and_data_parallel_lora_import_and_export_equal_one_process(tuned, hf, tmp_path):
@@ -199,3 +221,34 @@ def test_adapters_only_saves_resume_and_sample_like_full_ones(tuned, hf, tmp_pat
     assert main([*BASE, *LORA, "--job.dump_folder", str(tmp_path), "--training.steps", "6"]) == 2
     err = capfd.readouterr().err
     assert "--lora.save_adapters_only True (this run: False)" in err
+
+
+def test_adapters_only_steps_refuse_frozen_weights_that_changed(hf, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from torchtitan.config.errors import ConfigError
+    from torchtitan.generate import load_model
+
+    source = tmp_path / "hf"
+    shutil.copytree(hf, source)
+    dump = tmp_path / "run"
+    flags = [
+        "--checkpoint.initial_load_path", str(source), "--training.local_batch_size", "8",
+        "--lora.save_adapters_only", "--job.dump_folder", str(dump),
+    ]  # fmt: skip
+    assert main([*BASE, *LORA, *flags, "--training.steps", "2"]) == 0
+    assert (dump / "checkpoint/step-2/frozen_source.json").is_file()
+    # Such a step cannot start another run: it lacks the frozen weights (however it is spelt).
+    other = [
+        "--job.dump_folder", str(tmp_path / "other"), "--training.steps", "1",
+        "--checkpoint.initial_load_path", f"{dump}/checkpoint/./step-2/",
+    ]  # fmt: skip
+    assert main([*BASE, *LORA, *other]) == 2
+    # Other weights of the same shapes (a fine-tuned variant, say): same sizes, other bytes.
+    shard = next(source.glob("*.safetensors"))
+    tensors = load_file(shard)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="changed since it was saved"):
+        load_model(dump / "checkpoint/step-2", None, None, torch.device("cpu"))
+    assert main([*BASE, *LORA, *flags, "--training.steps", "4"]) == 2

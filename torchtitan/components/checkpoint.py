@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components import checkpoint_hf, lora
 from torchtitan.components.checkpoint_files import (
     CONFIG_FILE,
+    FROZEN_SOURCE,
     MANIFEST,
     STEP_DIR,
     SafeFileSystemReader,
@@ -46,6 +47,7 @@ from torchtitan.components.checkpoint_files import (
     complete_checkpoints,
     free_bytes,
     free_name,
+    frozen_source_changed,
     is_disk_full,
     is_os_error,
     manifest_entries,
@@ -55,6 +57,7 @@ from torchtitan.components.checkpoint_files import (
     saved_state_keys,
     saved_tensor_metadata,
     verify,
+    weights_fingerprint,
     weights_only_message,
     write_durably,
 )
@@ -68,7 +71,7 @@ from torchtitan.components.checkpoint_writer import (
 from torchtitan.components.optimizer import Optimizers
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
-from torchtitan.config.job_config import JobConfig, LoRA
+from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import apply_toml
 from torchtitan.distributed import local_pipeline, local_tensor
 from torchtitan.tools.logging import logger
@@ -101,6 +104,7 @@ class CheckpointManager:
         """Hugging Face import/export for this model (``None``: the family has no adapter)."""
         self.folder = Path(dump_folder) / config.folder
         self.states = states
+        self._frozen_source_print: dict[str, Any] | None = None
         self.run_config = run_config  # resolved TOML, saved in every checkpoint
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._pending: _Pending | None = None
@@ -196,22 +200,31 @@ class CheckpointManager:
             self._load_model_only(Path(path))
 
     def _check_lora_settings(self, path: Path) -> None:
-        """Adapters trained with another rank, alpha or set of layers compute another model
-        (alpha rescales them without changing a shape): refuse loading them into this run."""
+        """Adapters trained with another alpha compute another model (it rescales them without
+        changing a shape): refuse loading them into this run."""
         saved = (saved_config(path) or {}).get("lora")
         here = tomllib.loads(self.run_config).get("lora") if self.run_config else None
         if not (saved or {}).get("rank") or not (here or {}).get("rank"):
             return  # without adapters on either side the model's names differ: refused apart
-        for key in ("rank", "alpha", "target_modules"):
+        # (Another rank or set of layers changes the tensors: the shape check refuses it.)
+        for key in ("alpha",):
             theirs, ours = saved.get(key), here.get(key)
-            if key == "target_modules":
-                theirs, ours = (LoRA(target_modules=v or []).targets() for v in (theirs, ours))
             if theirs != ours:
                 raise ConfigError(
                     f"checkpoint {path} holds LoRA adapters trained with --lora.{key} {theirs}, "
                     f"this run has {ours}: they would compute another model; resume with the "
                     "same --lora settings"
                 )
+
+    def _frozen_source(self) -> dict[str, Any]:
+        """Where the frozen weights come from, with the folder's fingerprint (taken once)."""
+        if self._frozen_source_print is None:
+            source = Path(self.config.initial_load_path)
+            self._frozen_source_print = {
+                "initial_load_path": str(self.config.initial_load_path),
+                "files": weights_fingerprint(source),
+            }
+        return self._frozen_source_print
 
     def _frozen_left_out(self) -> bool:
         """Whether this run's checkpoints leave the frozen weights out (LoRA's
@@ -262,6 +275,9 @@ class CheckpointManager:
             self._check_model_fits(path, flag="", partial=self._frozen_left_out())
             self._check_lora_settings(path)
             if self._frozen_left_out():
+                source = Path(self.config.initial_load_path)
+                if (changed := frozen_source_changed(path, source)) is not None:
+                    raise ConfigError(changed)
                 self._load_initial()
         match_dataloader_layout(path, wanted)
         logger.info(f"Loading checkpoint {path} ({', '.join(wanted)})")
@@ -319,7 +335,9 @@ class CheckpointManager:
         if problem:
             raise ConfigError(f"--checkpoint.initial_load_path {path}: {problem}")
         model = self._model_to_load(path)
-        self._check_model_fits(path, flag="--checkpoint.initial_load_path: ", model=model)
+        # (frozen weights it holds but that come from the initial load instead are not read)
+        flag = "--checkpoint.initial_load_path: "
+        self._check_model_fits(path, flag=flag, model=model, partial=bool(model.leave_out))
         logger.info(f"Loading model weights from {path}")
         if local_tensor.is_simulating():
             # DCP cannot gather LocalTensors: read the whole model on the host (as one
@@ -336,32 +354,39 @@ class CheckpointManager:
         )
 
     def _model_to_load(self, path: Path) -> ModelState:
-        """The model to load weights into from ``path`` (model weights only): without its LoRA
-        adapters when the checkpoint has none (the frozen model fine-tuning starts from), so
-        they keep their initialisation; without the frozen weights when it holds only adapters
-        (``--lora.save_adapters_only``), which then come from ``--checkpoint.initial_load_path``
-        first."""
+        """The model to load weights into from ``path`` (model weights only). Without its LoRA
+        adapters when the checkpoint has none (the frozen model fine-tuning starts from): they
+        keep their initialisation. Without the frozen weights when they come from
+        ``--checkpoint.initial_load_path`` instead, loaded first: the checkpoint holds only
+        adapters, or this run saves only adapters (its resumes read the frozen weights from
+        there, so the adapters must train on those, not on a seed checkpoint's)."""
         model = self.states["model"].whole()
-        names = set(model.state_dict())
-        adapters = {k for k in names if lora.is_adapter_name(k)}
+        adapters = {k for k in model.state_dict() if lora.is_adapter_name(k)}
         if not adapters:
             return model
         saved = {k.removeprefix("model.") for k in saved_tensor_metadata(path)}
-        if not adapters & saved:
+        leave_out = set()
+        if adapters & saved:
+            self._check_lora_settings(path)
+        else:
             logger.info(f"{path} has no LoRA adapters: they start from their initialisation")
-            return model.without(adapters)
-        self._check_lora_settings(path)  # the adapters load: trained alike?
+            leave_out |= adapters
         frozen = lora.frozen_names(self.states["model"].model_parts)
-        if frozen and not frozen & saved:
-            if str(path) == str(self.config.initial_load_path):
-                raise ConfigError(
-                    f"--checkpoint.initial_load_path {path} holds LoRA adapters without the "
-                    "frozen weights (--lora.save_adapters_only); start from the checkpoint its "
-                    "run started from, or from an HF export of it"
-                )
+        initial = self.config.initial_load_path
+        is_initial = initial is not None and Path(path).resolve() == Path(initial).resolve()
+        if frozen and not frozen & saved and is_initial:
+            raise ConfigError(
+                f"--checkpoint.initial_load_path {path} holds LoRA adapters without the frozen "
+                "weights (--lora.save_adapters_only); start from the checkpoint its run started "
+                "from, or from an HF export of it"
+            )
+        if frozen and not is_initial and (not frozen & saved or self._frozen_left_out()):
+            changed = initial and frozen_source_changed(path, Path(initial))
+            if changed:
+                raise ConfigError(changed)
             self._load_initial()
-            return model.without(frozen)
-        return model
+            leave_out |= frozen
+        return model.without(leave_out) if leave_out else model
 
     # ---- saving ----------------------------------------------------------------------------
 
@@ -521,6 +546,8 @@ class CheckpointManager:
             tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
             if self.run_config is not None:
                 write_durably(tmp / CONFIG_FILE, self.run_config)
+            if self._frozen_left_out():
+                write_durably(tmp / FROZEN_SOURCE, json.dumps(self._frozen_source(), indent=1))
             files, crcs = manifest_entries(tmp)
             manifest = {"step": step, "files": files, "crc32": crcs}
             write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1))

@@ -33,6 +33,9 @@ MANIFEST = "manifest.json"
 CONFIG_FILE = "config.toml"
 """The resolved config of the run that wrote the checkpoint, next to its shards."""
 STEP_DIR = re.compile(r"^step-(\d+)$")
+FROZEN_SOURCE = "frozen_source.json"
+"""In a LoRA step without the frozen weights (``--lora.save_adapters_only``): where they come
+from, and a fingerprint of that folder when the step was saved."""
 
 
 def complete_checkpoints(folder: Path) -> list[Path]:
@@ -78,6 +81,52 @@ def file_crc32(path: Path | str) -> int:
     return crc
 
 
+_WEIGHT_FILES = (".safetensors", ".distcp", ".metadata", "config.json")
+
+
+def weights_fingerprint(folder: Path) -> dict[str, list[int]]:
+    """File name -> [size, CRC-32 of its first and last MiB], for the weight files of
+    ``folder`` (an HF folder's safetensors and ``config.json``, a DCP step's shards and
+    ``.metadata``): quick for a folder of any size, and unlike sizes alone it tells apart other
+    weights of the same shapes."""
+    prints = {}
+    files = [p for p in folder.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_FILES)]
+    for path in sorted(files):
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            crc = zlib.crc32(f.read(1 << 20))
+            if size > 2 << 20:
+                f.seek(-(1 << 20), os.SEEK_END)
+                crc = zlib.crc32(f.read(), crc)
+        prints[path.name] = [size, crc]
+    return prints
+
+
+def frozen_source_changed(step: Path, source: Path) -> str | None:
+    """``None`` if ``source`` (the frozen weights of an adapters-only LoRA ``step``) has the
+    fingerprint the step recorded (or it recorded none), else what differs."""
+    try:
+        recorded = json.loads((step / FROZEN_SOURCE).read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        return None
+    current = weights_fingerprint(source) if source.is_dir() else {}
+    for name in sorted(recorded.keys() | current.keys()):
+        if recorded.get(name) != current.get(name):
+            what = (
+                "is gone"
+                if name not in current
+                else "is new"
+                if name not in recorded
+                else "changed"
+            )
+            return (
+                f"the frozen weights {step.name} was trained on changed since it was saved: "
+                f"{source / name} {what}; restore that folder, or start over in another "
+                "--job.dump_folder"
+            )
+    return None
+
+
 CHECKSUM_SUFFIX = ".crc32"
 """A sidecar the writing rank leaves next to each file it wrote: that file's CRC-32, taken
 while the bytes are still in the page cache; rank 0 moves them into the manifest."""
@@ -115,6 +164,13 @@ def weights_only_message(folder: Path, path: Path) -> str:
         if full
         else "no earlier checkpoint here holds optimizer state"
     )
+    if (path / FROZEN_SOURCE).is_file():  # LoRA adapters without the frozen weights
+        return (
+            f"checkpoint {path} holds only LoRA adapters (a final save with "
+            "--checkpoint.last_save_model_only and --lora.save_adapters_only), so training "
+            f"cannot resume from it: {earlier}; torchtitan.generate and scripts/convert_hf.py "
+            "to_hf take it as it is (they add the frozen weights it records)"
+        )
     return (
         f"checkpoint {path} holds only model weights (a final save with "
         "--checkpoint.last_save_model_only), so training cannot resume from it: "

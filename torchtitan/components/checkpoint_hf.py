@@ -33,7 +33,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchtitan.components import lora
-from torchtitan.components.checkpoint_files import free_name, persistent_buffers, read_full_model
+from torchtitan.components.checkpoint_files import (
+    free_name,
+    frozen_source_changed,
+    persistent_buffers,
+    read_full_model,
+)
 from torchtitan.components.tokenizer_export import save_hf_tokenizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed import local_tensor
@@ -375,6 +380,8 @@ def read_model_state(step: Path, run: dict[str, Any], spec, args) -> dict[str, t
                 f"--checkpoint.initial_load_path {source}: that path is not here"
             )
         source = resolve_path(source)
+        if (changed := frozen_source_changed(step, source)) is not None:
+            raise ConfigError(changed)
         logger.info(f"Frozen weights of {step} from {source}")
         if is_hf_folder(source):
             with torch.device("meta"):

@@ -160,7 +160,8 @@ def add_adapters(model: nn.Module, config: LoRA) -> nn.Module:
 
 def check_added(part: nn.Module, config: LoRA, family: str) -> None:
     """Refuse a parallelized model part whose targeted layers got no adapters: its family's
-    ``parallelize`` does not call :func:`add_adapters` (every weight would train)."""
+    ``parallelize`` does not call :func:`add_adapters` (every weight would train); and a
+    pipeline stage with no adapter at all (nothing to optimize, checkpoint or clip there)."""
     if config.rank <= 0:
         return
     for name, module in part.named_modules():
@@ -171,6 +172,18 @@ def check_added(part: nn.Module, config: LoRA, family: str) -> None:
                     f"{clean_name(name)}); it must call components.lora.add_adapters(model, "
                     "context.lora) after its tensor-parallel plan (docs/extending.md)"
                 )
+    if not any(is_adapted(m) for m in part.modules()):
+        held = [
+            f"{name}.{key}" if isinstance(child, nn.ModuleDict) else name
+            for name, child in part.named_children()
+            if child is not None
+            for key in (child.keys() if isinstance(child, nn.ModuleDict) else [None])
+        ]
+        raise ConfigError(
+            f"--lora.target_modules {' '.join(config.targets()) or '(default)'}: the pipeline "
+            f"stage of {', '.join(held)} has no layer to adapt; name a layer in every stage "
+            "(the default adapts every block)"
+        )
 
 
 @torch.no_grad()
@@ -231,7 +244,8 @@ def frozen_names(model_parts: Iterable[nn.Module]) -> set[str]:
     return {
         clean_name(name)
         for part in model_parts
-        for name, param in part.named_parameters()
+        # a tied output projection is the embedding table under a second name
+        for name, param in part.named_parameters(remove_duplicate=False)
         if not param.requires_grad
     }
 

@@ -102,10 +102,8 @@ def build_optimizer(
         )
         if kind
     ]
-    # A part may train nothing (a pipeline stage without LoRA adapters): an empty group steps
-    # as a no-op and checkpoints as an empty state.
     return _CLASSES[config.name](
-        groups or [{"params": []}],
+        groups,
         lr=config.lr,
         betas=(config.beta1, config.beta2),
         eps=config.eps,

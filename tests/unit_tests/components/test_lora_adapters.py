@@ -164,14 +164,25 @@ def test_an_adapted_float8_linear_is_still_a_float8_linear():
     assert lora.is_adapted(model.layers["0"]) and float8.is_float8(model.layers["0"])
 
 
-def test_a_part_with_nothing_to_train_gets_an_optimizer_that_does_nothing():
-    """A pipeline stage without adapters (``--lora.target_modules output`` under PP)."""
-    from torchtitan.components.optimizer import build_optimizer
-    from torchtitan.config.job_config import Optimizer
-
-    model = _model(config=LoRA(rank=2, target_modules=["output"]))
+def test_a_pipeline_stage_without_adapters_is_refused():
+    """``--lora.target_modules output`` under PP leaves the first stage nothing to train."""
+    config = LoRA(rank=2, target_modules=["output"])
+    model = _model(config=config)
     model.output = None  # the first stage of two
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = build_optimizer(model, Optimizer(), torch.device("cpu"))
-    optimizer.step()
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.raises(
+        ConfigError,
+        match="the pipeline stage of tok_embeddings, layers.0, layers.1, .*, norm has no layer",
+    ):
+        lora.check_added(model, config, "llama3")
+
+
+def test_a_tied_output_projection_counts_as_frozen_under_its_own_name():
+    """Adapter-only saves leave out every frozen name a state dict has, the tied
+    ``output.weight`` (the embedding table again) included."""
+    spec = get_model_spec("llama3")
+    with torch.device("meta"):
+        tied = spec.build_model(spec.flavors["1B"])
+    lora.add_adapters(tied, LoRA(rank=2))
+    names = lora.frozen_names([tied])
+    assert {"output.weight", "tok_embeddings.weight"} <= names
+    assert not any(lora.is_adapter_name(n) for n in names)
