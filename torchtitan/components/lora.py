@@ -67,6 +67,8 @@ def is_adapter_name(name: str) -> bool:
 
 
 def clean_name(name: str) -> str:
+    """A module or parameter name without the wrappers' parts (activation checkpointing,
+    compile): the name a state dict uses."""
     for wrapper in _WRAPPERS:
         name = name.replace(wrapper, "")
     return name
