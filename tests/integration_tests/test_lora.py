@@ -221,6 +221,9 @@ def test_adapters_only_saves_resume_and_sample_like_full_ones(tuned, hf, tmp_pat
     assert main([*BASE, *LORA, "--job.dump_folder", str(tmp_path), "--training.steps", "6"]) == 2
     err = capfd.readouterr().err
     assert "--lora.save_adapters_only True (this run: False)" in err
+    # Fewer adapters than the step holds would drop trained ones: refused too.
+    assert _train(tmp_path, *flags, "--training.steps", "6", "--lora.target_modules", "wq") == 2
+    assert "of its tensors are not in this model" in capfd.readouterr().err
 
 
 def test_adapters_only_steps_refuse_frozen_weights_that_changed(hf, tmp_path):
@@ -244,6 +247,9 @@ def test_adapters_only_steps_refuse_frozen_weights_that_changed(hf, tmp_path):
         "--checkpoint.initial_load_path", f"{dump}/checkpoint/./step-2/",
     ]  # fmt: skip
     assert main([*BASE, *LORA, *other]) == 2
+    # Files beside the weights may change (generation settings, a tokenizer).
+    (source / "generation_config.json").write_text('{"temperature": 0.7}')
+    load_model(dump / "checkpoint/step-2", None, None, torch.device("cpu"))
     # Other weights of the same shapes (a fine-tuned variant, say): same sizes, other bytes.
     shard = next(source.glob("*.safetensors"))
     tensors = load_file(shard)
@@ -252,3 +258,6 @@ def test_adapters_only_steps_refuse_frozen_weights_that_changed(hf, tmp_path):
     with pytest.raises(ConfigError, match="changed since it was saved"):
         load_model(dump / "checkpoint/step-2", None, None, torch.device("cpu"))
     assert main([*BASE, *LORA, *flags, "--training.steps", "4"]) == 2
+    shutil.move(source, tmp_path / "moved")
+    with pytest.raises(ConfigError, match="without the frozen weights, which its run read from"):
+        load_model(dump / "checkpoint/step-2", None, None, torch.device("cpu"))

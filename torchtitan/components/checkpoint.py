@@ -188,6 +188,8 @@ class CheckpointManager:
                 "(--lora.save_adapters_only): pass the --checkpoint.initial_load_path it was "
                 "trained from"
             )
+        if self._frozen_left_out() and self._frozen_source_print is None and Path(path).is_dir():
+            self._frozen_source()  # what the adapters train on, as it is when read
         if checkpoint_hf.is_hf_folder(path):
             if self.hf is None:
                 raise ConfigError(
@@ -222,6 +224,7 @@ class CheckpointManager:
             source = Path(self.config.initial_load_path)
             self._frozen_source_print = {
                 "initial_load_path": str(self.config.initial_load_path),
+                "resolved": str(source.resolve()),
                 "files": weights_fingerprint(source),
             }
         return self._frozen_source_print
@@ -272,7 +275,7 @@ class CheckpointManager:
             )
         if "model" in wanted:
             # Adapters-only saves: the frozen weights first, from where the run started.
-            self._check_model_fits(path, flag="", partial=self._frozen_left_out())
+            self._check_model_fits(path, flag="", frozen_unread=self._frozen_left_out())
             self._check_lora_settings(path)
             if self._frozen_left_out():
                 source = Path(self.config.initial_load_path)
@@ -290,10 +293,11 @@ class CheckpointManager:
         return int(STEP_DIR.match(path.name).group(1))
 
     def _check_model_fits(
-        self, path: Path, *, flag: str, model: ModelState | None = None, partial: bool = False
+        self, path: Path, *, flag: str, model: ModelState | None = None, frozen_unread: bool = False
     ) -> None:
         """Names and shapes of the saved model tensors against this model's (``model``, by
-        default the saved state's), before loading; ``partial``: the checkpoint may hold more."""
+        default the saved state's), before loading; ``frozen_unread``: the checkpoint's frozen
+        weights (all but LoRA adapters) are not read, so it may hold more of them."""
         model = model or self.states["model"]
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         if dist.is_initialized() and not local_tensor.is_simulating():
@@ -302,8 +306,9 @@ class CheckpointManager:
             dist.all_gather_object(every_rank, shapes)
             shapes = {k: v for rank_shapes in every_rank for k, v in rank_shapes.items()}
         # A simulated pipeline rank (a thread) sees only its own stages' names.
-        partial = partial or local_pipeline.first_rank() is not None
-        problem = model_mismatch(path, shapes, partial=partial)
+        partial = local_pipeline.first_rank() is not None
+        unread = (lambda name: not lora.is_adapter_name(name)) if frozen_unread else None
+        problem = model_mismatch(path, shapes, partial=partial, unread=unread)
         if problem is None:
             return
         written_by = saved_config(path) or {}
@@ -337,7 +342,8 @@ class CheckpointManager:
         model = self._model_to_load(path)
         # (frozen weights it holds but that come from the initial load instead are not read)
         flag = "--checkpoint.initial_load_path: "
-        self._check_model_fits(path, flag=flag, model=model, partial=bool(model.leave_out))
+        frozen_unread = any(not lora.is_adapter_name(k) for k in model.leave_out)
+        self._check_model_fits(path, flag=flag, model=model, frozen_unread=frozen_unread)
         logger.info(f"Loading model weights from {path}")
         if local_tensor.is_simulating():
             # DCP cannot gather LocalTensors: read the whole model on the host (as one

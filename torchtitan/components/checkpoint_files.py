@@ -17,6 +17,7 @@ import shutil
 import sys
 import tomllib
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,8 @@ def file_crc32(path: Path | str) -> int:
     return crc
 
 
-_WEIGHT_FILES = (".safetensors", ".distcp", ".metadata", "config.json")
+def _is_weight_file(name: str) -> bool:
+    return name.endswith((".safetensors", ".distcp")) or name in (".metadata", "config.json")
 
 
 def weights_fingerprint(folder: Path) -> dict[str, list[int]]:
@@ -90,7 +92,7 @@ def weights_fingerprint(folder: Path) -> dict[str, list[int]]:
     ``.metadata``): quick for a folder of any size, and unlike sizes alone it tells apart other
     weights of the same shapes."""
     prints = {}
-    files = [p for p in folder.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_FILES)]
+    files = [p for p in folder.iterdir() if p.is_file() and _is_weight_file(p.name)]
     for path in sorted(files):
         size = path.stat().st_size
         with path.open("rb") as f:
@@ -109,20 +111,19 @@ def frozen_source_changed(step: Path, source: Path) -> str | None:
         recorded = json.loads((step / FROZEN_SOURCE).read_text())["files"]
     except (OSError, ValueError, KeyError):
         return None
-    current = weights_fingerprint(source) if source.is_dir() else {}
+    if not source.is_dir():
+        return (
+            f"{source}, where the frozen weights of {step} come from (its "
+            "--checkpoint.initial_load_path, relative to the working directory), does not exist"
+        )
+    current = weights_fingerprint(source)
     for name in sorted(recorded.keys() | current.keys()):
         if recorded.get(name) != current.get(name):
-            what = (
-                "is gone"
-                if name not in current
-                else "is new"
-                if name not in recorded
-                else "changed"
-            )
+            what = "is gone" if name not in current else "changed"
+            what = "is new" if name not in recorded else what
             return (
-                f"the frozen weights {step.name} was trained on changed since it was saved: "
-                f"{source / name} {what}; restore that folder, or start over in another "
-                "--job.dump_folder"
+                f"the frozen weights {step} was trained on changed since it was saved: "
+                f"{source / name} {what}; restore that folder"
             )
     return None
 
@@ -189,11 +190,17 @@ def saved_tensor_metadata(path: Path) -> dict[str, TensorStorageMetadata]:
 
 
 def model_mismatch(
-    path: Path, shapes: dict[str, tuple[int, ...]], *, partial: bool = False
+    path: Path,
+    shapes: dict[str, tuple[int, ...]],
+    *,
+    partial: bool = False,
+    unread: Callable[[str], bool] | None = None,
 ) -> str | None:
     """``None`` if the checkpoint's model tensors have exactly these names and global shapes,
     else the differences (counted, with one example each). ``partial``: ``shapes`` is a part
-    of the model, so tensors of the checkpoint that it lacks are fine."""
+    of the model, so tensors of the checkpoint that it lacks are fine; ``unread(name)``: the
+    checkpoint's tensors of this kind are not read (they come from elsewhere), so extra ones
+    are fine too."""
     saved = {
         fqn.removeprefix("model."): tuple(meta.size)
         for fqn, meta in _metadata(path).items()
@@ -203,6 +210,7 @@ def model_mismatch(
     missing = sorted(shapes.keys() - saved.keys())
     # DCP would load a smaller model from a bigger checkpoint without a word.
     unexpected = [] if partial else sorted(saved.keys() - shapes.keys())
+    unexpected = [k for k in unexpected if unread is None or not unread(k)]
     problems = []
     if resized:
         k = resized[0]

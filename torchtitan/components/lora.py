@@ -183,8 +183,10 @@ def check_added(part: nn.Module, config: LoRA, family: str) -> None:
         ]
         raise ConfigError(
             f"--lora.target_modules {' '.join(config.targets()) or '(default)'}: the pipeline "
-            f"stage of {', '.join(held)} has no layer to adapt; name a layer in every stage "
-            "(the default adapts every block)"
+            f"stage of {', '.join(held)} has no layer to adapt, so nothing to train (its "
+            "optimizer could not be stepped or saved); target a layer it holds, or give it a "
+            "block with --parallelism.pipeline_parallel_layers_per_stage or "
+            "--parallelism.module_fqns_per_model_part"
         )
 
 

@@ -44,6 +44,15 @@ def validate_pipeline(config: JobConfig, spec: ModelSpec) -> None:
             args.n_layers, num_stages, layers_per_stage=p.pipeline_parallel_layers_per_stage
         )
     names = spec.pipeline(args, num_stages, p)
+    blockless = [stage for stage in names if not any(n.startswith("layers.") for n in stage)]
+    if config.lora.rank > 0 and not config.lora.targets() and blockless:
+        raise ConfigError(
+            f"--lora.rank with its default targets (the blocks' layers): the pipeline stage of "
+            f"{', '.join(blockless[0])} holds no block, so nothing to train (its optimizer "
+            "could not be stepped or saved); give every stage a block with "
+            "--parallelism.pipeline_parallel_layers_per_stage or "
+            "--parallelism.module_fqns_per_model_part, or target a layer it holds"
+        )
     if len(names) != num_stages:
         raise ConfigError(
             f"--parallelism.module_fqns_per_model_part lists {len(names)} stages, but {schedule} "

@@ -67,3 +67,22 @@ def test_model_mismatch_names_resized_missing_and_unexpected_tensors(tmp_path):
         "1 tensor(s) of this model are not in it, e.g. new.bias; "
         "1 of its tensors are not in this model, e.g. old.bias"
     )
+
+
+def test_only_frozen_weights_a_run_reads_elsewhere_may_be_extra(tmp_path):
+    """A LoRA run that takes its frozen weights from another checkpoint may load adapters from
+    one holding frozen weights too; any other tensor it lacks (a deeper model's block, another
+    set of adapters) is still a mismatch."""
+    from torchtitan.components.lora import is_adapter_name
+
+    saved = {
+        "a.weight": torch.zeros(2, 2), "a.lora_a": torch.zeros(1, 2),
+        "b.weight": torch.zeros(2, 2), "b.lora_a": torch.zeros(1, 2),
+    }  # fmt: skip
+    dcp.save({"model": saved}, checkpoint_id=str(tmp_path), no_dist=True)
+    frozen = lambda name: not is_adapter_name(name)  # noqa: E731
+    shapes = {"a.lora_a": (1, 2), "b.lora_a": (1, 2)}
+    assert model_mismatch(tmp_path, shapes, unread=frozen) is None
+    assert "2 of its tensors are not in this model" in model_mismatch(tmp_path, shapes)
+    problem = model_mismatch(tmp_path, {"a.lora_a": (1, 2)}, unread=frozen)
+    assert problem is not None and "b.lora_a" in problem

@@ -757,6 +757,13 @@ def test_whole_block_checkpointing_of_compiled_tensor_parallel_blocks_is_refused
             "--checkpoint.initial_load_path",
         ),
         (
+            "4",
+            "--model.flavor 8B_4layers --parallelism.pipeline_parallel_degree 4 --lora.rank 8 "
+            "--training.local_batch_size 4",
+            "--lora.rank with its default targets (the blocks' layers): the pipeline stage of "
+            "norm, output holds no block",
+        ),
+        (
             None,
             "--lora.rank 8 --lora.target_modules wq,.wo",
             "--lora.target_modules wq,.wo: each entry is a module name or a dotted name suffix",
