@@ -206,12 +206,6 @@ def read_tensors(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     return {name: shards.get(name) for name in shards.files}
 
 
-def _clean(name: str) -> str:
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name
-
-
 @torch.no_grad()
 def load_hf_(model_parts: Sequence[nn.Module], adapter, folder: str | os.PathLike) -> None:
     """Fill every parameter of ``model_parts`` from the HF folder (shapes checked against the
@@ -241,7 +235,7 @@ def load_hf_(model_parts: Sequence[nn.Module], adapter, folder: str | os.PathLik
         for name, tensor in _mapped_tensors(part, adapter):
             if lora.is_adapter_name(name):  # the HF model is the frozen one: they keep their init
                 continue
-            ours = _clean(name)
+            ours = lora.clean_name(name)
             sources = adapter.source_names(ours, available)
             missing = [s for s in sources if s not in available]
             if missing:
@@ -262,7 +256,9 @@ def load_hf_(model_parts: Sequence[nn.Module], adapter, folder: str | os.PathLik
             else:
                 tensor.copy_(full)
         if full_state:
-            adapters = {_clean(n) for n, _ in part.named_parameters() if lora.is_adapter_name(n)}
+            adapters = {
+                lora.clean_name(n) for n, _ in part.named_parameters() if lora.is_adapter_name(n)
+            }
             local_tensor.copy_full_state_(part, full_state, leave_out=adapters)
     logger.info(f"Loaded {len(available)} tensors of the Hugging Face model {folder}")
 
@@ -316,7 +312,7 @@ def save_hf(
                 full = lora.merged_weight(
                     full, _full(owner.lora_a), _full(owner.lora_b), owner.lora_scale
                 )
-            ours = _clean(name)
+            ours = lora.clean_name(name)
             if ours == "tok_embeddings.weight":
                 embedding = full
             elif ours == "output.weight":
@@ -407,7 +403,7 @@ def _mapped_tensors(part: nn.Module, adapter) -> list[tuple[str, torch.Tensor]]:
     buffers = []
     for name, buffer in part.named_buffers():
         try:
-            adapter.hf_names(_clean(name))
+            adapter.hf_names(lora.clean_name(name))
         except KeyError:
             continue
         buffers.append((name, buffer))
@@ -421,10 +417,10 @@ def _state_without_a_place(part: nn.Module, adapter) -> list[str]:
     lost = []
     for name, buffer in persistent_buffers(part):
         try:
-            adapter.hf_names(_clean(name))
+            adapter.hf_names(lora.clean_name(name))
         except KeyError:
             if bool(buffer.detach().ne(0).any()):
-                lost.append(_clean(name))
+                lost.append(lora.clean_name(name))
     return lost
 
 
