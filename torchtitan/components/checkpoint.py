@@ -10,7 +10,9 @@ Every rank writes its shards into ``step-N.tmp``; once DCP reports all ranks don
 writes ``manifest.json`` (every file, its size and CRC-32) and renames the folder to ``step-N``.
 Loading checks the manifest first, so a torn or corrupt checkpoint is skipped with a warning
 when resuming from the latest, and is an error when asked for by step. What is saved (the
-state objects) is in ``checkpoint_states``; what is on disk in ``checkpoint_files``.
+state objects) is in ``checkpoint_states``; what is on disk in ``checkpoint_files``; loading
+model weights alone (seed checkpoints, initial loads, LoRA's frozen weights) in
+``checkpoint_weights``.
 
 What is saved: ``model`` and ``optimizer`` (DCP state-dict APIs, so any sharding loads into any
 other), ``lr_scheduler``, ``dataloader`` (one entry per data-parallel rank) and ``train_state``
@@ -24,7 +26,6 @@ import os
 import shutil
 import threading
 import time
-import tomllib
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -36,32 +37,27 @@ import torch.utils._pytree as pytree
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.components import checkpoint_hf, lora
+from torchtitan.components import checkpoint_hf
 from torchtitan.components.checkpoint_files import (
     CONFIG_FILE,
     FROZEN_SOURCE,
     MANIFEST,
     STEP_DIR,
-    SafeFileSystemReader,
-    SafeLoadPlanner,
     complete_checkpoints,
+    dcp_no_dist,
     free_bytes,
     free_name,
-    frozen_source_changed,
     is_disk_full,
     is_os_error,
     manifest_entries,
-    model_mismatch,
-    read_full_model,
-    saved_config,
+    safe_load,
     saved_state_keys,
-    saved_tensor_metadata,
     verify,
-    weights_fingerprint,
     weights_only_message,
     write_durably,
 )
-from torchtitan.components.checkpoint_states import ModelState, match_dataloader_layout
+from torchtitan.components.checkpoint_states import match_dataloader_layout
+from torchtitan.components.checkpoint_weights import WeightsLoader
 from torchtitan.components.checkpoint_writer import (
     CheckpointWriter,
     close_stager,
@@ -73,7 +69,7 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import apply_toml
-from torchtitan.distributed import local_pipeline, local_tensor
+from torchtitan.distributed import local_tensor
 from torchtitan.tools.logging import logger
 from torchtitan.tools.memory_estimate import format_bytes, local_bytes
 
@@ -104,7 +100,6 @@ class CheckpointManager:
         """Hugging Face import/export for this model (``None``: the family has no adapter)."""
         self.folder = Path(dump_folder) / config.folder
         self.states = states
-        self._frozen_source_print: dict[str, Any] | None = None
         self.run_config = run_config  # resolved TOML, saved in every checkpoint
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._pending: _Pending | None = None
@@ -120,6 +115,14 @@ class CheckpointManager:
         self.loaded_from: Path | None = None
         """The full checkpoint this run resumed from (not a seed or initial load)."""
         self._verdicts: dict[Path, str | None] = {}
+        self.weights = WeightsLoader(
+            model=states["model"],
+            initial_load_path=config.initial_load_path,
+            hf=hf,
+            run_config=run_config,
+            verify=self._verify,
+        )
+        """Loads model weights alone (seed and initial loads, LoRA's frozen weights)."""
         if config.enable and local_tensor.is_simulating():
             logger.info(
                 "COMM_MODE=local_tensor: checkpoints are read (model weights: a seed "
@@ -157,7 +160,7 @@ class CheckpointManager:
         for path in reversed(found):
             problem = self._verify(path)
             if problem is None:
-                if c.initial_load_path and not self._frozen_left_out():
+                if c.initial_load_path and not self.weights.frozen_left_out():
                     logger.warning(
                         f"--checkpoint.initial_load_path {c.initial_load_path} is not used: "
                         f"{self.folder} has checkpoints, resuming from {path.name}"
@@ -174,65 +177,10 @@ class CheckpointManager:
                 "repair it and pass --checkpoint.load_step N"
             )
         if c.initial_load_path:
-            self._load_initial()
+            self.weights.load_initial()
         else:
             logger.info(f"No checkpoint in {self.folder}: training from step 0")
         return 0
-
-    def _load_initial(self) -> None:
-        """The weights of ``--checkpoint.initial_load_path``: an HF folder or a ``step-N``."""
-        path = self.config.initial_load_path
-        if path is None:
-            raise ConfigError(
-                "the checkpoint holds LoRA adapters without the frozen weights "
-                "(--lora.save_adapters_only): pass the --checkpoint.initial_load_path it was "
-                "trained from"
-            )
-        if self._frozen_left_out() and self._frozen_source_print is None and Path(path).is_dir():
-            self._frozen_source()  # what the adapters train on, as it is when read
-        if checkpoint_hf.is_hf_folder(path):
-            if self.hf is None:
-                raise ConfigError(
-                    f"--checkpoint.initial_load_path {path} is a Hugging Face "
-                    "folder, and this model family has no state-dict adapter to read it"
-                )
-            logger.info(f"Loading Hugging Face weights from {path}")
-            self.hf.load(path)
-        else:
-            self._load_model_only(Path(path))
-
-    def _check_lora_settings(self, path: Path) -> None:
-        """Adapters trained with another alpha compute another model (it rescales them without
-        changing a shape): refuse loading them into this run."""
-        saved = (saved_config(path) or {}).get("lora")
-        here = tomllib.loads(self.run_config).get("lora") if self.run_config else None
-        if not (saved or {}).get("rank") or not (here or {}).get("rank"):
-            return  # without adapters on either side the model's names differ: refused apart
-        # (Another rank or set of layers changes the tensors: the shape check refuses it.)
-        for key in ("alpha",):
-            theirs, ours = saved.get(key), here.get(key)
-            if theirs != ours:
-                raise ConfigError(
-                    f"checkpoint {path} holds LoRA adapters trained with --lora.{key} {theirs}, "
-                    f"this run has {ours}: they would compute another model; resume with the "
-                    "same --lora settings"
-                )
-
-    def _frozen_source(self) -> dict[str, Any]:
-        """Where the frozen weights come from, with the folder's fingerprint (taken once)."""
-        if self._frozen_source_print is None:
-            source = Path(self.config.initial_load_path)
-            self._frozen_source_print = {
-                "initial_load_path": str(self.config.initial_load_path),
-                "resolved": str(source.resolve()),
-                "files": weights_fingerprint(source),
-            }
-        return self._frozen_source_print
-
-    def _frozen_left_out(self) -> bool:
-        """Whether this run's checkpoints leave the frozen weights out (LoRA's
-        ``--lora.save_adapters_only``): they come from ``--checkpoint.initial_load_path``."""
-        return bool(self.states["model"].leave_out)
 
     def _verify(self, path: Path) -> str | None:
         """``verify`` with checksums, the files' CRCs split over the ranks (each reads its
@@ -257,7 +205,7 @@ class CheckpointManager:
             # A seed checkpoint (or, with load_only, any weights): start from these weights.
             if path.name != "step-0" and not self.config.load_only:
                 raise ConfigError(weights_only_message(self.folder, path))
-            self._load_model_only(path)
+            self.weights.load_model_only(path)
             return 0
         if local_tensor.is_simulating():
             raise ConfigError(
@@ -274,125 +222,12 @@ class CheckpointManager:
                 f"--checkpoint.exclude_from_loading {' '.join(sorted(missing))} to skip it"
             )
         if "model" in wanted:
-            # Adapters-only saves: the frozen weights first, from where the run started.
-            self._check_model_fits(path, flag="", frozen_unread=self._frozen_left_out())
-            self._check_lora_settings(path)
-            if self._frozen_left_out():
-                source = Path(self.config.initial_load_path)
-                if (changed := frozen_source_changed(path, source)) is not None:
-                    raise ConfigError(changed)
-                self._load_initial()
+            # (For adapter-only saves this first loads the frozen weights they train on.)
+            self.weights.before_full_load(path)
         match_dataloader_layout(path, wanted)
         logger.info(f"Loading checkpoint {path} ({', '.join(wanted)})")
-        dcp.load(
-            wanted,
-            storage_reader=SafeFileSystemReader(str(path)),
-            planner=SafeLoadPlanner(),
-            no_dist=_no_dist(),
-        )
+        safe_load(wanted, path)
         return int(STEP_DIR.match(path.name).group(1))
-
-    def _check_model_fits(
-        self, path: Path, *, flag: str, model: ModelState | None = None, frozen_unread: bool = False
-    ) -> None:
-        """Names and shapes of the saved model tensors against this model's (``model``, by
-        default the saved state's), before loading; ``frozen_unread``: the checkpoint's frozen
-        weights (all but LoRA adapters) are not read, so it may hold more of them."""
-        model = model or self.states["model"]
-        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        if dist.is_initialized() and not local_tensor.is_simulating():
-            # Pipeline stages hold different parts: compare the whole model's names.
-            every_rank: list[dict] = [{}] * dist.get_world_size()
-            dist.all_gather_object(every_rank, shapes)
-            shapes = {k: v for rank_shapes in every_rank for k, v in rank_shapes.items()}
-        # A simulated pipeline rank (a thread) sees only its own stages' names.
-        partial = local_pipeline.first_rank() is not None
-        unread = (lambda name: not lora.is_adapter_name(name)) if frozen_unread else None
-        problem = model_mismatch(path, shapes, partial=partial, unread=unread)
-        if problem is None:
-            return
-        written_by = saved_config(path) or {}
-        run = tomllib.loads(self.run_config) if self.run_config else {}
-        differ = [
-            (section, k, saved[k], here[k])
-            for section in ("model", "lora")
-            # Configs from before LoRA existed have no [lora] section: it was off.
-            for saved, here in [(written_by.get(section, {"rank": 0}), run.get(section, {}))]
-            for k in sorted(saved)
-            if k in here and saved[k] != here[k]
-        ]
-        if differ:
-            cause = "it was saved with " + ", ".join(
-                f"--{section}.{k} {theirs} (this run: {ours})"
-                for section, k, theirs, ours in differ
-            )
-        elif written_by:
-            cause = f"compare the [model] section of {path / CONFIG_FILE} with this run's"
-        else:
-            cause = "was it saved with another --model.flavor?"
-        raise ConfigError(
-            f"{flag}checkpoint {path} does not fit this model: {problem}; {cause}; load a "
-            "checkpoint of this model, or train it in another --job.dump_folder"
-        )
-
-    def _load_model_only(self, path: Path) -> None:
-        problem = self._verify(path)
-        if problem:
-            raise ConfigError(f"--checkpoint.initial_load_path {path}: {problem}")
-        model = self._model_to_load(path)
-        # (frozen weights it holds but that come from the initial load instead are not read)
-        flag = "--checkpoint.initial_load_path: "
-        frozen_unread = any(not lora.is_adapter_name(k) for k in model.leave_out)
-        self._check_model_fits(path, flag=flag, model=model, frozen_unread=frozen_unread)
-        logger.info(f"Loading model weights from {path}")
-        if local_tensor.is_simulating():
-            # DCP cannot gather LocalTensors: read the whole model on the host (as one
-            # process would), then every simulated rank copies its shards out of it.
-            full = read_full_model(path)
-            for part in model.model_parts:
-                local_tensor.copy_full_state_(part, full, leave_out=model.leave_out)
-            return
-        dcp.load(
-            {"model": model},
-            storage_reader=SafeFileSystemReader(str(path)),
-            planner=SafeLoadPlanner(),
-            no_dist=_no_dist(),
-        )
-
-    def _model_to_load(self, path: Path) -> ModelState:
-        """The model to load weights into from ``path`` (model weights only). Without its LoRA
-        adapters when the checkpoint has none (the frozen model fine-tuning starts from): they
-        keep their initialisation. Without the frozen weights when they come from
-        ``--checkpoint.initial_load_path`` instead, loaded first: the checkpoint holds only
-        adapters, or this run saves only adapters (its resumes read the frozen weights from
-        there, so the adapters must train on those, not on a seed checkpoint's)."""
-        model = self.states["model"].whole()
-        adapters = {k for k in model.state_dict() if lora.is_adapter_name(k)}
-        if not adapters:
-            return model
-        saved = {k.removeprefix("model.") for k in saved_tensor_metadata(path)}
-        leave_out = set()
-        if adapters & saved:
-            self._check_lora_settings(path)
-        else:
-            logger.info(f"{path} has no LoRA adapters: they start from their initialisation")
-            leave_out |= adapters
-        frozen = lora.frozen_names(self.states["model"].model_parts)
-        initial = self.config.initial_load_path
-        is_initial = initial is not None and Path(path).resolve() == Path(initial).resolve()
-        if frozen and not frozen & saved and is_initial:
-            raise ConfigError(
-                f"--checkpoint.initial_load_path {path} holds LoRA adapters without the frozen "
-                "weights (--lora.save_adapters_only); start from the checkpoint its run started "
-                "from, or from an HF export of it"
-            )
-        if frozen and not is_initial and (not frozen & saved or self._frozen_left_out()):
-            changed = initial and frozen_source_changed(path, Path(initial))
-            if changed:
-                raise ConfigError(changed)
-            self._load_initial()
-            leave_out |= frozen
-        return model.without(leave_out) if leave_out else model
 
     # ---- saving ----------------------------------------------------------------------------
 
@@ -429,13 +264,13 @@ class CheckpointManager:
                 storage_writer=CheckpointWriter(str(tmp), background=True),
                 process_group=self._async_group,
                 async_stager=self._stager,
-                no_dist=_no_dist(),
+                no_dist=dcp_no_dist(),
             )
             self._staging = getattr(response, "staging_completion", None)
             self._pending = _Pending(step, getattr(response, "upload_completion", response))
             return
         try:
-            dcp.save(state, storage_writer=CheckpointWriter(str(tmp)), no_dist=_no_dist())
+            dcp.save(state, storage_writer=CheckpointWriter(str(tmp)), no_dist=dcp_no_dist())
             self._finalize(step)
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException
             raise self._save_failed(step, e) from None
@@ -552,8 +387,10 @@ class CheckpointManager:
             tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
             if self.run_config is not None:
                 write_durably(tmp / CONFIG_FILE, self.run_config)
-            if self._frozen_left_out():
-                write_durably(tmp / FROZEN_SOURCE, json.dumps(self._frozen_source(), indent=1))
+            if self.weights.frozen_left_out():
+                write_durably(
+                    tmp / FROZEN_SOURCE, json.dumps(self.weights.frozen_source(), indent=1)
+                )
             files, crcs = manifest_entries(tmp)
             manifest = {"step": step, "files": files, "crc32": crcs}
             write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1))
@@ -596,10 +433,6 @@ class CheckpointManager:
         self.finish_pending()
         self._join_prestage()
         close_stager(self._stager)
-
-
-def _no_dist() -> bool:
-    return not dist.is_initialized()
 
 
 def _barrier() -> None:

@@ -350,6 +350,22 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
+def dcp_no_dist() -> bool:
+    """DCP's ``no_dist``: this process reads and writes the whole state alone."""
+    return not torch.distributed.is_initialized()
+
+
+def safe_load(state: dict[str, Any], path: Path) -> None:
+    """``dcp.load`` of ``state`` from the checkpoint ``path``, its metadata read by an
+    allow-list unpickler and its non-tensor values with ``weights_only=True``."""
+    dcp.load(
+        state,
+        storage_reader=SafeFileSystemReader(str(path)),
+        planner=SafeLoadPlanner(),
+        no_dist=dcp_no_dist(),
+    )
+
+
 def free_name(path: Path) -> Path:
     """``path``, or ``path-2``, ``path-3``, ... : the first that does not exist."""
     candidate, n = path, 1
