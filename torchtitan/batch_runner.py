@@ -157,7 +157,8 @@ class BatchRunner:
         of every sequence, with the tokens' ``positions``. The runner's other methods take such
         parts."""
         inputs, labels = batch
-        if self.document_start is not None:
+        if self.document_start is not None and "document_ids" not in inputs:
+            # (Fine-tuning data numbers its packed samples itself.)
             inputs = inputs | {"document_ids": document_ids(inputs["input"], self.document_start)}
         if self.cp_mesh is None:
             return inputs, labels

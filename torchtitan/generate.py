@@ -17,6 +17,7 @@ import os
 import sys
 import tomllib
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -40,12 +41,12 @@ def generate(
     temperature: float = 0.0,
     top_k: int = 0,
     seed: int = 0,
-    stop_token: int | None = None,
+    stop_tokens: Collection[int] = (),
     max_seq_len: int | None = None,
 ) -> list[int]:
     """The new token ids after ``prompt``: greedy at ``temperature`` 0, else sampled from the
     softmax of ``logits / temperature`` over the ``top_k`` most likely tokens (0: all), with a
-    generator seeded by ``seed`` (the same ids for the same seed). Stops at ``stop_token``; the
+    generator seeded by ``seed`` (the same ids for the same seed). Stops at ``stop_tokens``; the
     context is cut to the last ``max_seq_len`` tokens (the model's RoPE table)."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -64,7 +65,7 @@ def generate(
             probs = torch.softmax(logits, dim=-1)
             token = int(torch.multinomial(probs, 1, generator=generator))
         new.append(token)
-        if token == stop_token:
+        if token in stop_tokens:
             break
         tokens = torch.cat([tokens, tokens.new_tensor([[token]])], dim=1)
     return new
@@ -86,20 +87,31 @@ def print_sample(trainer, validation) -> None:
         return
     (model,) = trainer.model_parts
     tokenizer = trainer.tokenizer
+    prompt, stops = prompt_ids(tokenizer, validation.sample_prompt, trainer.chat_template)
     model.eval()
     with trainer.runner.autocast:
         new = generate(
-            model, tokenizer.encode(validation.sample_prompt, add_bos=True),
-            max_new_tokens=validation.sample_tokens, temperature=SAMPLE_TEMPERATURE,
-            top_k=SAMPLE_TOP_K, seed=0, stop_token=tokenizer.eos_id,
+            model, prompt, max_new_tokens=validation.sample_tokens,
+            temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K, seed=0, stop_tokens=stops,
             max_seq_len=trainer.model_args.max_seq_len,
         )  # fmt: skip
     model.train()
-    text = (validation.sample_prompt + tokenizer.decode(new)).replace("\n", "\n    ")
+    shown = tokenizer.decode(prompt) if trainer.chat_template else validation.sample_prompt
+    text = (shown + tokenizer.decode(new)).replace("\n", "\n    ")
     logger.info(
         f"Sample ({len(new)} tokens at temperature {SAMPLE_TEMPERATURE}, top-k {SAMPLE_TOP_K}, "
         f"seed 0):\n    {text}"
     )
+
+
+def prompt_ids(tokenizer, text: str, chat_template=None) -> tuple[list[int], set[int]]:
+    """The ids that prompt the model with ``text``, and the tokens that end its answer: eos,
+    and under a chat template (``ChatTemplate``), ``text`` is a user turn and the answer also
+    ends at the template's end-of-turn token."""
+    if chat_template is None:
+        return tokenizer.encode(text, add_bos=True), {tokenizer.eos_id}
+    ids, end_of_turn = chat_template.prompt(tokenizer, text)
+    return ids, {tokenizer.eos_id} | ({end_of_turn} if end_of_turn is not None else set())
 
 
 @torch.no_grad()
@@ -219,7 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", type=Path, default=None)
     parser.add_argument("--seq_len", type=int, default=2048, help="longest context fed back")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (torchrun)")
+    parser.add_argument(
+        "--chat", action="store_true", help="the prompt is a user turn of the chat template"
+    )
+    parser.add_argument(
+        "--chat_template", default=None, help="Jinja file (default: the tokenizer folder's)"
+    )
     a = parser.parse_args(argv)
+    from torchtitan.components.sft_data import load_chat_template
     from torchtitan.components.tokenizer import build_tokenizer
     from torchtitan.distributed import utils as dist_utils
 
@@ -227,16 +246,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, args, tokenizer_path = load_model(a.checkpoint, a.module, a.flavor, device, a.tp)
         tokenizer = build_tokenizer(a.tokenizer or tokenizer_path)
+        template = None
+        if a.chat or a.chat_template:
+            where = str(a.tokenizer or tokenizer_path)
+            template = load_chat_template(tokenizer, tokenizer_path=where, override=a.chat_template)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    prompt, stops = prompt_ids(tokenizer, a.prompt, template)
     new = generate(
-        model, tokenizer.encode(a.prompt, add_bos=True), max_new_tokens=a.max_new_tokens,
-        temperature=a.temperature, top_k=a.top_k, seed=a.seed, stop_token=tokenizer.eos_id,
+        model, prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+        top_k=a.top_k, seed=a.seed, stop_tokens=stops,
         max_seq_len=min(a.seq_len, args.max_seq_len),
     )  # fmt: skip
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(a.prompt + tokenizer.decode(new))
+        shown = tokenizer.decode(prompt) if template is not None else a.prompt
+        print(shown + tokenizer.decode(new))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0

@@ -25,6 +25,7 @@ from torchtitan.components.lr_scheduler import build_lr_schedulers, resumed_note
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.run_events import RunEvents
+from torchtitan.components.sft_data import load_chat_template, sft_datasets
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.components.train_state import NonFiniteError, StepResult, TrainState
 from torchtitan.components.validate import Validator
@@ -66,6 +67,7 @@ class Trainer:
         )
         # The model's own work after each optimizer step (MoE balancing), for flavors with it.
         self._after_optimizer_step = self.model_spec.after_optimizer_step_for(config.model.flavor)
+        self.chat_template = None  # --training.data_format chat: the template (build_data)
         self.tokenizer, self.dataloader = (None, None) if on_meta else self.build_data()
         self.lora_layers = self._lora_targets()
         self.parallelize_context = ParallelizeContext.from_config(config, self.parallel_dims)
@@ -175,6 +177,16 @@ class Trainer:
                 f"--model.flavor {m.flavor} has vocab_size {self.model_args.vocab_size}; "
                 "pick a matching --model.tokenizer_path or flavor"
             )
+        self.chat_template = (
+            load_chat_template(tokenizer, tokenizer_path=str(resolve_path(m.tokenizer_path)),
+                               override=t.chat_template)
+            if t.data_format == "chat"
+            else None
+        )  # fmt: skip
+        self.make_dataset = sft_datasets(
+            t.data_format, template=self.chat_template, train_on_prompt=t.train_on_prompt,
+            pack=m.attn_mask == "block_causal",
+        )  # fmt: skip
         dataloader = self._dataloader(
             tokenizer, dataset=t.dataset, dataset_path=t.dataset_path, seq_len=t.seq_len,
             local_batch_size=t.local_batch_size, infinite=True,
@@ -203,6 +215,8 @@ class Trainer:
             dp_world_size=self.parallel_dims.dp_degree,
             num_workers=t.num_workers,
             sharding=t.data_sharding,
+            data_format=t.data_format,
+            make_dataset=self.make_dataset,
             **dataset,
         )
         return local_tensor.dataloader_for_rank(
@@ -326,8 +340,10 @@ class Trainer:
             states=states,
             device_type=self.device.type,
             run_config=to_toml(self.config),
-            hf=checkpoint_hf.build_hfio(self.model_spec, self.model_args, self.model_parts,
-                                        self.tokenizer, self.parallel_dims),
+            hf=checkpoint_hf.build_hfio(
+                self.model_spec, self.model_args, self.model_parts, self.tokenizer,
+                self.parallel_dims, chat_template=getattr(self.chat_template, "source", None),
+            ),
         )  # fmt: skip
 
     # ---- runs ------------------------------------------------------------------------------

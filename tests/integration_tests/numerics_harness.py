@@ -42,13 +42,15 @@ class GlobalBatchSlices:
             local_batch_size=t.local_batch_size * dp,
             dp_rank=0,
             dp_world_size=1,
+            data_format=t.data_format,
+            make_dataset=trainer.make_dataset,
         )
         rows = slice(dp_rank * t.local_batch_size, (dp_rank + 1) * t.local_batch_size)
         it = iter(source)
         self.batches = []
         for _ in range(steps * trainer.grad_accum_steps):
             inputs, labels = next(it)
-            self.batches.append(({"input": inputs["input"][rows]}, labels[rows]))
+            self.batches.append(({k: v[rows] for k, v in inputs.items()}, labels[rows]))
 
     def __iter__(self):
         return iter(self.batches)

@@ -23,6 +23,7 @@ def _files(tmp: Path) -> dict[str, Path]:
         "tokenizer.json": '{"not": "a tokenizer"}\n',
         "tokenizer.model": "not base64 ranks\n",
         "a_file": "",
+        "bad.jinja": "{% for m in messages %}\n",
     }
     for name, text in made.items():
         (tmp / name).write_text(text)
@@ -53,6 +54,14 @@ PREFLIGHT = [
         "--training.seq_len=66 must split into 2 x cp = 4 chunks",
     ),
     (
+        ["--training.data_format", "chat", "--training.chat_template", "{bad_jinja}"],
+        "bad.jinja is not valid Jinja (line 1): Unexpected end of template",
+    ),
+    (
+        ["--training.chat_template", "{bad_jinja}"],
+        "--training.chat_template does nothing with --training.data_format text",
+    ),
+    (
         ["--parallelism.fsdp_impl", "simpel"],
         "--parallelism.fsdp_impl=simpel is not a choice: use one of auto, fsdp2, simple (did you mean simple?)",
     ),
@@ -74,6 +83,11 @@ IN_RANK = [
         ["--training.dataset", "files", "--training.dataset_path", "{malformed_jsonl}"],
         "malformed.jsonl, line 2 is not valid JSON",
     ),
+    (
+        ["--training.data_format", "chat", "--training.dataset", "files", "--training.dataset_path", "{notext_jsonl}"],
+        "no 'messages'; --training.data_format chat reads rows with 'messages'",
+    ),
+    (["--training.dataset", "chat_demo"], "chat_demo holds chat rows"),
     (
         ["--training.dataset", "files", "--training.dataset_path", "{allempty_jsonl}"],
         "all 10 documents of data-parallel rank",  # either rank may stop first

@@ -54,6 +54,13 @@ QWEN3_MOE_REFERENCE = ("ref_qwen3moe", 1, f"--training.local_batch_size 8 {QWEN3
 # at zero, so A's first gradients are near zero, where Adam amplifies summation order).
 LORA = "--lora.rank 4 --lora.alpha 32"
 LORA_REFERENCE = ("ref_lora", 1, f"--training.local_batch_size 8 {LORA}")
+# Fine-tuning (cases named sft_*): the bundled conversations, answers only, packed whole into
+# windows, each sample its own document (numbered by the data, not by begin-of-text tokens).
+SFT = (
+    "--training.dataset chat_demo --training.data_format chat --model.attn_mask block_causal "
+    "--training.seq_len 128"
+)
+SFT_REFERENCE = ("ref_sft", 1, f"--training.local_batch_size 8 {SFT}")
 # Validation (cases named validation_*) after steps 5 and 10, in global batches of 8 rows read
 # alike by every layout (by_row): the first 24 of the bundled split's 72 full batches;
 # ref_validation_all reads them all once.
@@ -371,6 +378,11 @@ CASES = {
         f"{LORA} --training.local_batch_size 4 --parallelism.pipeline_parallel_degree 2 "
         "--parallelism.pipeline_parallel_microbatch_size 2",
     ),
+    "sft_fsdp2_tp2": (
+        4,
+        f"{SFT} --training.local_batch_size 4 --parallelism.tensor_parallel_degree 2",
+    ),
+    "sft_cp2": (2, f"{SFT} --training.local_batch_size 8 --parallelism.context_parallel_degree 2"),
     "moe_tp2_cp2_ep4": (
         4,
         f"{MOE} --training.local_batch_size 8 --parallelism.context_parallel_degree 2 "
@@ -442,7 +454,7 @@ def results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("numerics")
     references = (REFERENCE, BLOCK_CAUSAL_REFERENCE, MOE_REFERENCE, QWEN3_REFERENCE)
     references += (QWEN3_MOE_REFERENCE,)
-    references += (VALIDATION_REFERENCE, LORA_REFERENCE)
+    references += (VALIDATION_REFERENCE, LORA_REFERENCE, SFT_REFERENCE)
     references += (WHOLE_SPLIT,)
     _launch(out, 1, [(name, flags) for name, _, flags in references])
     cases = CASES | FLOAT8_CASES
@@ -470,6 +482,8 @@ def test_layout_matches_one_process(results, case):
         reference = VALIDATION_REFERENCE[0]
     elif case.startswith("lora_"):
         reference = LORA_REFERENCE[0]
+    elif case.startswith("sft_"):
+        reference = SFT_REFERENCE[0]
     ref, run = _load(results, reference), _load(results, case)
     assert [r["step"] for r in run["records"]] == list(range(1, 11))
     for got, want in zip(run["records"], ref["records"], strict=True):

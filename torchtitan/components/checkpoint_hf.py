@@ -62,6 +62,8 @@ class HFIO:
     pipelined: bool
     tokenizer: Any = None
     """The run's tokenizer: its bos/eos ids go in ``config.json``, its files next to it."""
+    chat_template: str | None = None
+    """The chat template the run fine-tuned with, written next to the tokenizer."""
 
     def load(self, folder: str | os.PathLike) -> None:
         load_hf_(self.model_parts, self.adapter, folder)
@@ -77,7 +79,7 @@ class HFIO:
         _barrier()
         save_hf(
             self.model_parts, self.adapter, folder, dtype=dtype, writer=self.writer,
-            pipelined=self.pipelined, tokenizer=self.tokenizer,
+            pipelined=self.pipelined, tokenizer=self.tokenizer, chat_template=self.chat_template,
         )  # fmt: skip
 
 
@@ -273,6 +275,7 @@ def save_hf(
     writer: bool,
     pipelined: bool,
     tokenizer: Any = None,
+    chat_template: str | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> None:
     """Write the model as an HF folder. Every rank calls it (the gathers are collectives);
@@ -354,7 +357,12 @@ def save_hf(
         (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         if tokenizer is not None:
             try:
-                save_hf_tokenizer(tokenizer, folder, config.get("max_position_embeddings", 0))
+                save_hf_tokenizer(
+                    tokenizer,
+                    folder,
+                    config.get("max_position_embeddings", 0),
+                    chat_template=chat_template,
+                )
             except (OSError, ValueError) as e:  # the weights stand; the other ranks wait below
                 logger.warning(f"Tokenizer not written to {folder}: {e}")
         logger.info(f"Hugging Face model written to {folder} ({total} shard(s), {size:,} bytes)")
@@ -456,7 +464,9 @@ def _gather(value: list) -> list[list]:
     return out
 
 
-def build_hfio(spec, model_args, model_parts, tokenizer, parallel_dims) -> HFIO | None:
+def build_hfio(
+    spec, model_args, model_parts, tokenizer, parallel_dims, chat_template: str | None = None
+) -> HFIO | None:
     """The run's :class:`HFIO`, or ``None`` where the model family has no adapter."""
     if spec.state_dict_adapter is None:
         return None
@@ -470,4 +480,5 @@ def build_hfio(spec, model_args, model_parts, tokenizer, parallel_dims) -> HFIO 
         writer=writer,
         pipelined=parallel_dims.pp_enabled,
         tokenizer=tokenizer,
+        chat_template=chat_template,
     )

@@ -7,13 +7,9 @@ every document is tokenized with BOS/EOS and the token stream is cut into window
 ``state_dict()`` captures the exact read position, including tokens of a partly used document.
 """
 
-import dataclasses
-import glob
-import json
-import logging
+import functools
 import warnings
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, Protocol
 
 import datasets
@@ -23,14 +19,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from torchtitan.components.data_sources import HFDataset, open_dataset
 from torchtitan.config.errors import ConfigError
 from torchtitan.tools.logging import logger
-from torchtitan.tools.paths import resolve_path
 
-HFDataset = datasets.Dataset | datasets.IterableDataset
-
-# Progress bars from every rank garble the console; the trainer logs what it opens.
-datasets.disable_progress_bars()
 # torchdata 0.11 calls a deprecated torch API on every loader construction; nothing to act on.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
@@ -45,141 +37,6 @@ def document_ids(tokens: torch.Tensor, start_token: int) -> torch.Tensor:
 
 class Tokenizer(Protocol):
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class DatasetSpec:
-    """Where a named dataset lives and how to open it."""
-
-    path: str | None
-    """Hub id or local path; ``--training.dataset_path`` overrides it."""
-    loader: Callable[[str], HFDataset]
-    text_key: str = "text"
-
-
-def _load_c4(split: str) -> Callable[[str], HFDataset]:
-    def load(path: str) -> HFDataset:
-        # Streaming: C4 is ~300 GB; nothing is downloaded ahead of use.
-        return datasets.load_dataset(path, name="en", split=split, streaming=True)
-
-    return load
-
-
-_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
-
-
-def load_files(path: str) -> datasets.Dataset:
-    """Open json/jsonl/parquet/txt files: one file, a glob, or a folder of one format."""
-    resolved = resolve_path(path)
-    if resolved.is_dir():
-        files = sorted(p for p in resolved.rglob("*") if _file_format(p) is not None)
-    else:
-        files = sorted(Path(p) for p in glob.glob(str(resolved)))
-    if not files:
-        raise FileNotFoundError(
-            f"--training.dataset_path {path}: no .json/.jsonl/.parquet/.txt files found there"
-        )
-    formats = {_file_format(f) for f in files}
-    if len(formats) != 1 or None in formats:
-        raise ValueError(
-            f"--training.dataset_path {path} mixes or has unknown file types "
-            f"({sorted(str(f) for f in formats)}); use one of {sorted(_FORMATS)}"
-        )
-    fmt = formats.pop()
-    # A .txt file becomes one document per paragraph (blank-line separated).
-    extra = {"sample_by": "paragraph"} if fmt == "text" else {}
-    where = f"--training.dataset_path {path}"
-    if all(f.stat().st_size == 0 for f in files):
-        raise ConfigError(f"{where}: {_names(files)} empty; point it at files with documents")
-    quiet = logging.getLogger("datasets")
-    level = quiet.level
-    quiet.setLevel(logging.CRITICAL)  # its own error line would come before ours
-    try:
-        data = datasets.load_dataset(
-            fmt, data_files=[str(f) for f in files], split="train", **extra
-        )
-    except Exception as e:  # pyarrow / pandas tracebacks: one line naming the file instead
-        raise ConfigError(f"{where}: {_unreadable(files, fmt, e)}") from None
-    finally:
-        quiet.setLevel(level)
-    if len(data) == 0:
-        raise ConfigError(f"{where}: {_names(files)} no documents")
-    return data
-
-
-def _names(files: list[Path]) -> str:
-    return f"{files[0]} is" if len(files) == 1 else f"all {len(files)} files ({files[0]}, ...) are"
-
-
-def _unreadable(files: list[Path], fmt: str, error: Exception) -> str:
-    """Why the files cannot be read: the first line that is not JSON (for JSON lines), else
-    the reader's own first line."""
-    budget = 1_000_000  # lines: a first bad line is found fast; a huge corpus is not re-read
-    for f in files if fmt == "json" else []:
-        if ".jsonl" not in f.suffixes:
-            continue  # a JSON array spans lines: its reader's message says more
-        with open(f, encoding="utf-8", errors="replace") as lines:
-            for n, line in enumerate(lines, start=1):
-                budget -= 1
-                if budget < 0:
-                    break
-                if not line.strip():
-                    continue
-                try:
-                    json.loads(line)
-                except ValueError as bad:
-                    return f"{f}, line {n} is not valid JSON ({bad}): {line.strip()[:60]!r}"
-    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    cause = error.__cause__ or error.__context__
-    if cause is not None and str(cause).strip():
-        reason = str(cause).strip().splitlines()[0]
-    return f"cannot read the {fmt} files ({reason})"
-
-
-def _file_format(path: Path) -> str | None:
-    suffixes = path.suffixes
-    if suffixes and suffixes[-1] in (".gz", ".zst", ".bz2", ".xz"):
-        suffixes = suffixes[:-1]
-    return _FORMATS.get(suffixes[-1]) if suffixes else None
-
-
-DATASETS: dict[str, DatasetSpec] = {
-    "python_docs": DatasetSpec(path="tests/assets/corpus/train.jsonl", loader=load_files),
-    "python_docs_validation": DatasetSpec(
-        path="tests/assets/corpus/validation.jsonl", loader=load_files
-    ),
-    "c4": DatasetSpec(path="allenai/c4", loader=_load_c4("train")),
-    "c4_validation": DatasetSpec(path="allenai/c4", loader=_load_c4("validation")),
-    "files": DatasetSpec(path=None, loader=load_files),
-}
-
-
-def open_dataset(name: str, path: str | None) -> tuple[HFDataset, str]:
-    """Open a registered dataset (``path`` overrides its location); return it and its text key."""
-    if name not in DATASETS:
-        raise ConfigError(
-            f"--training.dataset {name} is not registered; choose one of {', '.join(DATASETS)}"
-        )
-    spec = DATASETS[name]
-    path = path or spec.path
-    if path is None:
-        raise ConfigError(f"--training.dataset {name} needs --training.dataset_path")
-    logger.info(f"Opening dataset {name} from {path}")
-    data = spec.loader(path)
-    features = getattr(data, "features", None)
-    if features is not None:  # known before reading (files); a stream is checked per row
-        key = spec.text_key
-        if key not in features:
-            raise ConfigError(
-                f"--training.dataset_path {path}: its rows have the fields "
-                f"{sorted(features)}, no {key!r}; every row needs a {key!r} field holding text"
-            )
-        if getattr(features[key], "dtype", "string") not in ("string", "large_string"):
-            raise ConfigError(
-                f"--training.dataset_path {path}: the {key!r} field holds "
-                f"{features[key].dtype}, not text"
-            )
-    return data, spec.text_key
 
 
 class TextDataset(IterableDataset, Stateful):
@@ -241,32 +98,15 @@ class TextDataset(IterableDataset, Stateful):
         self._sample_idx = len(self._data)
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-        window = self._seq_len + 1
         empty_passes = 0
         while True:
-            documents = characters = 0
+            documents = 0
+            self._characters = 0
             # A resumed pass may start near the end, where only empty documents are left.
             started_at_first = self._streaming or self._sample_idx == 0
             for document in self._documents():
                 documents += 1
-                text = document.get(self._text_key)
-                if not isinstance(text, str):
-                    key = self._text_key
-                    what = (
-                        f"no {key!r} field"
-                        if text is None
-                        else f"a {type(text).__name__} as {key!r}, not text"
-                    )
-                    raise ConfigError(
-                        f"dataset {self.name}: a row of {self._where} has {what} "
-                        f"({str(document)[:80]}); every row needs a {key!r} field holding text"
-                    )
-                characters += len(text)
-                self._token_buffer.extend(self._tokenizer.encode(text, add_bos=True, add_eos=True))
-                while len(self._token_buffer) >= window:
-                    tokens = torch.tensor(self._token_buffer[:window], dtype=torch.long)
-                    self._token_buffer = self._token_buffer[window:]
-                    yield {"input": tokens[:-1]}, tokens[1:]
+                yield from self._windows(document)
             # A resumed pass may legitimately start at the end; two empty passes in a row
             # mean this shard has no documents at all.
             empty_passes = empty_passes + 1 if documents == 0 else 0
@@ -276,13 +116,9 @@ class TextDataset(IterableDataset, Stateful):
                     f"{self._worker_note()}: it has fewer documents or shards than readers; "
                     "use fewer ranks or --training.num_workers 0"
                 )
-            self._read_text = self._read_text or characters > 0
-            if documents and not characters and not self._read_text and started_at_first:
-                raise ConfigError(
-                    f"dataset {self.name}: all {documents} documents of {self._where} are "
-                    "empty; training on them would learn only the begin/end tokens"
-                )
+            self._check_pass(documents, started_at_first=started_at_first)
             if not self._infinite:
+                yield from self._last_windows()
                 self._rewind(self._epoch)
                 return
             self._rewind(self._epoch + 1)
@@ -291,6 +127,42 @@ class TextDataset(IterableDataset, Stateful):
                     f"Dataset {self.name} is being re-looped: epoch {self._epoch} of "
                     f"{self._where} (a dataset shorter than the run repeats)"
                 )
+
+    def _windows(self, document: dict[str, Any]) -> Iterator[tuple[dict, torch.Tensor]]:
+        """The windows that complete once ``document`` is added to the token stream."""
+        text = document.get(self._text_key)
+        if not isinstance(text, str):
+            key = self._text_key
+            what = (
+                f"no {key!r} field"
+                if text is None
+                else f"a {type(text).__name__} as {key!r}, not text"
+            )
+            raise ConfigError(
+                f"dataset {self.name}: a row of {self._where} has {what} "
+                f"({str(document)[:80]}); every row needs a {key!r} field holding text"
+            )
+        self._characters += len(text)
+        self._token_buffer.extend(self._tokenizer.encode(text, add_bos=True, add_eos=True))
+        window = self._seq_len + 1
+        while len(self._token_buffer) >= window:
+            tokens = torch.tensor(self._token_buffer[:window], dtype=torch.long)
+            self._token_buffer = self._token_buffer[window:]
+            yield {"input": tokens[:-1]}, tokens[1:]
+
+    def _check_pass(self, documents: int, *, started_at_first: bool) -> None:
+        """After a pass over the shard: refuse a shard that has nothing to train on."""
+        self._read_text = self._read_text or self._characters > 0
+        if documents and not self._characters and not self._read_text and started_at_first:
+            raise ConfigError(
+                f"dataset {self.name}: all {documents} documents of {self._where} are "
+                "empty; training on them would learn only the begin/end tokens"
+            )
+
+    def _last_windows(self) -> Iterator[tuple[dict, torch.Tensor]]:
+        """What a finite pass yields after its last document (text: nothing; the tokens
+        short of a window are left out)."""
+        return iter(())
 
     def _rewind(self, epoch: int) -> None:
         """Go back to the first document, as epoch ``epoch``."""
@@ -438,6 +310,8 @@ def build_dataloader(
     num_workers: int = 0,
     sharding: str = "by_document",
     drop_last: bool = False,
+    data_format: str = "text",
+    make_dataset: Callable[..., TextDataset] | None = None,
 ) -> ParallelAwareDataloader:
     """Open ``dataset`` and wrap this DP rank's share of it in a resumable dataloader.
 
@@ -446,11 +320,14 @@ def build_dataloader(
     and keep rows ``[dp_rank x local_batch_size, ...)``, so the global batch of a step does not
     depend on the DP degree, and its state resumes under any DP degree. ``drop_last``: a
     finite pass ends at its last full batch (under ``by_row`` a partial global batch would
-    leave some ranks no rows at all).
+    leave some ranks no rows at all). ``make_dataset``: what turns the rows into windows
+    (called as ``TextDataset`` is; default: ``TextDataset``, reading ``data_format`` text).
     """
-    data, text_key = open_dataset(dataset, dataset_path)
+    data, text_key = open_dataset(dataset, dataset_path, data_format=data_format)
     by_row = sharding == "by_row"
-    text = TextDataset(
+    if make_dataset is None:
+        make_dataset = functools.partial(TextDataset, text_key=text_key)
+    text = make_dataset(
         data,
         name=dataset,
         tokenizer=tokenizer,
@@ -458,7 +335,6 @@ def build_dataloader(
         dp_rank=0 if by_row else dp_rank,
         dp_world_size=1 if by_row else dp_world_size,
         infinite=infinite,
-        text_key=text_key,
     )
     rows = local_batch_size * dp_world_size if by_row else local_batch_size
     start = dp_rank * local_batch_size if by_row else 0

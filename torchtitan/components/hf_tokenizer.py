@@ -128,6 +128,17 @@ class HuggingFaceTokenizer:
         ids = self._model.encode(text, add_special_tokens=False).ids
         return [self.bos_id] * add_bos + ids + [self.eos_id] * add_eos
 
+    def encode_template(self, text: str) -> tuple[list[int], list[int]]:
+        """Token ids of text a chat template wrote, where the strings of special and added
+        tokens are those tokens (as ``transformers`` encodes a rendered template), and the
+        character each token starts at."""
+        self._model.encode_special_tokens = False
+        try:
+            encoding = self._model.encode(text, add_special_tokens=False)
+        finally:
+            self._model.encode_special_tokens = True
+        return list(encoding.ids), [start for start, _ in encoding.offsets]
+
     def token_name(self, token_id: int) -> str:
         """The string of one token id (a special token's name)."""
         return self._model.id_to_token(token_id)

@@ -174,6 +174,20 @@ class Llama3Tokenizer:
             ids.append(self.eos_id)
         return ids
 
+    def encode_template(self, text: str) -> tuple[list[int], list[int]]:
+        """Token ids of text a chat template wrote, where special-token strings (such as
+        ``<|eot_id|>``) are the special tokens, and the character each token starts at."""
+        ids: list[int] = []
+        starts: list[int] = []
+        offset = 0
+        for piece in _bounded_pieces(text):
+            piece_ids = self._model.encode(piece, allowed_special="all")
+            _, piece_starts = self._model.decode_with_offsets(piece_ids)
+            ids.extend(piece_ids)
+            starts.extend(offset + s for s in piece_starts)
+            offset += len(piece)
+        return ids, starts
+
     def token_name(self, token_id: int) -> str:
         """The string of one token id (a special token's name)."""
         return self._model.decode([token_id])

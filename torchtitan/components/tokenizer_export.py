@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from torchtitan.components.chat_template import TEMPLATE_FILE
 from torchtitan.components.hf_tokenizer import (
     HF_CONFIG_FILENAME,
     HF_TOKENIZER_FILENAME,
@@ -126,19 +127,32 @@ def save_hf_tokenizer(
     tokenizer: Llama3Tokenizer | HuggingFaceTokenizer,
     folder: str | os.PathLike,
     model_max_length: int,
+    *,
+    chat_template: str | None = None,
 ) -> list[Path]:
     """Write `tokenizer` into a Hugging Face model folder: a ``tokenizer.json`` tokenizer's own
-    files copied, a tiktoken one converted. Returns the files written."""
+    files copied, a tiktoken one converted; ``chat_template`` (else the ``chat_template.jinja``
+    beside the tokenizer, if any) as ``chat_template.jinja``, which ``transformers`` reads
+    before the one in ``tokenizer_config.json``. Returns the files written."""
     folder = Path(folder)
-    files = folder / HF_TOKENIZER_FILENAME, folder / HF_CONFIG_FILENAME
+    files = [folder / HF_TOKENIZER_FILENAME, folder / HF_CONFIG_FILENAME]
+    beside = Path(
+        tokenizer.path if isinstance(tokenizer, HuggingFaceTokenizer) else tokenizer.model_path
+    )
+    beside = beside.with_name(TEMPLATE_FILE)
+    if chat_template is None and beside.is_file():
+        chat_template = beside.read_text(encoding="utf-8")
+    if chat_template is not None:
+        files.append(folder / TEMPLATE_FILE)
+        files[2].write_text(chat_template, encoding="utf-8")
     if isinstance(tokenizer, HuggingFaceTokenizer):
         shutil.copyfile(tokenizer.path, files[0])
         if tokenizer.config_path.is_file():
             shutil.copyfile(tokenizer.config_path, files[1])
-            return list(files)
+            return files
     else:
         data = tiktoken_to_hf(tokenizer)
         files[0].write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n")
     config = hf_tokenizer_config(tokenizer, model_max_length)
     files[1].write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
-    return list(files)
+    return files

@@ -65,6 +65,25 @@ class Training:
     """Overrides where the dataset is read from: a local copy of a hub dataset, or the
     file / glob / folder for ``--training.dataset files``."""
 
+    data_format: Literal["text", "chat", "prompt_completion"] = "text"
+    """What the dataset's rows hold. ``text``: documents (field ``text``), packed into one
+    token stream, every token trained (pretraining). Supervised fine-tuning, trained on the
+    answers only: ``chat``, conversations (field ``messages``, a list of ``{"role",
+    "content"}``) rendered by the chat template, labels on the assistant turns;
+    ``prompt_completion``, fields ``prompt`` and ``completion``, labels on the completion.
+    Fine-tuning samples are packed whole into windows under ``--model.attn_mask
+    block_causal`` (each sees only itself), one per window under ``causal``. Validation
+    reads its dataset in the same format."""
+
+    chat_template: str | None = None
+    """Jinja chat template for ``--training.data_format chat`` (a ``.jinja`` file, or a
+    ``tokenizer_config.json`` holding one); default: the tokenizer folder's
+    ``chat_template.jinja`` or ``tokenizer_config.json`` chat_template."""
+
+    train_on_prompt: bool = False
+    """Fine-tuning formats: train on every token (prompts and user turns too), not only on the
+    answers."""
+
     local_batch_size: int = 8
     """Sequences per gradient-accumulation batch on each data-parallel rank (a step runs
     global_batch_size / (local_batch_size x data-parallel degree) of them)."""

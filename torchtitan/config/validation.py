@@ -119,6 +119,7 @@ def validate(config: JobConfig) -> None:
     checks += _path_checks(config)
     checks += _float8_checks(config)
     checks += _lora_checks(config)
+    checks += _data_format_checks(config)
     checks += _activation_checkpoint_checks(config)
     checks += _compile_checks(config)
     checks += _local_tensor_checks(config)
@@ -222,6 +223,10 @@ def validate_launch(config: JobConfig) -> None:
     tokenizer = resolve_path(config.model.tokenizer_path)
     if find_tokenizer_file(tokenizer) is None:
         raise ConfigError(missing_tokenizer_message(config.model.tokenizer_path, tokenizer))
+    if config.training.data_format == "chat":
+        from torchtitan.components.chat_template import check_template
+
+        check_template(str(tokenizer), config.training.chat_template)
 
 
 def _float8_checks(config: JobConfig) -> list[tuple[bool, str]]:
@@ -258,6 +263,22 @@ def _lora_checks(config: JobConfig) -> list[tuple[bool, str]]:
             or (lo.rank > 0 and config.checkpoint.enable and config.checkpoint.initial_load_path),
             "--lora.save_adapters_only needs --lora.rank, --checkpoint.enable and "
             "--checkpoint.initial_load_path (where every resume reads the frozen weights)",
+        ),
+    ]
+
+
+def _data_format_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    t = config.training
+    return [
+        (
+            t.chat_template is None or t.data_format == "chat",
+            f"--training.chat_template does nothing with --training.data_format "
+            f"{t.data_format}; add --training.data_format chat",
+        ),
+        (
+            not t.train_on_prompt or t.data_format != "text",
+            "--training.train_on_prompt does nothing with --training.data_format text (every "
+            "token trains); it is for chat and prompt_completion",
         ),
     ]
 

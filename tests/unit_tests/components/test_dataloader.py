@@ -21,14 +21,11 @@ import pytest
 import torch
 
 from torchtitan.components import dataloader as dataloader_module
+from torchtitan.components.data_sources import DATASETS, DatasetSpec, load_files, open_dataset
 from torchtitan.components.dataloader import (
-    DATASETS,
-    DatasetSpec,
     ParallelAwareDataloader,
     TextDataset,
     build_dataloader,
-    load_files,
-    open_dataset,
 )
 from torchtitan.components.tokenizer import (
     DEFAULT_TOKENIZER_PATH,

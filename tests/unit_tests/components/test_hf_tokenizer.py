@@ -184,7 +184,12 @@ def test_saving_an_hf_tokenizer_copies_its_files(tmp_path, hf_tokenizer):
     assert [p.read_bytes() for p in written] == [
         (HF_ASSET / "tokenizer.json").read_bytes(),
         (HF_ASSET / "tokenizer_config.json").read_bytes(),
+        (HF_ASSET / "chat_template.jinja").read_bytes(),  # the template beside it
     ]
+    # A run's own template (--training.chat_template) replaces it.
+    (tmp_path / "own").mkdir()
+    save_hf_tokenizer(hf_tokenizer, tmp_path / "own", 64, chat_template="T")
+    assert (tmp_path / "own/chat_template.jinja").read_text() == "T"
 
 
 def _ranks_file(tmp_path: Path, tokens: list[bytes]) -> Llama3Tokenizer:

@@ -1,6 +1,6 @@
 """The named configs every model family offers, built alike (no torch import: the config
 pre-flight reads them): a debug run on the bundled corpus and tokenizer, and full-size
-pretraining runs on C4. A family's ``config_registry`` names its own on top of these."""
+pretraining runs on C4, a debug fine-tuning run on the bundled conversations. A family's ``config_registry`` names its own on top of these."""
 
 from torchtitan.config.job_config import (
     ActivationCheckpoint,
@@ -11,6 +11,7 @@ from torchtitan.config.job_config import (
     Model,
     Optimizer,
     Training,
+    Validation,
 )
 
 
@@ -31,6 +32,22 @@ def debug_run(name: str, flavor: str = "debugmodel") -> JobConfig:
         metrics=Metrics(log_freq=5),
         checkpoint=Checkpoint(interval=50),
     )
+
+
+def sft_debug_run(name: str, flavor: str = "debugmodel") -> JobConfig:
+    """``debug_run`` fine-tuned on the bundled conversations (answers only, packed whole
+    under per-document attention), validated on held-out ones, ending with a chat sample."""
+    config = debug_run(name, flavor)
+    config.model.attn_mask = "block_causal"
+    config.training.dataset = "chat_demo"
+    config.training.data_format = "chat"
+    config.training.seq_len = 256
+    config.training.steps = 300
+    config.validation = Validation(
+        enable=True, dataset="chat_demo_validation", freq=100, sample_prompt="What is the "
+        "json module for?"
+    )  # fmt: skip
+    return config
 
 
 def pretraining_run(

@@ -5,12 +5,18 @@ Private helpers (leading underscore) are not listed as configs.
 """
 
 from torchtitan.config.job_config import JobConfig
-from torchtitan.models.common.presets import debug_run, pretraining_run
+from torchtitan.models.common.presets import debug_run, pretraining_run, sft_debug_run
 
 
 def llama3_debugmodel() -> JobConfig:
     """6-layer, 256-wide Llama 3 on the bundled corpus: trains in minutes on a laptop CPU."""
     return debug_run("llama3")
+
+
+def llama3_debugmodel_sft() -> JobConfig:
+    """The debug model fine-tuned on the bundled conversations (``--training.data_format
+    chat``): trained on the answers only; add ``--lora.rank 8`` for LoRA."""
+    return sft_debug_run("llama3")
 
 
 def _pretraining(

@@ -1,0 +1,292 @@
+"""Fine-tuning data: chat templates (found, compiled, rendered as ``transformers`` renders
+them), the ids of a conversation (equal to ``apply_chat_template``'s), labels on the answers
+only, packing into windows of whole samples with their own document numbers, exact resume, and
+one-line refusals of bad rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan.components.chat_template import (
+    ChatTemplate,
+    check_template,
+    template_source,
+)
+from torchtitan.components.data_sources import open_dataset
+from torchtitan.components.dataloader import build_dataloader
+from torchtitan.components.hf_tokenizer import HuggingFaceTokenizer
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.components.sft_data import SFTDataset, load_chat_template, sft_datasets
+from torchtitan.components.tokenizer import DEFAULT_TOKENIZER_PATH, build_tokenizer
+from torchtitan.config.errors import ConfigError
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+
+REPO = Path(__file__).resolve().parents[3]
+HF_TOKENIZER = REPO / "tests/assets/tokenizer_hf"
+CONVERSATION = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "What does os.getcwd do?"},
+    {"role": "assistant", "content": "Return the current working directory."},
+    {"role": "user", "content": "Repeat these words: alpha beta"},
+    {"role": "assistant", "content": "alpha beta"},
+]
+# A template that shows only the last assistant answer in full (as reasoning templates strip
+# earlier turns' thoughts): earlier answers cannot be located in the whole conversation.
+LAST_ONLY = (
+    "{% for m in messages %}{% if m.role == 'assistant' and not loop.last %}[A: ...]"
+    "{% else %}[{{ m.role }}: {{ m.content }}]{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}[assistant: {% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(DEFAULT_TOKENIZER_PATH)
+
+
+@pytest.fixture(scope="module")
+def template(tokenizer):
+    return load_chat_template(tokenizer, tokenizer_path=str(DEFAULT_TOKENIZER_PATH), override=None)
+
+
+def _rows(tmp_path: Path, rows: list[dict], name: str = "data.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _dataset(path: Path, tokenizer, template=None, **kwargs) -> SFTDataset:
+    data, _ = open_dataset("files", str(path), data_format=kwargs.get("data_format", "chat"))
+    args = dict(seq_len=256, data_format="chat", template=template, infinite=False)
+    return SFTDataset(data, name="files", tokenizer=tokenizer, **(args | kwargs))
+
+
+def _trained_text(tokenizer, labels: torch.Tensor) -> str:
+    return tokenizer.decode([t for t in labels.tolist() if t != IGNORE_INDEX])
+
+
+# ---- templates ---------------------------------------------------------------------------------
+
+
+def test_ids_equal_transformers_apply_chat_template(tokenizer, template):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(HF_TOKENIZER))
+    want = hf.apply_chat_template(CONVERSATION, tokenize=True)
+    want = want["input_ids"] if not isinstance(want, list) else want
+    text, _, _ = template.assistant_spans(CONVERSATION)
+    assert tokenizer.encode_template(text)[0] == want
+    # The tokenizer.json path gives the same ids and the same token starts.
+    hf_ours = HuggingFaceTokenizer(HF_TOKENIZER / "tokenizer.json")
+    assert hf_ours.encode_template(text) == tokenizer.encode_template(text)
+    # And plain encode still keeps special-token strings as text (data cannot inject them).
+    assert hf_ours._model.encode_special_tokens
+
+
+def test_labels_are_the_assistant_turns_only(tokenizer, template, tmp_path):
+    data = _dataset(_rows(tmp_path, [{"messages": CONVERSATION}]), tokenizer, template, pack=False)
+    ((inputs, labels),) = list(data)
+    assert _trained_text(tokenizer, labels) == (
+        "Return the current working directory.<|eot_id|>alpha beta<|eot_id|>"
+    )
+    text, _, _ = template.assistant_spans(CONVERSATION)
+    ids = tokenizer.encode_template(text)[0]
+    assert inputs["input"][: len(ids) - 1].tolist() == ids[:-1]
+    assert inputs["input"][len(ids) - 1 :].eq(tokenizer.pad_id).all()
+    assert "document_ids" not in inputs  # one sample per window: plain causal attention
+    # Each label is the next input token where it is trained.
+    kept = labels[: len(ids) - 1] != IGNORE_INDEX
+    assert labels[: len(ids) - 1][kept].tolist() == torch.tensor(ids[1:])[kept].tolist()
+
+
+def test_train_on_prompt_labels_every_token(tokenizer, template, tmp_path):
+    path = _rows(tmp_path, [{"messages": CONVERSATION}])
+    ((inputs, labels),) = list(
+        _dataset(path, tokenizer, template, pack=False, train_on_prompt=True)
+    )
+    n = int((labels != IGNORE_INDEX).sum())
+    assert labels[: n - 1].tolist() == inputs["input"][1:n].tolist()
+    assert tokenizer.token_name(int(labels[n - 1])) == "<|eot_id|>"
+    assert (labels[n:] == IGNORE_INDEX).all()
+
+
+def test_prompt_completion_trains_on_the_completion_and_eos(tokenizer, tmp_path):
+    path = _rows(tmp_path, [{"prompt": "Question: 2 + 2?", "completion": " Four."}])
+    data = _dataset(path, tokenizer, data_format="prompt_completion", pack=False)
+    ((inputs, labels),) = list(data)
+    assert _trained_text(tokenizer, labels) == " Four.<|end_of_text|>"
+    prompt = tokenizer.encode("Question: 2 + 2?", add_bos=True)
+    assert inputs["input"][: len(prompt)].tolist() == prompt
+
+
+def test_unlocated_turns_are_not_trained_and_counted(tokenizer, tmp_path, caplog):
+    lone = ChatTemplate(LAST_ONLY, where="test")
+    path = _rows(tmp_path, [{"messages": CONVERSATION}])
+    ((_, labels),) = list(_dataset(path, tokenizer, lone, pack=False))
+    assert _trained_text(tokenizer, labels) == " alpha beta]"  # (the space is alpha's token)
+    assert "1 assistant turns not trained on" in caplog.text
+
+
+# ---- packing -----------------------------------------------------------------------------------
+
+
+def _qa(i: int, words: int = 3) -> dict:
+    answer = " ".join(["word"] * words)
+    return {
+        "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": answer}]
+    }
+
+
+def test_packed_windows_hold_whole_samples_each_its_own_document(tokenizer, template, tmp_path):
+    rows = [_qa(i, words=1 + i % 5) for i in range(12)]
+    windows = list(_dataset(_rows(tmp_path, rows), tokenizer, template, seq_len=64))
+    alone = [list(_dataset(_rows(tmp_path, [r], f"{i}.jsonl"), tokenizer, template, pack=False))[0]
+             for i, r in enumerate(rows)]  # fmt: skip
+    samples = []
+    for inputs, labels in windows:
+        docs = inputs["document_ids"]
+        assert docs.dtype == torch.int32 and docs.shape == labels.shape == (64,)
+        assert (docs[1:] >= docs[:-1]).all()
+        last = int(docs[-1])
+        padding = docs == last
+        if (labels[padding] == IGNORE_INDEX).all() and (
+            inputs["input"][padding] == tokenizer.pad_id
+        ).all():
+            pieces = range(last)  # the last document number is the padding's
+        else:
+            pieces = range(last + 1)  # a window filled exactly
+        for d in pieces:
+            where = docs == d
+            samples.append((inputs["input"][where].tolist(), labels[where].tolist()))
+    assert len(samples) == len(rows)  # in order, none split, none lost
+    for (tokens, labels), (one_inputs, one_labels) in zip(samples, alone, strict=True):
+        n = len(tokens)
+        assert tokens == one_inputs["input"][:n].tolist()
+        assert labels == one_labels[:n].tolist()
+        assert (one_labels[n:] == IGNORE_INDEX).all()
+
+
+def test_too_long_and_untrained_samples_are_left_out_and_reported(
+    tokenizer, template, tmp_path, caplog
+):
+    rows = [
+        _qa(0),
+        _qa(1, words=200),
+        {"messages": [{"role": "user", "content": "no answer"}]},
+        _qa(2),
+    ]
+    windows = list(_dataset(_rows(tmp_path, rows), tokenizer, template, seq_len=64))
+    trained = "".join(_trained_text(tokenizer, labels) for _, labels in windows)
+    assert trained == "word word word<|eot_id|>" * 2
+    assert "1 longer than --training.seq_len 64 left out" in caplog.text
+    assert "1 with no answer tokens to train on left out" in caplog.text
+
+
+def test_a_pass_where_nothing_fits_is_refused(tokenizer, template, tmp_path):
+    path = _rows(tmp_path, [_qa(0, words=200), _qa(1, words=300)])
+    with pytest.raises(ConfigError, match="none of the 2 samples .* 2 longer than"):
+        list(_dataset(path, tokenizer, template, seq_len=64))
+
+
+def test_resume_mid_window_gives_the_same_windows(tokenizer, template, tmp_path):
+    path = _rows(tmp_path, [_qa(i, words=1 + i % 7) for i in range(40)])
+
+    def loader():
+        make = sft_datasets("chat", template=template, train_on_prompt=False, pack=True)
+        return build_dataloader(
+            dataset="files", dataset_path=str(path), tokenizer=tokenizer, seq_len=48,
+            local_batch_size=2, dp_rank=0, dp_world_size=1, data_format="chat", infinite=False,
+            make_dataset=make,
+        )  # fmt: skip
+
+    whole = list(loader())
+    first = loader()
+    it = iter(first)
+    for _ in range(3):
+        next(it)
+    state = first.state_dict()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert len(rest) == len(whole) - 3
+    for (got_in, got_labels), (want_in, want_labels) in zip(rest, whole[3:], strict=True):
+        assert got_in.keys() == want_in.keys() == {"input", "document_ids"}
+        for key in got_in:
+            assert torch.equal(got_in[key], want_in[key])
+        assert torch.equal(got_labels, want_labels)
+
+
+# ---- refusals ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"messages": "hi"}, "has str 'messages', not a non-empty list"),
+        ({"messages": [{"role": "user"}]}, "message 0 whose 'content' is not text"),
+        ({"messages": [{"content": "x"}]}, "message 0 without a 'role'"),
+    ],
+)
+def test_bad_rows_are_named(tokenizer, template, tmp_path, row, message):
+    path = _rows(tmp_path, [_qa(0), row])
+    with pytest.raises(ConfigError, match=message):
+        list(_dataset(path, tokenizer, template))
+
+
+def test_a_template_refusing_a_row_names_it(tokenizer, tmp_path):
+    strict = ChatTemplate(
+        "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system "
+        "messages') }}{% endif %}{{ m.content }}{% endfor %}",
+        where="strict.jinja",
+    )
+    path = _rows(tmp_path, [{"messages": CONVERSATION}])
+    with pytest.raises(ConfigError, match="strict.jinja refused a row .*no system messages"):
+        list(_dataset(path, tokenizer, strict))
+
+
+def test_fields_and_formats_are_checked_when_opening(tmp_path):
+    chat = _rows(tmp_path, [_qa(0)])
+    with pytest.raises(ConfigError, match="no 'text'.*--training.data_format chat"):
+        open_dataset("files", str(chat))
+    text = _rows(tmp_path, [{"text": "hello"}], "text.jsonl")
+    with pytest.raises(ConfigError, match="no 'messages'.*--training.data_format text"):
+        open_dataset("files", str(text), data_format="chat")
+    with pytest.raises(ConfigError, match="chat_demo holds chat rows.*--training.data_format chat"):
+        open_dataset("chat_demo", None)
+    data, _ = open_dataset("chat_demo", None, data_format="chat")
+    assert data[0]["messages"][0]["role"] in ("system", "user")
+
+
+def test_templates_are_found_where_transformers_looks(tmp_path):
+    assert template_source(DEFAULT_TOKENIZER_PATH, None)[1].endswith("chat_template.jinja")
+    folder = tmp_path / "model"
+    (folder / "original").mkdir(parents=True)
+    assert template_source(folder / "original", None) is None
+    config = {
+        "chat_template": [
+            {"name": "tool_use", "template": "T"},
+            {"name": "default", "template": "D"},
+        ]
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert template_source(folder / "original", None)[0] == "D"  # HF Llama layout
+    (folder / "chat_template.jinja").write_text("J")
+    assert template_source(folder, None)[0] == "J"  # the standalone file first
+    assert template_source(folder, str(folder / "tokenizer_config.json"))[0] == "D"
+    with pytest.raises(ConfigError, match="no such file"):
+        template_source(folder, str(tmp_path / "missing.jinja"))
+    with pytest.raises(ConfigError, match="has none .*--training.chat_template FILE"):
+        check_template(str(tmp_path), None)
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(ConfigError, match=r"bad.jinja is not valid Jinja \(line 1\)"):
+        check_template(str(tmp_path), str(tmp_path / "bad.jinja"))
+
+
+def test_a_prompt_asks_for_an_answer_and_knows_where_it_ends(tokenizer, template):
+    ids, end = template.prompt(tokenizer, "hello")
+    assert tokenizer.decode(ids).endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert tokenizer.token_name(end) == "<|eot_id|>"

@@ -1,0 +1,193 @@
+"""Where datasets come from: the registry of named datasets (``--training.dataset``), local
+json/jsonl/parquet/txt files (``files``), hub datasets streamed, and the fields each
+``--training.data_format`` reads from a row, checked when a dataset is opened. Bad files are
+named with their first bad line.
+"""
+
+import dataclasses
+import glob
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import datasets
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.tools.logging import logger
+from torchtitan.tools.paths import resolve_path
+
+HFDataset = datasets.Dataset | datasets.IterableDataset
+
+# Progress bars from every rank garble the console; the trainer logs what it opens.
+datasets.disable_progress_bars()
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+    """Where a named dataset lives and how to open it."""
+
+    path: str | None
+    """Hub id or local path; ``--training.dataset_path`` overrides it."""
+    loader: Callable[[str], HFDataset]
+    text_key: str = "text"
+    data_format: str = "text"
+    """What its rows hold (``--training.data_format``): ``text``, ``chat``, ``prompt_completion``."""
+
+
+def _load_c4(split: str) -> Callable[[str], HFDataset]:
+    def load(path: str) -> HFDataset:
+        # Streaming: C4 is ~300 GB; nothing is downloaded ahead of use.
+        return datasets.load_dataset(path, name="en", split=split, streaming=True)
+
+    return load
+
+
+_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+def load_files(path: str) -> datasets.Dataset:
+    """Open json/jsonl/parquet/txt files: one file, a glob, or a folder of one format."""
+    resolved = resolve_path(path)
+    if resolved.is_dir():
+        files = sorted(p for p in resolved.rglob("*") if _file_format(p) is not None)
+    else:
+        files = sorted(Path(p) for p in glob.glob(str(resolved)))
+    if not files:
+        raise FileNotFoundError(
+            f"--training.dataset_path {path}: no .json/.jsonl/.parquet/.txt files found there"
+        )
+    formats = {_file_format(f) for f in files}
+    if len(formats) != 1 or None in formats:
+        raise ValueError(
+            f"--training.dataset_path {path} mixes or has unknown file types "
+            f"({sorted(str(f) for f in formats)}); use one of {sorted(_FORMATS)}"
+        )
+    fmt = formats.pop()
+    # A .txt file becomes one document per paragraph (blank-line separated).
+    extra = {"sample_by": "paragraph"} if fmt == "text" else {}
+    where = f"--training.dataset_path {path}"
+    if all(f.stat().st_size == 0 for f in files):
+        raise ConfigError(f"{where}: {_names(files)} empty; point it at files with documents")
+    quiet = logging.getLogger("datasets")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # its own error line would come before ours
+    try:
+        data = datasets.load_dataset(
+            fmt, data_files=[str(f) for f in files], split="train", **extra
+        )
+    except Exception as e:  # pyarrow / pandas tracebacks: one line naming the file instead
+        raise ConfigError(f"{where}: {_unreadable(files, fmt, e)}") from None
+    finally:
+        quiet.setLevel(level)
+    if len(data) == 0:
+        raise ConfigError(f"{where}: {_names(files)} no documents")
+    return data
+
+
+def _names(files: list[Path]) -> str:
+    return f"{files[0]} is" if len(files) == 1 else f"all {len(files)} files ({files[0]}, ...) are"
+
+
+def _unreadable(files: list[Path], fmt: str, error: Exception) -> str:
+    """Why the files cannot be read: the first line that is not JSON (for JSON lines), else
+    the reader's own first line."""
+    budget = 1_000_000  # lines: a first bad line is found fast; a huge corpus is not re-read
+    for f in files if fmt == "json" else []:
+        if ".jsonl" not in f.suffixes:
+            continue  # a JSON array spans lines: its reader's message says more
+        with open(f, encoding="utf-8", errors="replace") as lines:
+            for n, line in enumerate(lines, start=1):
+                budget -= 1
+                if budget < 0:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    json.loads(line)
+                except ValueError as bad:
+                    return f"{f}, line {n} is not valid JSON ({bad}): {line.strip()[:60]!r}"
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    cause = error.__cause__ or error.__context__
+    if cause is not None and str(cause).strip():
+        reason = str(cause).strip().splitlines()[0]
+    return f"cannot read the {fmt} files ({reason})"
+
+
+def _file_format(path: Path) -> str | None:
+    suffixes = path.suffixes
+    if suffixes and suffixes[-1] in (".gz", ".zst", ".bz2", ".xz"):
+        suffixes = suffixes[:-1]
+    return _FORMATS.get(suffixes[-1]) if suffixes else None
+
+
+DATASETS: dict[str, DatasetSpec] = {
+    "python_docs": DatasetSpec(path="tests/assets/corpus/train.jsonl", loader=load_files),
+    "python_docs_validation": DatasetSpec(
+        path="tests/assets/corpus/validation.jsonl", loader=load_files
+    ),
+    "c4": DatasetSpec(path="allenai/c4", loader=_load_c4("train")),
+    "c4_validation": DatasetSpec(path="allenai/c4", loader=_load_c4("validation")),
+    "chat_demo": DatasetSpec(
+        path="tests/assets/chat/train.jsonl", loader=load_files, data_format="chat"
+    ),
+    "chat_demo_validation": DatasetSpec(
+        path="tests/assets/chat/validation.jsonl", loader=load_files, data_format="chat"
+    ),
+    "files": DatasetSpec(path=None, loader=load_files),
+}
+
+FIELDS = {"text": ("text",), "chat": ("messages",), "prompt_completion": ("prompt", "completion")}
+"""The fields each ``--training.data_format`` reads from a row."""
+
+
+def open_dataset(
+    name: str, path: str | None, *, data_format: str = "text"
+) -> tuple[HFDataset, str]:
+    """Open a registered dataset (``path`` overrides its location); return it and its text
+    key. Its rows must hold the fields of ``data_format`` (``FIELDS``)."""
+    if name not in DATASETS:
+        raise ConfigError(
+            f"--training.dataset {name} is not registered; choose one of {', '.join(DATASETS)}"
+        )
+    spec = DATASETS[name]
+    if name != "files" and spec.data_format != data_format:
+        raise ConfigError(
+            f"--training.dataset {name} holds {spec.data_format} rows, and this run reads "
+            f"--training.data_format {data_format}; pass --training.data_format "
+            f"{spec.data_format}"
+        )
+    path = path or spec.path
+    if path is None:
+        raise ConfigError(f"--training.dataset {name} needs --training.dataset_path")
+    logger.info(f"Opening dataset {name} from {path}")
+    data = spec.loader(path)
+    features = getattr(data, "features", None)
+    if features is not None:  # known before reading (files); a stream is checked per row
+        wanted = (spec.text_key,) if data_format == "text" else FIELDS[data_format]
+        missing = [key for key in wanted if key not in features]
+        if missing:
+            hint = next(
+                (
+                    f"; rows with {' and '.join(map(repr, keys))} are read with "
+                    f"--training.data_format {fmt}"
+                    for fmt, keys in FIELDS.items()
+                    if fmt != data_format and all(k in features for k in keys)
+                ),
+                "",
+            )
+            raise ConfigError(
+                f"--training.dataset_path {path}: its rows have the fields {sorted(features)}, "
+                f"no {missing[0]!r}; --training.data_format {data_format} reads rows with "
+                f"{' and '.join(map(repr, wanted))}{hint}"
+            )
+        key = spec.text_key
+        if data_format == "text" and getattr(features[key], "dtype", "string") not in (
+            "string",
+            "large_string",
+        ):
+            raise ConfigError(
+                f"--training.dataset_path {path}: the {key!r} field holds "
+                f"{features[key].dtype}, not text"
+            )
+    return data, spec.text_key
