@@ -31,7 +31,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # come. `original/tokenizer.model` is Llama 3's tiktoken ranks file, `tokenizer.json` the
 # Hugging Face tokenizer every model repo has (torchtitan reads both).
 ASSET_FILES: dict[str, tuple[str, ...]] = {
-    "tokenizer": ("original/tokenizer.model", "tokenizer.json", "tokenizer_config.json"),
+    "tokenizer": (
+        "original/tokenizer.model",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",  # (newer repos keep the chat template apart)
+    ),
     # An HF model folder (config.json, safetensors weights): --checkpoint.initial_load_path
     # reads it. A sharded model's shards are the ones its index names.
     "weights": ("config.json", "model.safetensors.index.json", "model.safetensors"),
