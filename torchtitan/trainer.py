@@ -19,6 +19,7 @@ from torchtitan.batch_runner import Batch, BatchRunner, pipeline_dtypes
 from torchtitan.components import checkpoint_hf, float8, lora, preemption
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_states import build_checkpoint_states
+from torchtitan.components.data_sources import check_format
 from torchtitan.components.dataloader import build_dataloader
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.lr_scheduler import build_lr_schedulers, resumed_note_for
@@ -198,10 +199,12 @@ class Trainer:
         v = self.config.validation
         if not v.enable:
             return None
+        # Checked now, not at the first validation: a dataset of another format.
+        check_format(v.dataset, self.config.training.data_format, flag="--validation")
         build_loader = functools.partial(
             self._dataloader, self.tokenizer, dataset=v.dataset, dataset_path=v.dataset_path,
             seq_len=v.seq_len, local_batch_size=v.local_batch_size, infinite=False,
-            drop_last=True,
+            drop_last=True, flag="--validation",
         )  # fmt: skip
         return Validator(v, build_loader=build_loader, runner=self.runner, loss_mesh=self.loss_mesh)
 

@@ -13,6 +13,7 @@ No torch: the pre-flight reads and compiles templates before any rank starts.
 
 import datetime
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,7 @@ class ChatTemplate:
         self.where = where
         self.source = source
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _generation_tag()]
         )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
@@ -104,9 +105,12 @@ class ChatTemplate:
         from jinja2 import TemplateError as JinjaError
 
         try:
+            # (transformers passes tools and documents as None when a call has none.)
             return self._template.render(
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
                 **self.special_tokens,
             )
         except TemplateError:
@@ -116,20 +120,31 @@ class ChatTemplate:
 
     def assistant_spans(self, messages: Sequence[dict[str, Any]]) -> tuple[str, list, int]:
         """The conversation's text, the character spans ``[start, end)`` of each assistant
-        turn in it (what the template adds for that message: its content and end-of-turn
-        marker, after the generation prompt that opens the turn), and how many assistant
-        turns could not be located: the template renders the conversation before them
-        differently from inside the whole (some strip earlier turns' reasoning), so their
-        text is not a prefix of the whole; those get no span."""
+        turn in it, and how many assistant turns could not be located.
+
+        A turn's span is what the template adds for that message (its content and end-of-turn
+        marker) after the generation prompt that opens it: the text from rendering the
+        conversation before it with the generation prompt to rendering it through the turn. A
+        generation prompt the stored turn does not repeat (an opening ``<think>``) ends the
+        span's start at what the two renderings share. A template that renders the
+        conversation before a turn differently from inside the whole (some strip earlier
+        turns' reasoning), or cannot render it alone (it reads ``messages[0]``), leaves the
+        turn unlocated: no span."""
         text = self.render(messages, add_generation_prompt=False)
         spans, unlocated = [], 0
         for i, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            opened = self.render(messages[:i], add_generation_prompt=True)
-            closed = self.render(messages[: i + 1], add_generation_prompt=False)
-            if closed.startswith(opened) and text.startswith(closed) and len(closed) > len(opened):
-                spans.append((len(opened), len(closed)))
+            try:
+                before = self.render(messages[:i], add_generation_prompt=False)
+                opened = self.render(messages[:i], add_generation_prompt=True)
+                closed = self.render(messages[: i + 1], add_generation_prompt=False)
+            except TemplateError:
+                unlocated += 1
+                continue
+            start = len(os.path.commonprefix([opened, closed]))
+            if closed.startswith(before) and text.startswith(closed) and len(closed) > start:
+                spans.append((start, len(closed)))
             else:
                 unlocated += 1
         return text, spans, unlocated
@@ -141,13 +156,38 @@ class ChatTemplate:
         asked = self.render([{"role": "user", "content": user_text}], add_generation_prompt=True)
         sentinel = "\x00answer\x00"
         turn = [{"role": "user", "content": "?"}, {"role": "assistant", "content": sentinel}]
-        after = self.render(turn, add_generation_prompt=False).rpartition(sentinel)[2]
+        # (Some templates put a space before the end-of-turn token: not the end.)
+        after = self.render(turn, add_generation_prompt=False).rpartition(sentinel)[2].lstrip()
         end = tokenizer.encode_template(after)[0] if after else []
         return tokenizer.encode_template(asked)[0], (end[0] if end else None)
 
 
-def _tojson(value: Any, indent: int | None = None, **_: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """``transformers``' ``tojson``: non-ASCII text kept, json.dumps's options."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _generation_tag():
+    """``{% generation %}...{% endgeneration %}``, which ``transformers`` templates use to mark
+    assistant text: rendered as its body (the spans come from prefix renderings)."""
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return Generation
 
 
 def _raise(message: str) -> None:

@@ -141,25 +141,45 @@ FIELDS = {"text": ("text",), "chat": ("messages",), "prompt_completion": ("promp
 """The fields each ``--training.data_format`` reads from a row."""
 
 
-def open_dataset(
-    name: str, path: str | None, *, data_format: str = "text"
-) -> tuple[HFDataset, str]:
-    """Open a registered dataset (``path`` overrides its location); return it and its text
-    key. Its rows must hold the fields of ``data_format`` (``FIELDS``)."""
+def check_format(name: str, data_format: str, *, flag: str = "--training") -> DatasetSpec:
+    """The registered dataset ``name``, refused in one line if it is not registered or holds
+    rows of another format than ``data_format`` (``files`` holds any)."""
     if name not in DATASETS:
         raise ConfigError(
-            f"--training.dataset {name} is not registered; choose one of {', '.join(DATASETS)}"
+            f"{flag}.dataset {name} is not registered; choose one of {', '.join(DATASETS)}"
         )
     spec = DATASETS[name]
     if name != "files" and spec.data_format != data_format:
-        raise ConfigError(
-            f"--training.dataset {name} holds {spec.data_format} rows, and this run reads "
-            f"--training.data_format {data_format}; pass --training.data_format "
-            f"{spec.data_format}"
+        fix = (
+            f"pass --training.data_format {spec.data_format}"
+            if flag == "--training"
+            else f"pass a {flag}.dataset of {data_format} rows"
+            + next(
+                (
+                    f" (e.g. {other})"
+                    for other, s in DATASETS.items()
+                    if s.data_format == data_format and other.endswith("_validation")
+                ),
+                "",
+            )
         )
+        raise ConfigError(
+            f"{flag}.dataset {name} holds {spec.data_format} rows, and this run reads "
+            f"--training.data_format {data_format}; {fix}"
+        )
+    return spec
+
+
+def open_dataset(
+    name: str, path: str | None, *, data_format: str = "text", flag: str = "--training"
+) -> tuple[HFDataset, str]:
+    """Open a registered dataset (``path`` overrides its location); return it and its text
+    key. Its rows must hold the fields of ``data_format`` (``FIELDS``). ``flag``: the config
+    section that names the dataset (``--validation`` for the validation data)."""
+    spec = check_format(name, data_format, flag=flag)
     path = path or spec.path
     if path is None:
-        raise ConfigError(f"--training.dataset {name} needs --training.dataset_path")
+        raise ConfigError(f"{flag}.dataset {name} needs {flag}.dataset_path")
     logger.info(f"Opening dataset {name} from {path}")
     data = spec.loader(path)
     features = getattr(data, "features", None)
@@ -177,7 +197,7 @@ def open_dataset(
                 "",
             )
             raise ConfigError(
-                f"--training.dataset_path {path}: its rows have the fields {sorted(features)}, "
+                f"{flag}.dataset_path {path}: its rows have the fields {sorted(features)}, "
                 f"no {missing[0]!r}; --training.data_format {data_format} reads rows with "
                 f"{' and '.join(map(repr, wanted))}{hint}"
             )
@@ -187,7 +207,7 @@ def open_dataset(
             "large_string",
         ):
             raise ConfigError(
-                f"--training.dataset_path {path}: the {key!r} field holds "
+                f"{flag}.dataset_path {path}: the {key!r} field holds "
                 f"{features[key].dtype}, not text"
             )
     return data, spec.text_key

@@ -58,14 +58,20 @@ class TextDataset(IterableDataset, Stateful):
         dp_world_size: int = 1,
         infinite: bool = True,
         text_key: str = "text",
+        flag: str = "--training",
+        where: str | None = None,
     ):
+        """``flag``: the config section whose flags the messages name (``--validation`` for
+        the validation data); ``where``: who reads, in messages (default: this DP rank)."""
         if isinstance(data, datasets.Dataset) and len(data) < dp_world_size:
             raise ConfigError(
                 f"dataset {name} has {len(data)} documents, fewer than the {dp_world_size} "
                 "data-parallel ranks; use a larger dataset or fewer ranks"
             )
         self.name = name
-        self._where = f"data-parallel rank {dp_rank} of {dp_world_size}"
+        self._where = where or f"data-parallel rank {dp_rank} of {dp_world_size}"
+        self._flag = flag
+        self._format = "text"
         self._data = split_dataset_by_node(data, rank=dp_rank, world_size=dp_world_size)
         self._streaming = isinstance(self._data, datasets.IterableDataset)
         self._tokenizer = tokenizer
@@ -100,6 +106,7 @@ class TextDataset(IterableDataset, Stateful):
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         empty_passes = 0
         while True:
+            yield from self._carried_windows()
             documents = 0
             self._characters = 0
             # A resumed pass may start near the end, where only empty documents are left.
@@ -116,9 +123,10 @@ class TextDataset(IterableDataset, Stateful):
                     f"{self._worker_note()}: it has fewer documents or shards than readers; "
                     "use fewer ranks or --training.num_workers 0"
                 )
-            self._check_pass(documents, started_at_first=started_at_first)
             if not self._infinite:
                 yield from self._last_windows()
+            self._check_pass(documents, started_at_first=started_at_first)
+            if not self._infinite:
                 self._rewind(self._epoch)
                 return
             self._rewind(self._epoch + 1)
@@ -159,6 +167,11 @@ class TextDataset(IterableDataset, Stateful):
                 "empty; training on them would learn only the begin/end tokens"
             )
 
+    def _carried_windows(self) -> Iterator[tuple[dict, torch.Tensor]]:
+        """Windows a resumed state holds complete, yielded before the next document is read
+        (text: none; its buffer is cut as documents come)."""
+        return iter(())
+
     def _last_windows(self) -> Iterator[tuple[dict, torch.Tensor]]:
         """What a finite pass yields after its last document (text: nothing; the tokens
         short of a window are left out)."""
@@ -182,6 +195,7 @@ class TextDataset(IterableDataset, Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         state = {
+            "format": self._format,
             "epoch": self._epoch,
             "sample_idx": self._sample_idx,
             "token_buffer": list(self._token_buffer),
@@ -191,6 +205,13 @@ class TextDataset(IterableDataset, Stateful):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("format", "text")
+        if saved != self._format:
+            raise ConfigError(
+                f"dataloader state was saved reading --training.data_format {saved}, this run "
+                f"reads {self._format}; resume with {saved} or pass "
+                "--checkpoint.exclude_from_loading dataloader"
+            )
         self._epoch = state["epoch"]
         self._sample_idx = state["sample_idx"]
         self._token_buffer = list(state["token_buffer"])
@@ -312,6 +333,7 @@ def build_dataloader(
     drop_last: bool = False,
     data_format: str = "text",
     make_dataset: Callable[..., TextDataset] | None = None,
+    flag: str = "--training",
 ) -> ParallelAwareDataloader:
     """Open ``dataset`` and wrap this DP rank's share of it in a resumable dataloader.
 
@@ -322,8 +344,9 @@ def build_dataloader(
     finite pass ends at its last full batch (under ``by_row`` a partial global batch would
     leave some ranks no rows at all). ``make_dataset``: what turns the rows into windows
     (called as ``TextDataset`` is; default: ``TextDataset``, reading ``data_format`` text).
+    ``flag``: the config section messages name (``--validation`` for validation data).
     """
-    data, text_key = open_dataset(dataset, dataset_path, data_format=data_format)
+    data, text_key = open_dataset(dataset, dataset_path, data_format=data_format, flag=flag)
     by_row = sharding == "by_row"
     if make_dataset is None:
         make_dataset = functools.partial(TextDataset, text_key=text_key)
@@ -335,6 +358,8 @@ def build_dataloader(
         dp_rank=0 if by_row else dp_rank,
         dp_world_size=1 if by_row else dp_world_size,
         infinite=infinite,
+        flag=flag,
+        where=f"data-parallel rank {dp_rank} of {dp_world_size} (by_row)" if by_row else None,
     )
     rows = local_batch_size * dp_world_size if by_row else local_batch_size
     start = dp_rank * local_batch_size if by_row else 0

@@ -85,6 +85,8 @@ class HuggingFaceTokenizer:
                 f"({self._model.id_to_token(eos_id)}) on both sides"
             )
         self.bos_id: int = eos_id if bos_id is None else bos_id
+        self.has_bos = bos_id is not None
+        """Whether the vocabulary has a bos token of its own (chat templates see none else)."""
         pad = _token_name(config.get("pad_token"))
         self.pad_id: int | None = vocab.get(pad) if pad else None
 
@@ -98,7 +100,17 @@ class HuggingFaceTokenizer:
         plain = [t for t in self._model.get_added_tokens_decoder().values() if not t.special]
         if plain:
             self._model.add_special_tokens(
-                [AddedToken(t.content, special=True, normalized=t.normalized) for t in plain]
+                [
+                    AddedToken(
+                        t.content,
+                        single_word=t.single_word,
+                        lstrip=t.lstrip,
+                        rstrip=t.rstrip,
+                        normalized=t.normalized,
+                        special=True,
+                    )
+                    for t in plain
+                ]  # fmt: skip
             )
         self._model.encode_special_tokens = True
 
@@ -128,16 +140,16 @@ class HuggingFaceTokenizer:
         ids = self._model.encode(text, add_special_tokens=False).ids
         return [self.bos_id] * add_bos + ids + [self.eos_id] * add_eos
 
-    def encode_template(self, text: str) -> tuple[list[int], list[int]]:
+    def encode_template(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of text a chat template wrote, where the strings of special and added
         tokens are those tokens (as ``transformers`` encodes a rendered template), and the
-        character each token starts at."""
+        characters ``[start, end)`` each token covers."""
         self._model.encode_special_tokens = False
         try:
             encoding = self._model.encode(text, add_special_tokens=False)
         finally:
             self._model.encode_special_tokens = True
-        return list(encoding.ids), [start for start, _ in encoding.offsets]
+        return list(encoding.ids), [(start, max(end, start + 1)) for start, end in encoding.offsets]
 
     def token_name(self, token_id: int) -> str:
         """The string of one token id (a special token's name)."""

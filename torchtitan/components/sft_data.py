@@ -74,8 +74,8 @@ class SFTDataset(TextDataset):
 
     def _windows(self, document: dict[str, Any]) -> Iterator[tuple[dict, torch.Tensor]]:
         # Whatever this method yields has left the state first (a checkpoint can be taken at
-        # any yield): windows completed by this sample wait in ``_ready``, which is state.
-        yield from self._flush_ready()
+        # any yield): windows completed by this sample wait in ``_ready``, which is state
+        # (a resumed state's are yielded before the next document is read).
         inputs, labels = self._sample(document)
         self._counts.samples += 1
         if all(label == IGNORE_INDEX for label in labels):
@@ -100,6 +100,9 @@ class SFTDataset(TextDataset):
     def _flush_ready(self) -> Iterator[tuple[dict, torch.Tensor]]:
         while self._ready:
             yield self._row(self._ready.pop(0))
+
+    def _carried_windows(self) -> Iterator[tuple[dict, torch.Tensor]]:
+        return self._flush_ready()
 
     def _sample(self, row: dict[str, Any]) -> tuple[list[int], list[int]]:
         """One row's inputs and labels (each ``len(tokens) - 1``)."""
@@ -130,19 +133,19 @@ class SFTDataset(TextDataset):
             text, spans, unlocated = self._template.assistant_spans(messages)
         except TemplateError as e:
             raise ConfigError(
-                f"dataset {self.name}: the chat template {self._template.where} refused a row "
-                f"of {self._where} ({e}): {str(row)[:80]}"
+                f"dataset {self.name}: the chat template {self._template.where} cannot render "
+                f"a row of {self._where} ({e}): {str(row)[:80]}; fix the row or pass another "
+                "--training.chat_template"
             ) from None
         self._counts.unlocated += unlocated
-        tokens, starts = self._tokenizer.encode_template(text)
+        tokens, covered = self._tokenizer.encode_template(text)
         if self._train_on_prompt:
             return tokens, [True] * len(tokens)
         # A token trains if any of its characters is the answer's (a template that opens the
         # answer after "assistant: " has the space in the answer's first token).
         opens = [start for start, _ in spans]
-        ends = starts[1:] + [len(text)]
         trained = []
-        for start, end in zip(starts, ends, strict=True):
+        for start, end in covered:
             i = bisect.bisect_right(opens, end - 1) - 1
             trained.append(i >= 0 and start < spans[i][1] and end > spans[i][0])
         return tokens, trained
@@ -166,6 +169,8 @@ class SFTDataset(TextDataset):
     def _row(self, samples: list[tuple[list[int], list[int]]]) -> tuple[dict, torch.Tensor]:
         """One window: ``samples`` one after another, then padding (no labels)."""
         pad = self._seq_len - sum(len(inputs) for inputs, _ in samples)
+        self._counts.windows += 1
+        self._counts.padding += pad
         tokens = [t for inputs, _ in samples for t in inputs] + [self._pad_id] * pad
         labels = [t for _, labels in samples for t in labels] + [IGNORE_INDEX] * pad
         row = {"input": torch.tensor(tokens, dtype=torch.long)}
@@ -183,26 +188,47 @@ class SFTDataset(TextDataset):
 
     def _check_pass(self, documents: int, *, started_at_first: bool) -> None:
         counts, self._counts = self._counts, _PassCounts()
+        seq_len = f"{self._flag}.seq_len {self._seq_len}"
         if counts.samples and not counts.used and started_at_first:
+            fix = f"raise {self._flag}.seq_len" if counts.too_long else "check the data"
             raise ConfigError(
                 f"dataset {self.name}: none of the {counts.samples} samples of {self._where} "
-                f"can train: {counts.reasons(self._seq_len)}; raise --training.seq_len or "
-                "check the data"
+                f"can train: {counts.reasons(seq_len)}; {fix}"
             )
         if counts.too_long or counts.untrained or counts.unlocated:
             logger.warning(
-                f"Dataset {self.name}, {self._where}: {counts.reasons(self._seq_len)} "
+                f"Dataset {self.name}, {self._where}: {counts.reasons(seq_len)} "
                 f"(of {counts.samples} samples this pass)"
+            )
+        if counts.windows and started_at_first and self._epoch & (self._epoch - 1) == 0:
+            logger.info(
+                f"Dataset {self.name}, {self._where}: {counts.used} samples in "
+                f"{counts.windows} windows this pass, "
+                f"{counts.padding / (counts.windows * self._seq_len):.0%} of their tokens padding"
             )
 
     def state_dict(self) -> dict[str, Any]:
         return super().state_dict() | {
+            "seq_len": self._seq_len,
+            "pack": self._pack,
             "pending": [list(pair) for pair in self._pending],
             "ready": [[list(pair) for pair in window] for window in self._ready],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
+        saved = (state["seq_len"], state["pack"])
+        if saved != (self._seq_len, self._pack):
+
+            def how(seq_len, pack):
+                mask = "block_causal" if pack else "causal"
+                return f"--training.seq_len {seq_len} and --model.attn_mask {mask}"
+
+            raise ConfigError(
+                f"dataloader state holds fine-tuning windows cut for {how(*saved)}, this run "
+                f"has {how(self._seq_len, self._pack)}; resume with those or pass "
+                "--checkpoint.exclude_from_loading dataloader"
+            )
         self._pending = [(list(inputs), list(labels)) for inputs, labels in state["pending"]]
         self._ready = [[(list(i), list(lab)) for i, lab in window] for window in state["ready"]]
 
@@ -212,11 +238,12 @@ class _PassCounts:
 
     def __init__(self) -> None:
         self.samples = self.used = self.too_long = self.untrained = self.unlocated = 0
+        self.windows = self.padding = 0
 
-    def reasons(self, seq_len: int) -> str:
+    def reasons(self, seq_len: str) -> str:
         parts = []
         if self.too_long:
-            parts.append(f"{self.too_long} longer than --training.seq_len {seq_len} left out")
+            parts.append(f"{self.too_long} longer than {seq_len} left out")
         if self.untrained:
             parts.append(f"{self.untrained} with no answer tokens to train on left out")
         if self.unlocated:
@@ -249,7 +276,9 @@ def load_chat_template(
     found = template_source(tokenizer_path, override)
     if found is None:
         raise ConfigError(missing_template_message(tokenizer_path))
-    names = {"bos_token": tokenizer.bos_id, "eos_token": tokenizer.eos_id}
+    names = {"eos_token": tokenizer.eos_id}
+    if getattr(tokenizer, "has_bos", True):  # (Qwen's has none: its eos frames documents)
+        names["bos_token"] = tokenizer.bos_id
     if getattr(tokenizer, "pad_id", None) is not None:
         names["pad_token"] = tokenizer.pad_id
     special = {name: tokenizer.token_name(i) for name, i in names.items()}

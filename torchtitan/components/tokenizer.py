@@ -174,19 +174,23 @@ class Llama3Tokenizer:
             ids.append(self.eos_id)
         return ids
 
-    def encode_template(self, text: str) -> tuple[list[int], list[int]]:
+    def encode_template(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of text a chat template wrote, where special-token strings (such as
-        ``<|eot_id|>``) are the special tokens, and the character each token starts at."""
+        ``<|eot_id|>``) are the special tokens, and the characters ``[start, end)`` each token
+        covers (the byte tokens of one character all cover it)."""
         ids: list[int] = []
-        starts: list[int] = []
+        spans: list[tuple[int, int]] = []
         offset = 0
         for piece in _bounded_pieces(text):
             piece_ids = self._model.encode(piece, allowed_special="all")
-            _, piece_starts = self._model.decode_with_offsets(piece_ids)
+            _, starts = self._model.decode_with_offsets(piece_ids)
+            ends = starts[1:] + [len(piece)]
             ids.extend(piece_ids)
-            starts.extend(offset + s for s in piece_starts)
+            spans.extend(
+                (offset + a, offset + max(b, a + 1)) for a, b in zip(starts, ends, strict=True)
+            )
             offset += len(piece)
-        return ids, starts
+        return ids, spans
 
     def token_name(self, token_id: int) -> str:
         """The string of one token id (a special token's name)."""

@@ -5,6 +5,7 @@ one-line refusals of bad rows."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from torchtitan.components.chat_template import (
     check_template,
     template_source,
 )
-from torchtitan.components.data_sources import open_dataset
+from torchtitan.components.data_sources import check_format, open_dataset
 from torchtitan.components.dataloader import build_dataloader
 from torchtitan.components.hf_tokenizer import HuggingFaceTokenizer
 from torchtitan.components.loss import IGNORE_INDEX
@@ -244,7 +245,7 @@ def test_a_template_refusing_a_row_names_it(tokenizer, tmp_path):
         where="strict.jinja",
     )
     path = _rows(tmp_path, [{"messages": CONVERSATION}])
-    with pytest.raises(ConfigError, match="strict.jinja refused a row .*no system messages"):
+    with pytest.raises(ConfigError, match="strict.jinja cannot render a row .*no system messages"):
         list(_dataset(path, tokenizer, strict))
 
 
@@ -290,3 +291,180 @@ def test_a_prompt_asks_for_an_answer_and_knows_where_it_ends(tokenizer, template
     ids, end = template.prompt(tokenizer, "hello")
     assert tokenizer.decode(ids).endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
     assert tokenizer.token_name(end) == "<|eot_id|>"
+
+
+def _windows_equal(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for (got_in, got_labels), (want_in, want_labels) in zip(got, want, strict=True):
+        assert got_in.keys() == want_in.keys()
+        assert all(torch.equal(got_in[k], want_in[k]) for k in got_in)
+        assert torch.equal(got_labels, want_labels)
+
+
+def test_resuming_at_any_window_twice_in_a_row_loses_nothing(tokenizer, template, tmp_path):
+    """A sample exactly one window long after a partly filled window completes two windows at
+    once: states taken between them, and again right after a resumed state's first window,
+    resume to the same windows."""
+    exact = _qa(99, words=9)
+    probe = _dataset(_rows(tmp_path, [exact], "probe.jsonl"), tokenizer, template, pack=False)
+    seq_len = len(probe._sample(exact)[0])
+    rows = [_qa(0), exact, _qa(1), _qa(2, words=5), exact, _qa(3)]
+    path = _rows(tmp_path, rows)
+
+    def fresh() -> SFTDataset:
+        return _dataset(path, tokenizer, template, seq_len=seq_len)
+
+    whole = list(fresh())
+    assert len(whole) == 6
+    data, it, states = fresh(), None, []
+    it = iter(data)
+    for _ in whole:
+        next(it)
+        states.append(copy.deepcopy(data.state_dict()))
+    for k, state in enumerate(states[:-1]):
+        once = fresh()
+        once.load_state_dict(copy.deepcopy(state))
+        first = next(iter(once))
+        twice = fresh()
+        twice.load_state_dict(copy.deepcopy(once.state_dict()))
+        _windows_equal([first, *twice], whole[k + 1 :])
+
+
+def test_an_answer_starting_with_a_multibyte_character_trains_from_its_first_byte(
+    tokenizer, template, tmp_path
+):
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "日本 is 🙂"},
+            ]
+        }
+    ]
+    hf = HuggingFaceTokenizer(HF_TOKENIZER / "tokenizer.json")
+    for tok in (tokenizer, hf):
+        ((_, labels),) = list(_dataset(_rows(tmp_path, rows), tok, template, pack=False))
+        assert _trained_text(tok, labels) == "日本 is 🙂<|eot_id|>"
+
+
+def test_templates_see_what_transformers_passes_them():
+    seen = ChatTemplate(
+        "{% if tools is not none %}T{% endif %}{% if documents is not none %}D{% endif %}"
+        "{% if bos_token is defined %}B{% endif %}{{ {'b': 1, 'a': 2} | tojson(sort_keys=true) }}"
+        "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}",
+        where="t",
+    )
+    assert seen.render([{"role": "user", "content": "x"}], add_generation_prompt=False) == (
+        '{"a": 2, "b": 1}x'
+    )
+
+
+def test_a_tokenizer_without_bos_gives_templates_none(tmp_path):
+    """Qwen's vocabulary has no bos (its documents are framed by eos): templates see no
+    bos_token, as in transformers, not the eos standing in for it."""
+
+    class NoBos:
+        bos_id = eos_id = 7
+        has_bos = False
+
+        def token_name(self, token_id: int) -> str:
+            return "<|endoftext|>"
+
+    (tmp_path / "t.jinja").write_text("{{ bos_token is defined }} {{ eos_token }}")
+    template = load_chat_template(
+        NoBos(), tokenizer_path=str(tmp_path), override=str(tmp_path / "t.jinja")
+    )
+    assert template.render([], add_generation_prompt=False) == "False <|endoftext|>"
+
+
+def test_turns_a_template_cannot_render_alone_are_unlocated_and_thinking_prompts_located():
+    reads_first = ChatTemplate(
+        "{{ messages[0].role }}|{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}",
+        where="t",
+    )
+    messages = [
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a2"},
+    ]
+    text, spans, unlocated = reads_first.assistant_spans(messages)
+    assert unlocated == 1 and [text[a:b] for a, b in spans] == ["a2"]
+    # A generation prompt that opens a thought the stored answer does not repeat.
+    thinking = ChatTemplate(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}<end>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant><think>{% endif %}",
+        where="t",
+    )
+    text, spans, unlocated = thinking.assistant_spans(messages[1:])
+    assert unlocated == 0 and [text[a:b] for a, b in spans] == ["a2<end>"]
+
+
+def test_the_end_of_turn_token_is_not_a_space(tokenizer):
+    spaced = ChatTemplate(
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }} {{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}",
+        where="t",
+        special_tokens={"eos_token": "<|end_of_text|>"},
+    )
+    assert spaced.prompt(tokenizer, "hi")[1] == tokenizer.eos_id
+
+
+def test_resuming_other_windows_or_formats_is_refused(tokenizer, template, tmp_path):
+    path = _rows(tmp_path, [_qa(i) for i in range(6)])
+    packed = _dataset(path, tokenizer, template, seq_len=64, infinite=True)
+    next(iter(packed))
+    state = packed.state_dict()
+    for other, names in (
+        (_dataset(path, tokenizer, template, seq_len=32), "--training.seq_len 64"),
+        (
+            _dataset(path, tokenizer, template, seq_len=64, pack=False),
+            ".* and --model.attn_mask block_causal, this run has .* causal",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=f"cut for {names}.*exclude_from_loading dataloader"):
+            other.load_state_dict(copy.deepcopy(state))
+    text, _ = open_dataset("python_docs", None)
+    from torchtitan.components.dataloader import TextDataset
+
+    reader = TextDataset(text, name="python_docs", tokenizer=tokenizer, seq_len=64)
+    with pytest.raises(
+        ConfigError, match="saved reading --training.data_format chat, this run reads text"
+    ):
+        reader.load_state_dict(state)
+    with pytest.raises(
+        ConfigError, match="saved reading --training.data_format text, this run reads chat"
+    ):
+        packed.load_state_dict(reader.state_dict())
+
+
+def test_a_validation_dataset_of_another_format_names_the_validation_flag():
+    with pytest.raises(
+        ConfigError,
+        match="--validation.dataset python_docs_validation holds text rows.*pass a "
+        r"--validation.dataset of chat rows \(e.g. chat_demo_validation\)",
+    ):
+        check_format("python_docs_validation", "chat", flag="--validation")
+
+
+def test_added_tokens_keep_their_whitespace_rules(tmp_path):
+    """An added (not special) token that eats the spaces after it (``rstrip``) still does
+    when our tokenizer re-marks it special to keep it out of plain text."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import AddedToken, Tokenizer
+
+    raw = Tokenizer.from_file(str(HF_TOKENIZER / "tokenizer.json"))
+    raw.add_tokens([AddedToken("<|turn|>", special=False, rstrip=True, normalized=False)])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    config = (HF_TOKENIZER / "tokenizer_config.json").read_text()
+    (tmp_path / "tokenizer_config.json").write_text(config)
+    source = "{% for m in messages %}<|turn|>  {{ m.role }}: {{ m.content }}\n{% endfor %}"
+    (tmp_path / "chat_template.jinja").write_text(source)
+    text = ChatTemplate(source, where="t").render(CONVERSATION, add_generation_prompt=False)
+    want = transformers.AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(
+        CONVERSATION, tokenize=True
+    )
+    want = want if isinstance(want, list) else want["input_ids"]
+    ours = HuggingFaceTokenizer(tmp_path / "tokenizer.json")
+    assert ours.encode_template(text)[0] == want
+    assert ours.encode("<|turn|>  x") != ours.encode_template("<|turn|>  x")[0]  # text stays text
