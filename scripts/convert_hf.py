@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.components import checkpoint_hf
+from torchtitan.components import checkpoint_hf, hf_config
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_files import CONFIG_FILE
 from torchtitan.components.checkpoint_states import ModelState
@@ -114,7 +114,7 @@ def to_hf(
 
 def from_hf(folder: Path, out: Path, module: str, flavor: str | None) -> None:
     spec = get_model_spec(module)
-    flavor = flavor or checkpoint_hf.matching_flavor(spec, folder)
+    flavor = flavor or hf_config.matching_flavor(spec, folder)
     seq_len = checkpoint_hf.read_config(folder).get("max_position_embeddings")
     model = _model(spec, flavor, seq_len)
     # The folder's own tokenizer, where it has one, is what the checkpoint was trained with.
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.direction == "tokenizer":
             tokenizer_to_hf(args.source, args.out, args.model_max_length)
         else:
-            module = args.module or checkpoint_hf.hf_family(args.source) or "llama3"
+            module = args.module or hf_config.hf_family(args.source) or "llama3"
             from_hf(args.source, args.out, module, args.flavor)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -123,7 +123,7 @@ def load_model(
     bundled one. ``tp > 1``: the model's tensor-parallel plan over this torchrun's ranks
     (without sequence and loss parallelism: every rank gets the whole logits and samples the
     same token)."""
-    from torchtitan.components import checkpoint_hf
+    from torchtitan.components import checkpoint_hf, hf_config
     from torchtitan.components.checkpoint_files import (
         CONFIG_FILE,
         complete_checkpoints,
@@ -152,10 +152,10 @@ def load_model(
         tokenizer = resolve_path(saved.get("tokenizer_path", tokenizer))
         seq_len = run.get("training", {}).get("seq_len")
     if module is None and checkpoint_hf.is_hf_folder(path):
-        module = checkpoint_hf.hf_family(path)
+        module = hf_config.hf_family(path)
     spec = get_model_spec(module or "llama3")
     if checkpoint_hf.is_hf_folder(path):
-        flavor = flavor or checkpoint_hf.matching_flavor(spec, path)
+        flavor = flavor or hf_config.matching_flavor(spec, path)
         seq_len = seq_len or checkpoint_hf.read_config(path).get("max_position_embeddings")
         if find_tokenizer_file(path) is not None:  # exported with its tokenizer
             tokenizer = path

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 
@@ -172,6 +173,27 @@ def test_adapter_only_runs_train_on_the_initial_weights_even_from_a_seed(hf, tmp
     assert _losses(dump)[1] == pytest.approx(_hf_loss(hf), rel=1e-5)
 
 
+def test_the_peft_adapters_on_the_base_model_are_the_merged_export(tuned, hf):
+    """``peft-step-4``: the adapters alone in PEFT's format, which ``peft`` loads onto the HF
+    model they were trained from; that computes what the merged export computes."""
+    peft = pytest.importorskip("peft")
+    adapters = tuned / "checkpoint/peft-step-4"
+    config = json.loads((adapters / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(hf)
+    assert (config["r"], config["lora_alpha"]) == (4, 8)
+    assert len(config["target_modules"]) == 7 * 6  # every linear layer of the 6 blocks
+    base = transformers.LlamaForCausalLM.from_pretrained(hf)
+    adapted = peft.PeftModel.from_pretrained(base, adapters).eval()
+    merged = transformers.LlamaForCausalLM.from_pretrained(tuned / "checkpoint/hf-step-4").eval()
+    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = merged(tokens).logits
+        torch.testing.assert_close(adapted(tokens).logits, want, rtol=1e-5, atol=1e-5)
+        # (and the adapters matter: without them the base model computes otherwise)
+        with adapted.disable_adapter():
+            assert not torch.allclose(adapted(tokens).logits, want, atol=1e-3)
+
+
 def test_tensor_and_data_parallel_lora_import_and_export_equal_one_process(tuned, hf, tmp_path):
     result = run_train(
         tmp_path, *BASE, *LORA, "--checkpoint.initial_load_path", str(hf),
@@ -188,6 +210,18 @@ def test_tensor_and_data_parallel_lora_import_and_export_equal_one_process(tuned
         torch.testing.assert_close(ours[key], value, rtol=0, atol=5e-5, msg=key)
     config = json.loads((tmp_path / "checkpoint/hf-step-4/config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
+    # The PEFT adapters gathered from TP and FSDP shards compute one process's: B·A, as the
+    # merged weights above (A alone moves with summation order while B is near zero).
+    ours, one = (
+        load_file(run / "checkpoint/peft-step-4/adapter_model.safetensors")
+        for run in (tmp_path, tuned)
+    )
+    assert ours.keys() == one.keys() and len(one) == 2 * 7 * 6
+    for key in (k for k in one if k.endswith("lora_A.weight")):
+        b = key.replace("lora_A", "lora_B")
+        torch.testing.assert_close(
+            ours[b] @ ours[key], one[b] @ one[key], rtol=0, atol=5e-5, msg=key
+        )
 
 
 def test_adapters_only_saves_resume_and_sample_like_full_ones(tuned, hf, tmp_path, capfd):

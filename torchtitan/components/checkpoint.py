@@ -275,7 +275,15 @@ class CheckpointManager:
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException
             raise self._save_failed(step, e) from None
         if last and self.config.last_save_in_hf and self.hf is not None:
-            self.hf.save(self.folder / f"hf-step-{step}", _DTYPES[self.config.export_dtype])
+            # LoRA adapters also on their own, in PEFT's format, for the HF model they adapt.
+            initial = self.config.initial_load_path
+            base = str(initial) if initial and checkpoint_hf.is_hf_folder(initial) else None
+            self.hf.save(
+                self.folder / f"hf-step-{step}",
+                _DTYPES[self.config.export_dtype],
+                peft_folder=self.folder / f"peft-step-{step}" if self.weights.adapted() else None,
+                base_model=base,
+            )
 
     def wait_for_staging(self) -> None:
         """Block until the state of an ``async_with_pinned_mem`` save is copied to host memory.

@@ -39,15 +39,20 @@ from torchtitan.components.checkpoint_files import (
     persistent_buffers,
     read_full_model,
 )
+from torchtitan.components.hf_config import (
+    CONFIG,
+    INDEX,
+    SINGLE,
+    is_hf_folder,
+    read_config,
+)
+from torchtitan.components.peft_export import PeftAdapters, write_peft
 from torchtitan.components.tokenizer_export import save_hf_tokenizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed import local_tensor
 from torchtitan.tools.logging import logger
 from torchtitan.tools.paths import resolve_path
 
-CONFIG = "config.json"
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 MAX_SHARD_BYTES = 5 * 2**30
 
 
@@ -68,118 +73,28 @@ class HFIO:
     def load(self, folder: str | os.PathLike) -> None:
         load_hf_(self.model_parts, self.adapter, folder)
 
-    def save(self, folder: str | os.PathLike, dtype: torch.dtype) -> None:
-        """Export to ``folder``; one there already (another run's) is moved aside first, to
-        ``<folder>.replaced``, as checkpoints are."""
-        folder = Path(folder)
-        if _rank() == 0 and folder.exists():
-            aside = free_name(folder.with_name(folder.name + ".replaced"))
-            os.replace(folder, aside)
-            logger.warning(f"{folder} existed (not written by this run): moved to {aside}")
+    def save(
+        self,
+        folder: str | os.PathLike,
+        dtype: torch.dtype,
+        *,
+        peft_folder: str | os.PathLike | None = None,
+        base_model: str | None = None,
+    ) -> None:
+        """Export to ``folder`` (and LoRA adapters to ``peft_folder``, see ``save_hf``); one
+        there already (another run's) is moved aside first, to ``<folder>.replaced``, as
+        checkpoints are."""
+        for path in (Path(folder), peft_folder and Path(peft_folder)):
+            if path and _rank() == 0 and path.exists():
+                aside = free_name(path.with_name(path.name + ".replaced"))
+                os.replace(path, aside)
+                logger.warning(f"{path} existed (not written by this run): moved to {aside}")
         _barrier()
         save_hf(
             self.model_parts, self.adapter, folder, dtype=dtype, writer=self.writer,
             pipelined=self.pipelined, tokenizer=self.tokenizer, chat_template=self.chat_template,
+            peft_folder=peft_folder, base_model=base_model,
         )  # fmt: skip
-
-
-def is_hf_folder(path: str | os.PathLike) -> bool:
-    """A Hugging Face model folder: ``config.json`` and safetensors weights."""
-    path = Path(path)
-    return (path / CONFIG).is_file() and ((path / INDEX).is_file() or (path / SINGLE).is_file())
-
-
-def read_config(folder: str | os.PathLike) -> dict[str, Any]:
-    """An HF folder's ``config.json``."""
-    return json.loads((Path(folder) / CONFIG).read_text())
-
-
-def _adapter_class(spec):
-    """The class behind a spec's ``state_dict_adapter`` (a ``lazy`` name or the class)."""
-    adapter = spec.state_dict_adapter
-    return adapter.resolve() if hasattr(adapter, "resolve") else adapter
-
-
-def hf_family(folder: str | os.PathLike) -> str | None:
-    """The model family (``--module``) under ``torchtitan.models`` whose adapter reads the HF
-    folder's ``model_type`` (``None``: the folder names none, or no family reads it). A family
-    that fails to import is skipped (its own runs say why)."""
-    import pkgutil
-
-    import torchtitan.models
-    from torchtitan.models.spec import get_model_spec
-
-    model_type = read_config(folder).get("model_type")
-    if model_type is None:
-        return None
-    for package in pkgutil.iter_modules(torchtitan.models.__path__):
-        if not package.ispkg:
-            continue
-        try:
-            spec = get_model_spec(package.name)
-            adapter = _adapter_class(spec) if spec.state_dict_adapter is not None else None
-        except (ImportError, ConfigError, AttributeError):
-            continue  # not a family (models/common), or one this install cannot load
-        if model_type in _model_types(adapter):
-            return spec.name
-    return None
-
-
-def matching_flavor(spec, folder: str | os.PathLike) -> str:
-    """The flavor of ``spec`` whose shapes the HF folder's ``config.json`` has."""
-    config = read_config(folder)
-    model_types = _model_types(_adapter_class(spec))
-    if config.get("model_type") not in (None, *model_types):
-        names = " or ".join(repr(t) for t in model_types)
-        raise ConfigError(
-            f"{folder}: model_type {config['model_type']!r} is not {spec.name}'s "
-            f"({names}); pass the --module that reads it"
-        )
-    for flavor, args in spec.flavors.items():
-        try:
-            spec.state_dict_adapter(args).check_hf_config(config, str(folder))
-            return flavor
-        except ConfigError:
-            continue
-    raise ConfigError(
-        f"{folder}: no {spec.name} flavor has its shapes; pass the flavor (--model.flavor, or "
-        "--flavor to the scripts)"
-    )
-
-
-def hf_rope(config: dict[str, Any]) -> tuple[float, str, dict[str, Any]]:
-    """An HF ``config.json``'s rotary embedding: its base (``transformers``' default 10000
-    where none is given), the scaling type (``default``: none) and the scaling's fields. Reads
-    both forms (``rope_theta`` + ``rope_scaling``, and transformers 5's ``rope_parameters``)."""
-    params = dict(config.get("rope_parameters") or {})
-    theta = params.pop("rope_theta", config.get("rope_theta"))
-    scaling = config.get("rope_scaling") or params
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    return float(10000.0 if theta is None else theta), kind, scaling or {}
-
-
-def check_computation(config: dict[str, Any], where: str, wanted: dict[str, Any]) -> None:
-    """Refuse (one line) an HF model whose ``config.json`` sets one of ``wanted``'s fields to
-    another value (absent or null: the field's default, taken as ours): norms' epsilon,
-    activation, biases and the like, which change the logits without changing a shape."""
-    other = [
-        f"{k}={config[k]} (ours: {v})"
-        for k, v in wanted.items()
-        if config.get(k) is not None and config[k] != v
-    ]
-    if other:
-        raise ConfigError(
-            f"{where}: the HF model's {', '.join(other)} is not what this --model.flavor "
-            "computes; it would give other logits"
-        )
-
-
-def _model_types(adapter) -> tuple:
-    """The HF ``model_type`` values an adapter class reads (``model_types``, else its one
-    ``model_type``)."""
-    if adapter is None:
-        return ()
-    return getattr(adapter, "model_types", (getattr(adapter, "model_type", None),))
 
 
 class _Shards:
@@ -276,12 +191,16 @@ def save_hf(
     pipelined: bool,
     tokenizer: Any = None,
     chat_template: str | None = None,
+    peft_folder: str | os.PathLike | None = None,
+    base_model: str | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> None:
     """Write the model as an HF folder. Every rank calls it (the gathers are collectives);
     ``writer``: this rank writes its pipeline stage's tensors (the first rank of the stage).
     ``tokenizer`` (a run's, or ``None``): its bos/eos ids go in ``config.json`` and rank 0
-    writes it as ``tokenizer.json`` + ``tokenizer_config.json`` (``save_hf_tokenizer``)."""
+    writes it as ``tokenizer.json`` + ``tokenizer_config.json`` (``save_hf_tokenizer``). LoRA
+    adapters are folded into their layers; with ``peft_folder`` they are also written there
+    in PEFT's format, for the HF model ``base_model`` (``peft_export``)."""
     folder = Path(folder)
     # What the HF model cannot express is refused on every rank before any write or collective.
     adapter.hf_config(tied=False, dtype=dtype, bos_id=None, eos_id=None)
@@ -305,17 +224,19 @@ def save_hf(
         )
     tensors: dict[str, torch.Tensor] = {}
     embedding = output = None
+    peft = PeftAdapters() if peft_folder is not None else None
     for part in model_parts:
         for name, param in _mapped_tensors(part, adapter):
             if lora.is_adapter_name(name):  # folded into their layer's weight
                 continue
             full = _full(param)
             owner = part.get_submodule(name.rpartition(".")[0])
-            if lora.is_adapted(owner) and name.endswith(".weight"):
-                full = lora.merged_weight(
-                    full, _full(owner.lora_a), _full(owner.lora_b), owner.lora_scale
-                )
             ours = lora.clean_name(name)
+            if lora.is_adapted(owner) and name.endswith(".weight"):
+                a, b = _full(owner.lora_a), _full(owner.lora_b)
+                if peft is not None and writer:
+                    peft.add(adapter, ours, a, b, owner.lora_scale)
+                full = lora.merged_weight(full, a, b, owner.lora_scale)
             if ours == "tok_embeddings.weight":
                 embedding = full
             elif ours == "output.weight":
@@ -326,6 +247,13 @@ def save_hf(
                     # is under bf16's spacing near 0.5 and would change the experts chosen.
                     fp32 = hf.endswith(getattr(adapter, "keep_in_fp32", ()))
                     tensors[hf] = t.to(torch.float32 if fp32 else dtype).contiguous()
+    adapters = _gather([peft]) if peft is not None else []
+    problems = [problem for (p,) in adapters for problem in p.problems]
+    if problems:  # every rank raises, before anything is written
+        raise ConfigError(
+            f"{problems[0]}; nothing was written: export without PEFT adapters (the merged "
+            "model alone)"
+        )
     # Tied when our output is the embedding (a tied flavor, or untouched since a tied import);
     # stages of a pipeline hold them apart: exported untied.
     tied = not pipelined and (
@@ -366,6 +294,13 @@ def save_hf(
             except (OSError, ValueError) as e:  # the weights stand; the other ranks wait below
                 logger.warning(f"Tokenizer not written to {folder}: {e}")
         logger.info(f"Hugging Face model written to {folder} ({total} shard(s), {size:,} bytes)")
+        if adapters and any(p.tensors for (p,) in adapters):
+            written = write_peft(
+                Path(peft_folder), [p for (p,) in adapters], dtype=dtype, base_model=base_model
+            )
+            logger.info(
+                f"LoRA adapters written to {peft_folder} in PEFT's format ({written:,} bytes)"
+            )
     _barrier()
 
 

@@ -114,6 +114,10 @@ class WeightsLoader:
             }
         return self._frozen_source_print
 
+    def adapted(self) -> bool:
+        """Whether the model has LoRA adapters."""
+        return any(lora.is_adapted(m) for part in self.model.model_parts for m in part.modules())
+
     def frozen_left_out(self) -> bool:
         """Whether this run's checkpoints leave the frozen weights out (LoRA's
         ``--lora.save_adapters_only``): they come from ``--checkpoint.initial_load_path``."""

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan.components import checkpoint_hf
+from torchtitan.components import checkpoint_hf, hf_config
 from torchtitan.config.errors import ConfigError
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.qwen3.args import flavors
@@ -138,7 +138,7 @@ def test_a_qwen3_folder_is_found_to_be_qwen3_without_module(tmp_path):
     torch.manual_seed(2)
     hf = transformers.Qwen3ForCausalLM(_hf_config(args, tied=False)).eval()
     hf.save_pretrained(tmp_path / "hf")
-    assert checkpoint_hf.hf_family(tmp_path / "hf") == "qwen3"
+    assert hf_config.hf_family(tmp_path / "hf") == "qwen3"
     model, found, _ = load_model(tmp_path / "hf", None, None, torch.device("cpu"))
     assert found == args  # the folder's max_position_embeddings sizes the RoPE table
     with torch.no_grad():
@@ -164,17 +164,17 @@ def test_family_and_flavor_come_from_the_folder(tmp_path):
         num_attention_heads=a.n_heads, num_key_value_heads=a.kv_heads, vocab_size=a.vocab_size,
     )  # fmt: skip
     transformers.LlamaForCausalLM(llama).save_pretrained(tmp_path / "llama")
-    assert checkpoint_hf.hf_family(tmp_path / "llama") == "llama3"
+    assert hf_config.hf_family(tmp_path / "llama") == "llama3"
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"model_type": None}))
-    assert checkpoint_hf.hf_family(folder) is None
+    assert hf_config.hf_family(folder) is None
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(
         ConfigError, match="model_type 'qwen3' is not llama3's .* pass the --module"
     ):
-        checkpoint_hf.matching_flavor(get_model_spec("llama3"), folder)
+        hf_config.matching_flavor(get_model_spec("llama3"), folder)
     full = _save(tmp_path, "full", dataclasses.replace(flavors["debugmodel"], max_seq_len=64))
-    assert checkpoint_hf.matching_flavor(get_model_spec("qwen3"), full) == "debugmodel"
+    assert hf_config.matching_flavor(get_model_spec("qwen3"), full) == "debugmodel"
 
 
 @pytest.mark.parametrize(
@@ -256,7 +256,7 @@ def test_moe_import_export_and_round_trip(tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     with torch.no_grad():
         want = hf(TOKENS).logits
-    assert checkpoint_hf.hf_family(tmp_path / "hf") == "qwen3"
+    assert hf_config.hf_family(tmp_path / "hf") == "qwen3"
     ours = _ours(MOE_ARGS)
     adapter = Qwen3StateDictAdapter(MOE_ARGS)
     checkpoint_hf.load_hf_([ours], adapter, tmp_path / "hf")
@@ -301,7 +301,7 @@ def test_moe_folders_and_flavors_do_not_cross(tmp_path):
 
     full = dataclasses.replace(flavors["debugmodel_moe"], max_seq_len=64)
     transformers.Qwen3MoeForCausalLM(_hf_moe_config(full)).save_pretrained(tmp_path / "full")
-    assert checkpoint_hf.matching_flavor(get_model_spec("qwen3"), tmp_path / "full") == (
+    assert hf_config.matching_flavor(get_model_spec("qwen3"), tmp_path / "full") == (
         "debugmodel_moe"
     )
     _random_hf_moe(4).save_pretrained(tmp_path / "moe")

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from torchtitan.components.checkpoint_hf import check_computation, hf_rope
+from torchtitan.components.hf_config import check_computation, hf_rope
 from torchtitan.config.errors import ConfigError
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
 
