@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from torchtitan.components import checkpoint_hf, hf_config
+from torchtitan.components.chat_template import TEMPLATE_FILE
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_files import CONFIG_FILE
 from torchtitan.components.checkpoint_states import ModelState
@@ -101,9 +102,12 @@ def to_hf(
                 f"--tokenizer {tokenizer_path} has {tokenizer.vocab_size} tokens, more than "
                 f"{flavor}'s vocabulary of {vocab}: pass the model's own tokenizer"
             )
+    # A fine-tuning run's steps hold its chat template: the export carries it.
+    template = step / TEMPLATE_FILE
     checkpoint_hf.save_hf(
         [model], spec.state_dict_adapter(args), out, dtype=DTYPES[dtype],
         writer=True, pipelined=False, tokenizer=tokenizer,
+        chat_template=template.read_text() if template.is_file() else None,
     )  # fmt: skip
     if tokenizer is None:
         print(f"{module} {flavor} weights written to {out}; no tokenizer: {step} records none "

@@ -114,6 +114,22 @@ def prompt_ids(tokenizer, text: str, chat_template=None) -> tuple[list[int], set
     return ids, {tokenizer.eos_id} | ({end_of_turn} if end_of_turn is not None else set())
 
 
+def model_folder(path: Path) -> Path:
+    """A ``step-N`` checkpoint or an HF folder as given, a dump folder's newest step."""
+    from torchtitan.components import checkpoint_hf
+    from torchtitan.components.checkpoint_files import complete_checkpoints
+
+    if checkpoint_hf.is_hf_folder(path) or (path / ".metadata").is_file():  # (DCP's)
+        return path
+    found = complete_checkpoints(path / "checkpoint")
+    if not found:
+        raise ConfigError(
+            f"{path}: not a step-N checkpoint, a dump folder with checkpoints (pass "
+            "--checkpoint.enable when training) or a Hugging Face folder"
+        )
+    return found[-1]
+
+
 @torch.no_grad()
 def load_model(
     path: Path, module: str | None, flavor: str | None, device: torch.device, tp: int = 1
@@ -126,7 +142,6 @@ def load_model(
     from torchtitan.components import checkpoint_hf, hf_config
     from torchtitan.components.checkpoint_files import (
         CONFIG_FILE,
-        complete_checkpoints,
         persistent_buffers,
     )
     from torchtitan.components.tokenizer import find_tokenizer_file
@@ -134,15 +149,7 @@ def load_model(
     from torchtitan.tools.paths import resolve_path
 
     tokenizer = DEFAULT_TOKENIZER
-    is_step = (path / ".metadata").is_file()  # a DCP checkpoint
-    if not checkpoint_hf.is_hf_folder(path) and not is_step:
-        found = complete_checkpoints(path / "checkpoint")
-        if not found:
-            raise ConfigError(
-                f"{path}: not a step-N checkpoint, a dump folder with checkpoints (pass "
-                "--checkpoint.enable when training) or a Hugging Face folder"
-            )
-        path = found[-1]
+    path = model_folder(path)
     seq_len = None  # the training's: the RoPE table (DeepSeek-V3 scales beyond its original)
     run: dict = {}
     if (path / CONFIG_FILE).is_file():
@@ -238,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         "--chat_template", default=None, help="Jinja file (default: the tokenizer folder's)"
     )
     a = parser.parse_args(argv)
+    from torchtitan.components.chat_template import TEMPLATE_FILE
     from torchtitan.components.sft_data import load_chat_template
     from torchtitan.components.tokenizer import build_tokenizer
     from torchtitan.distributed import utils as dist_utils
@@ -248,8 +256,11 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = build_tokenizer(a.tokenizer or tokenizer_path)
         template = None
         if a.chat or a.chat_template:
+            # A fine-tuning run's steps hold the template it trained with.
+            saved = model_folder(a.checkpoint) / TEMPLATE_FILE
+            override = a.chat_template or (str(saved) if saved.is_file() else None)
             where = str(a.tokenizer or tokenizer_path)
-            template = load_chat_template(tokenizer, tokenizer_path=where, override=a.chat_template)
+            template = load_chat_template(tokenizer, tokenizer_path=where, override=override)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -347,6 +347,7 @@ class Trainer:
                 self.model_spec, self.model_args, self.model_parts, self.tokenizer,
                 self.parallel_dims, chat_template=getattr(self.chat_template, "source", None),
             ),
+            chat_template=getattr(self.chat_template, "source", None),
         )  # fmt: skip
 
     # ---- runs ------------------------------------------------------------------------------

@@ -139,3 +139,36 @@ def test_a_packed_run_resumes_bitwise_and_exports_its_template(hf, tmp_path):
     assert tok.apply_chat_template(messages, add_generation_prompt=True) == (
         ours.apply_chat_template(messages, add_generation_prompt=True)
     )
+
+
+def test_a_runs_own_template_travels_with_its_steps(tmp_path, capsys):
+    """--training.chat_template: each step holds it, and sampling from the step and converting
+    it to HF use it (not the tokenizer folder's)."""
+    import subprocess
+    import sys
+
+    from launch import clean_env
+
+    from torchtitan import generate
+
+    custom = tmp_path / "custom.jinja"
+    custom.write_text(
+        "{% for m in messages %}### {{ m.role | upper }}: {{ m.content }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}### ASSISTANT: {% endif %}"
+    )
+    dump = tmp_path / "run"
+    flags = ["--training.chat_template", str(custom), "--training.steps", "2"]
+    flags += ["--checkpoint.enable", "--job.dump_folder", str(dump)]
+    assert main([*BASE, *flags]) == 0
+    step = dump / "checkpoint/step-2"
+    assert (step / "chat_template.jinja").read_text() == custom.read_text()
+    capsys.readouterr()
+    assert generate.main([str(dump), "--chat", "--prompt", "hi", "--max_new_tokens", "2"]) == 0
+    assert capsys.readouterr().out.startswith("### USER: hi<|eot_id|>### ASSISTANT: ")
+    out = tmp_path / "hf"
+    done = subprocess.run(
+        [sys.executable, "scripts/convert_hf.py", "to_hf", str(step), str(out)],
+        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "chat_template.jinja").read_text() == custom.read_text()

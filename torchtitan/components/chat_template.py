@@ -101,6 +101,10 @@ class ChatTemplate:
             raise ConfigError(f"chat template {where} is not valid Jinja{line}: {e}") from None
         self.special_tokens = dict(special_tokens or {})
 
+    def __reduce__(self):
+        # Dataloader workers started by spawn get a copy: compiled again there.
+        return (_compiled, (self.source, self.where, self.special_tokens))
+
     def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool) -> str:
         from jinja2 import TemplateError as JinjaError
 
@@ -160,6 +164,10 @@ class ChatTemplate:
         after = self.render(turn, add_generation_prompt=False).rpartition(sentinel)[2].lstrip()
         end = tokenizer.encode_template(after)[0] if after else []
         return tokenizer.encode_template(asked)[0], (end[0] if end else None)
+
+
+def _compiled(source: str, where: str, special_tokens: dict[str, str]) -> ChatTemplate:
+    return ChatTemplate(source, where=where, special_tokens=special_tokens)
 
 
 def _tojson(

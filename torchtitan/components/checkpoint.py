@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.components import checkpoint_hf
+from torchtitan.components.chat_template import TEMPLATE_FILE
 from torchtitan.components.checkpoint_files import (
     CONFIG_FILE,
     FROZEN_SOURCE,
@@ -94,6 +95,7 @@ class CheckpointManager:
         device_type: str,
         run_config: str | None = None,
         hf: "checkpoint_hf.HFIO | None" = None,
+        chat_template: str | None = None,
     ):
         self.config = config
         self.hf = hf
@@ -101,6 +103,7 @@ class CheckpointManager:
         self.folder = Path(dump_folder) / config.folder
         self.states = states
         self.run_config = run_config  # resolved TOML, saved in every checkpoint
+        self.chat_template = chat_template  # a fine-tuning run's, saved in every checkpoint
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._pending: _Pending | None = None
         self._async_group = None
@@ -395,6 +398,8 @@ class CheckpointManager:
             tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
             if self.run_config is not None:
                 write_durably(tmp / CONFIG_FILE, self.run_config)
+            if self.chat_template is not None:  # what samples and exports of the step use
+                write_durably(tmp / TEMPLATE_FILE, self.chat_template)
             if self.weights.frozen_left_out():
                 write_durably(
                     tmp / FROZEN_SOURCE, json.dumps(self.weights.frozen_source(), indent=1)

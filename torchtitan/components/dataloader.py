@@ -204,7 +204,8 @@ class TextDataset(IterableDataset, Stateful):
             state["stream"] = self._loaded_stream_state or self._data.state_dict()
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Refuse (one line) a saved state this dataset cannot continue: another format."""
         saved = state.get("format", "text")
         if saved != self._format:
             raise ConfigError(
@@ -212,6 +213,9 @@ class TextDataset(IterableDataset, Stateful):
                 f"reads {self._format}; resume with {saved} or pass "
                 "--checkpoint.exclude_from_loading dataloader"
             )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
         self._epoch = state["epoch"]
         self._sample_idx = state["sample_idx"]
         self._token_buffer = list(state["token_buffer"])
@@ -291,6 +295,11 @@ class ParallelAwareDataloader(StatefulDataLoader, Stateful):
                 f"has {self.num_workers}; resume with {workers} or pass "
                 "--checkpoint.exclude_from_loading dataloader"
             )
+        # Checked here, in the training process: dataloader workers load their own share
+        # later, where a refusal would surface as a worker's traceback at the first batch.
+        for entry in entries:
+            for dataset_state in _dataset_states(state_dict[entry]):
+                self.dataset.check_state(dataset_state)
         if (sharding, degree) == (self.sharding, self.dp_world_size):
             if self._rank_key not in state_dict:
                 raise ValueError(f"dataloader state has no entry for {self._rank_key}")
@@ -311,6 +320,16 @@ class ParallelAwareDataloader(StatefulDataLoader, Stateful):
                 "--checkpoint.exclude_from_loading dataloader (runs that change the degree keep "
                 "their place with --training.data_sharding by_row)"
             )
+
+
+def _dataset_states(state: Any) -> Iterator[dict[str, Any]]:
+    """The dataset states inside a ``StatefulDataLoader`` state: its own, or each worker's."""
+    if isinstance(state, dict):
+        if "sample_idx" in state and "epoch" in state:
+            yield state
+            return
+        for value in state.values():
+            yield from _dataset_states(value)
 
 
 def _reads_whole_stream(sharding: str, dp_world_size: int) -> bool:

@@ -191,9 +191,11 @@ class SFTDataset(TextDataset):
         seq_len = f"{self._flag}.seq_len {self._seq_len}"
         if counts.samples and not counts.used and started_at_first:
             fix = f"raise {self._flag}.seq_len" if counts.too_long else "check the data"
+            if self._worker_note():
+                fix += f" or use fewer {self._flag.replace('validation', 'training')}.num_workers"
             raise ConfigError(
-                f"dataset {self.name}: none of the {counts.samples} samples of {self._where} "
-                f"can train: {counts.reasons(seq_len)}; {fix}"
+                f"dataset {self.name}: none of the {counts.samples} samples of {self._where}"
+                f"{self._worker_note()} can train: {counts.reasons(seq_len)}; {fix}"
             )
         if counts.too_long or counts.untrained or counts.unlocated:
             logger.warning(
@@ -215,8 +217,8 @@ class SFTDataset(TextDataset):
             "ready": [[list(pair) for pair in window] for window in self._ready],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def check_state(self, state: dict[str, Any]) -> None:
+        super().check_state(state)
         saved = (state["seq_len"], state["pack"])
         if saved != (self._seq_len, self._pack):
 
@@ -229,6 +231,9 @@ class SFTDataset(TextDataset):
                 f"has {how(self._seq_len, self._pack)}; resume with those or pass "
                 "--checkpoint.exclude_from_loading dataloader"
             )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
         self._pending = [(list(inputs), list(labels)) for inputs, labels in state["pending"]]
         self._ready = [[(list(i), list(lab)) for i, lab in window] for window in state["ready"]]
 

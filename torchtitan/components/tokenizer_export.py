@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from torchtitan.components.chat_template import TEMPLATE_FILE
+from torchtitan.components.chat_template import TEMPLATE_FILE, template_source
 from torchtitan.components.hf_tokenizer import (
     HF_CONFIG_FILENAME,
     HF_TOKENIZER_FILENAME,
@@ -131,17 +131,20 @@ def save_hf_tokenizer(
     chat_template: str | None = None,
 ) -> list[Path]:
     """Write `tokenizer` into a Hugging Face model folder: a ``tokenizer.json`` tokenizer's own
-    files copied, a tiktoken one converted; ``chat_template`` (else the ``chat_template.jinja``
-    beside the tokenizer, if any) as ``chat_template.jinja``, which ``transformers`` reads
-    before the one in ``tokenizer_config.json``. Returns the files written."""
+    files copied, a tiktoken one converted; ``chat_template`` (else the tokenizer's own: the
+    ``chat_template.jinja`` beside it, or for a tiktoken file also a model folder's
+    ``tokenizer_config.json`` one, which its conversion does not carry) as
+    ``chat_template.jinja``, which ``transformers`` reads before the one in
+    ``tokenizer_config.json``. Returns the files written."""
     folder = Path(folder)
     files = [folder / HF_TOKENIZER_FILENAME, folder / HF_CONFIG_FILENAME]
-    beside = Path(
-        tokenizer.path if isinstance(tokenizer, HuggingFaceTokenizer) else tokenizer.model_path
-    )
-    beside = beside.with_name(TEMPLATE_FILE)
-    if chat_template is None and beside.is_file():
-        chat_template = beside.read_text(encoding="utf-8")
+    if chat_template is None:
+        if isinstance(tokenizer, HuggingFaceTokenizer):
+            beside = tokenizer.path.with_name(TEMPLATE_FILE)
+            chat_template = beside.read_text(encoding="utf-8") if beside.is_file() else None
+        else:
+            found = template_source(Path(tokenizer.model_path).parent, None)
+            chat_template = found[0] if found else None
     if chat_template is not None:
         files.append(folder / TEMPLATE_FILE)
         files[2].write_text(chat_template, encoding="utf-8")

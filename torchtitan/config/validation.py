@@ -369,6 +369,11 @@ def _local_tensor_checks(config: JobConfig) -> list[tuple[bool, str]]:
             ),
             (not config.compile.enable, f"--compile.enable {why}; drop the flag"),
             (
+                config.training.num_workers == 0,
+                f"--training.num_workers {config.training.num_workers} {why} (the simulated "
+                "ranks' batches cannot cross from worker processes); use 0",
+            ),
+            (
                 not config.checkpoint.create_seed_checkpoint,
                 f"--checkpoint.create_seed_checkpoint {why}: write it with NGPU=1 and no "
                 "COMM_MODE; the simulation then loads it with --checkpoint.enable",

@@ -468,3 +468,35 @@ def test_added_tokens_keep_their_whitespace_rules(tmp_path):
     ours = HuggingFaceTokenizer(tmp_path / "tokenizer.json")
     assert ours.encode_template(text)[0] == want
     assert ours.encode("<|turn|>  x") != ours.encode_template("<|turn|>  x")[0]  # text stays text
+
+
+def test_a_template_crosses_to_spawned_workers(template):
+    import pickle
+
+    copy_ = pickle.loads(pickle.dumps(template))
+    assert copy_.where == template.where
+    assert copy_.render(CONVERSATION, add_generation_prompt=True) == template.render(
+        CONVERSATION, add_generation_prompt=True
+    )
+
+
+def test_workers_states_are_checked_before_any_worker_starts(tokenizer, template, tmp_path):
+    """With dataloader workers each loads its own state at its first batch: a state for other
+    windows is refused by the training process when it loads the checkpoint, in one line."""
+    path = _rows(tmp_path, [_qa(i) for i in range(12)])
+
+    def loader(seq_len: int):
+        make = sft_datasets("chat", template=template, train_on_prompt=False, pack=True)
+        return build_dataloader(
+            dataset="files", dataset_path=str(path), tokenizer=tokenizer, seq_len=seq_len,
+            local_batch_size=1, dp_rank=0, dp_world_size=1, data_format="chat",
+            make_dataset=make, num_workers=2,
+        )  # fmt: skip
+
+    first = loader(64)
+    it = iter(first)
+    next(it)
+    state = first.state_dict()
+    del it
+    with pytest.raises(ConfigError, match="cut for --training.seq_len 64"):
+        loader(48).load_state_dict(state)

@@ -571,6 +571,7 @@ def test_fsdp_impl_auto_resolves_by_comm_mode() -> None:
         ("--compile.enable", "--compile.enable cannot run under COMM_MODE=local_tensor"),
         ("--checkpoint.create_seed_checkpoint", "create_seed_checkpoint cannot run under"),
         ("--training.enable_cpu_offload", "--training.enable_cpu_offload cannot run under"),
+        ("--training.num_workers 1", "--training.num_workers 1 cannot run under"),
         (
             "--validation.enable --validation.sample_prompt def",
             "--validation.sample_prompt cannot run under COMM_MODE=local_tensor",
