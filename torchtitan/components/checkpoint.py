@@ -280,7 +280,8 @@ class CheckpointManager:
         if last and self.config.last_save_in_hf and self.hf is not None:
             # LoRA adapters also on their own, in PEFT's format, for the HF model they adapt.
             initial = self.config.initial_load_path
-            base = str(initial) if initial and checkpoint_hf.is_hf_folder(initial) else None
+            hf_base = initial and checkpoint_hf.is_hf_folder(initial)
+            base = str(Path(initial).absolute()) if hf_base else None
             self.hf.save(
                 self.folder / f"hf-step-{step}",
                 _DTYPES[self.config.export_dtype],

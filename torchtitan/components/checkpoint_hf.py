@@ -46,7 +46,7 @@ from torchtitan.components.hf_config import (
     is_hf_folder,
     read_config,
 )
-from torchtitan.components.peft_export import PeftAdapters, write_peft
+from torchtitan.components.peft_export import PeftAdapters, peft_problem, write_peft
 from torchtitan.components.tokenizer_export import save_hf_tokenizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed import local_tensor
@@ -203,7 +203,9 @@ def save_hf(
     in PEFT's format, for the HF model ``base_model`` (``peft_export``)."""
     folder = Path(folder)
     # What the HF model cannot express is refused on every rank before any write or collective.
-    adapter.hf_config(tied=False, dtype=dtype, bos_id=None, eos_id=None)
+    model_type = adapter.hf_config(tied=False, dtype=dtype, bos_id=None, eos_id=None).get(
+        "model_type"
+    )
     lost = [name for part in model_parts for name in _state_without_a_place(part, adapter)]
     occupied = folder.exists() and any(folder.iterdir())
     gathered = _gather([lost, occupied])  # before any rank creates the folder
@@ -224,7 +226,7 @@ def save_hf(
         )
     tensors: dict[str, torch.Tensor] = {}
     embedding = output = None
-    peft = PeftAdapters() if peft_folder is not None else None
+    peft = PeftAdapters(model_type) if peft_folder is not None else None
     for part in model_parts:
         for name, param in _mapped_tensors(part, adapter):
             if lora.is_adapter_name(name):  # folded into their layer's weight
@@ -247,13 +249,7 @@ def save_hf(
                     # is under bf16's spacing near 0.5 and would change the experts chosen.
                     fp32 = hf.endswith(getattr(adapter, "keep_in_fp32", ()))
                     tensors[hf] = t.to(torch.float32 if fp32 else dtype).contiguous()
-    adapters = _gather([peft]) if peft is not None else []
-    problems = [problem for (p,) in adapters for problem in p.problems]
-    if problems:  # every rank raises, before anything is written
-        raise ConfigError(
-            f"{problems[0]}; nothing was written: export without PEFT adapters (the merged "
-            "model alone)"
-        )
+    adapters = _peft_parts(peft) if peft is not None else []
     # Tied when our output is the embedding (a tied flavor, or untouched since a tied import);
     # stages of a pipeline hold them apart: exported untied.
     tied = not pipelined and (
@@ -294,14 +290,41 @@ def save_hf(
             except (OSError, ValueError) as e:  # the weights stand; the other ranks wait below
                 logger.warning(f"Tokenizer not written to {folder}: {e}")
         logger.info(f"Hugging Face model written to {folder} ({total} shard(s), {size:,} bytes)")
-        if adapters and any(p.tensors for (p,) in adapters):
-            written = write_peft(
-                Path(peft_folder), [p for (p,) in adapters], dtype=dtype, base_model=base_model
-            )
-            logger.info(
-                f"LoRA adapters written to {peft_folder} in PEFT's format ({written:,} bytes)"
-            )
+        if adapters:
+            try:
+                written = write_peft(
+                    Path(peft_folder), adapters, dtype=dtype, base_model=base_model
+                )
+                logger.info(
+                    f"LoRA adapters written to {peft_folder} in PEFT's format ({written:,} bytes)"
+                )
+            except OSError as e:  # the merged export stands; the other ranks wait below
+                logger.warning(f"LoRA adapters not written to {peft_folder}: {e}")
     _barrier()
+
+
+def _peft_parts(peft: PeftAdapters) -> list[PeftAdapters]:
+    """Every rank's PEFT adapters on rank 0 (others: ``[]``), if they have a PEFT form
+    together; else a warning from rank 0 and ``[]`` everywhere. Every rank calls it."""
+    summaries = _gather([peft.without_tensors()])  # small: every rank decides alike
+    problem = peft_problem([s for (s,) in summaries])
+    if problem is not None:
+        if _rank() == 0:
+            logger.warning(
+                f"LoRA adapters not written in PEFT's format: {problem}; the merged HF export "
+                "is (an MoE model's attention adapters alone have one: --lora.target_modules "
+                "naming its attention layers)"
+            )
+        return []
+    if not any(s.settings for (s,) in summaries):
+        return []  # no adapters at all
+    if not dist.is_initialized():
+        return [peft]
+    # The tensors to rank 0 only: every rank gathering everything would hold world-size
+    # copies of every adapter.
+    out: list | None = [None] * dist.get_world_size() if _rank() == 0 else None
+    dist.gather_object(peft, out, dst=0)
+    return list(out) if out is not None else []
 
 
 def read_model_state(step: Path, run: dict[str, Any], spec, args) -> dict[str, torch.Tensor]:

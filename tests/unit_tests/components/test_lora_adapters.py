@@ -2,6 +2,7 @@
 follow a layer's tensor-parallel placement, and how they fold into plain weights."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -186,3 +187,34 @@ def test_a_tied_output_projection_counts_as_frozen_under_its_own_name():
     names = lora.frozen_names([tied])
     assert {"output.weight", "tok_embeddings.weight"} <= names
     assert not any(lora.is_adapter_name(n) for n in names)
+
+
+def _export(model, module: str, tmp_path, caplog):
+    from torchtitan.components import checkpoint_hf
+
+    spec = get_model_spec(module)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b"):  # B starts at zero: give the adapters an effect
+                p.normal_(std=0.02)
+    checkpoint_hf.save_hf(
+        [model], spec.state_dict_adapter(spec.args_for("debugmodel", seq_len=32)),
+        tmp_path / "hf", dtype=torch.float32, writer=True, pipelined=False,
+        peft_folder=tmp_path / "peft", base_model=str(tmp_path / "base"),
+    )  # fmt: skip
+    return tmp_path / "peft"
+
+
+def test_moe_ffn_adapters_have_no_peft_form_and_attention_ones_do(tmp_path, caplog):
+    """peft moves gate/up/down_proj targets of DeepSeek-V3 (and Qwen3-MoE) models onto their
+    routed experts: adapters on dense FFN layers or shared experts would not apply. Such an
+    export writes the merged model and no PEFT folder; attention adapters alone get one."""
+    whole = _model("deepseek_v3", config=LoRA(rank=4))
+    peft = _export(whole, "deepseek_v3", tmp_path / "all", caplog)
+    assert not peft.exists() and (tmp_path / "all/hf/config.json").is_file()
+    assert "not written in PEFT's format" in caplog.text and "routed experts" in caplog.text
+    attention = _model("deepseek_v3", config=LoRA(rank=4, target_modules=["attention.wo"]))
+    peft = _export(attention, "deepseek_v3", tmp_path / "attn", caplog)
+    config = json.loads((peft / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tmp_path / "attn/base")
+    assert all(t.endswith("self_attn.o_proj") for t in config["target_modules"])
