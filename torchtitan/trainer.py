@@ -68,7 +68,9 @@ class Trainer:
         )
         # The model's own work after each optimizer step (MoE balancing), for flavors with it.
         self._after_optimizer_step = self.model_spec.after_optimizer_step_for(config.model.flavor)
-        self.chat_template = None  # --training.data_format chat: the template (build_data)
+        # Set by build_data: the chat template (--training.data_format chat) and what makes
+        # fine-tuning datasets (None: text).
+        self.chat_template, self.make_dataset = None, None
         self.tokenizer, self.dataloader = (None, None) if on_meta else self.build_data()
         self.lora_layers = self._lora_targets()
         self.parallelize_context = ParallelizeContext.from_config(config, self.parallel_dims)

@@ -92,9 +92,9 @@ class Validator:
     def _everyone(self, flag: int) -> bool:
         """Whether ``flag`` is 1 on every rank of the loss mesh. Simulated ranks read their
         batches together and run out together (``local_tensor.PerRankBatches``)."""
-        if self.loss_mesh is None or self.loss_mesh.size() == 1 or local_tensor.is_simulating():
-            return bool(flag)
-        if not dist_utils.values_are_real():  # a dry run's sums are not sums
+        alone = self.loss_mesh is None or self.loss_mesh.size() == 1
+        # (A dry run's collectives move nothing: its sums are not sums.)
+        if alone or local_tensor.is_simulating() or not dist_utils.values_are_real():
             return bool(flag)
         # dist_reduce has sum and max: every rank's flag is 1 when the sum is the mesh size.
         count = dist_utils.dist_reduce(torch.tensor(flag), "sum", self.loss_mesh)
