@@ -339,6 +339,7 @@ class Trainer:
         )
         if self.config.lora.save_adapters_only:  # the frozen weights stay where they came from
             states["model"] = states["model"].without(lora.frozen_names(self.model_parts))
+        template = self.chat_template.source if self.chat_template is not None else None
         return CheckpointManager(
             c,
             dump_folder=self.config.job.dump_folder,
@@ -347,9 +348,9 @@ class Trainer:
             run_config=to_toml(self.config),
             hf=checkpoint_hf.build_hfio(
                 self.model_spec, self.model_args, self.model_parts, self.tokenizer,
-                self.parallel_dims, chat_template=getattr(self.chat_template, "source", None),
+                self.parallel_dims, chat_template=template,
             ),
-            chat_template=getattr(self.chat_template, "source", None),
+            chat_template=template,
         )  # fmt: skip
 
     # ---- runs ------------------------------------------------------------------------------

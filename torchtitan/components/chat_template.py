@@ -202,9 +202,12 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
-def check_template(tokenizer_path: str, override: str | None) -> None:
-    """The pre-flight of ``--training.data_format chat``: a template exists and compiles."""
+def find_template(
+    tokenizer_path: str, override: str | None, special_tokens: dict[str, str] | None = None
+) -> ChatTemplate:
+    """The chat template ``template_source`` finds, compiled; refused in one line when there is
+    none. Also the pre-flight of ``--training.data_format chat``."""
     found = template_source(tokenizer_path, override)
     if found is None:
         raise ConfigError(missing_template_message(tokenizer_path))
-    ChatTemplate(found[0], where=found[1])
+    return ChatTemplate(found[0], where=found[1], special_tokens=special_tokens)

@@ -27,8 +27,7 @@ import torch
 from torchtitan.components.chat_template import (
     ChatTemplate,
     TemplateError,
-    missing_template_message,
-    template_source,
+    find_template,
 )
 from torchtitan.components.data_sources import FIELDS, HFDataset
 from torchtitan.components.dataloader import TextDataset, Tokenizer
@@ -278,17 +277,15 @@ def load_chat_template(
 ) -> ChatTemplate:
     """The run's chat template (``--training.chat_template``, else the tokenizer folder's),
     compiled, its ``bos_token`` / ``eos_token`` / ``pad_token`` spelled as ``tokenizer``'s."""
-    found = template_source(tokenizer_path, override)
-    if found is None:
-        raise ConfigError(missing_template_message(tokenizer_path))
     names = {"eos_token": tokenizer.eos_id}
     if getattr(tokenizer, "has_bos", True):  # (Qwen's has none: its eos frames documents)
         names["bos_token"] = tokenizer.bos_id
     if getattr(tokenizer, "pad_id", None) is not None:
         names["pad_token"] = tokenizer.pad_id
     special = {name: tokenizer.token_name(i) for name, i in names.items()}
-    logger.info(f"Chat template: {found[1]}")
-    return ChatTemplate(found[0], where=found[1], special_tokens=special)
+    template = find_template(tokenizer_path, override, special)
+    logger.info(f"Chat template: {template.where}")
+    return template
 
 
 def sft_datasets(

@@ -224,9 +224,9 @@ def validate_launch(config: JobConfig) -> None:
     if find_tokenizer_file(tokenizer) is None:
         raise ConfigError(missing_tokenizer_message(config.model.tokenizer_path, tokenizer))
     if config.training.data_format == "chat":
-        from torchtitan.components.chat_template import check_template
+        from torchtitan.components.chat_template import find_template
 
-        check_template(str(tokenizer), config.training.chat_template)
+        find_template(str(tokenizer), config.training.chat_template)
 
 
 def _float8_checks(config: JobConfig) -> list[tuple[bool, str]]:

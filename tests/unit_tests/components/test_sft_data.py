@@ -14,7 +14,7 @@ import torch
 
 from torchtitan.components.chat_template import (
     ChatTemplate,
-    check_template,
+    find_template,
     template_source,
 )
 from torchtitan.components.data_sources import check_format, open_dataset
@@ -281,10 +281,10 @@ def test_templates_are_found_where_transformers_looks(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         template_source(folder, str(tmp_path / "missing.jinja"))
     with pytest.raises(ConfigError, match="has none .*--training.chat_template FILE"):
-        check_template(str(tmp_path), None)
+        find_template(str(tmp_path), None)
     (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
     with pytest.raises(ConfigError, match=r"bad.jinja is not valid Jinja \(line 1\)"):
-        check_template(str(tmp_path), str(tmp_path / "bad.jinja"))
+        find_template(str(tmp_path), str(tmp_path / "bad.jinja"))
 
 
 def test_a_prompt_asks_for_an_answer_and_knows_where_it_ends(tokenizer, template):
