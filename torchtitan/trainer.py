@@ -6,7 +6,6 @@ them; the trainer decides what a step is. Debugging modes (``dry_run.py``) use t
 build steps instead of adding branches here.
 """
 
-import functools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -17,19 +16,17 @@ from torch.distributed.pipelining import PipelineStage
 
 from torchtitan.batch_runner import Batch, BatchRunner, pipeline_dtypes
 from torchtitan.components import checkpoint_hf, float8, lora, preemption
+from torchtitan.components.chat_template import ChatTemplate
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_states import build_checkpoint_states
-from torchtitan.components.data_sources import check_format
-from torchtitan.components.dataloader import build_dataloader
+from torchtitan.components.dataloader import Tokenizer
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.lr_scheduler import build_lr_schedulers, resumed_note_for
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.run_data import RunData
 from torchtitan.components.run_events import RunEvents
-from torchtitan.components.sft_data import load_chat_template, sft_datasets
-from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.components.train_state import NonFiniteError, StepResult, TrainState
-from torchtitan.components.validate import Validator
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import save_resolved, to_toml
@@ -46,7 +43,6 @@ from torchtitan.tools import comm_trace, profiling
 from torchtitan.tools.gc import gc_every
 from torchtitan.tools.logging import logger
 from torchtitan.tools.memory_estimate import held_mib
-from torchtitan.tools.paths import resolve_path
 from torchtitan.tools.watchdog import StepWatchdog
 
 
@@ -68,10 +64,8 @@ class Trainer:
         )
         # The model's own work after each optimizer step (MoE balancing), for flavors with it.
         self._after_optimizer_step = self.model_spec.after_optimizer_step_for(config.model.flavor)
-        # Set by build_data: the chat template (--training.data_format chat) and what makes
-        # fine-tuning datasets (None: text).
-        self.chat_template, self.make_dataset = None, None
-        self.tokenizer, self.dataloader = (None, None) if on_meta else self.build_data()
+        self.data = None if on_meta else self.build_data()
+        self.dataloader = None if on_meta else self.data.training_loader()
         self.lora_layers = self._lora_targets()
         self.parallelize_context = ParallelizeContext.from_config(config, self.parallel_dims)
         self.model_parts, stages = self.build_model_parts(self.model_args, self.parallelize_context)
@@ -88,7 +82,13 @@ class Trainer:
             stages=stages,
             document_start=self.document_start,
         )
-        self.validator = None if on_meta else self.build_validator()
+        self.validator = (
+            None
+            if on_meta
+            else self.data.validator(
+                config.validation, runner=self.runner, loss_mesh=self.loss_mesh
+            )
+        )
         self.pipeline_bubble = (
             pipeline_split.log_ideal_bubble(
                 config.parallelism, self.model_args.n_layers, config.training.local_batch_size
@@ -170,63 +170,22 @@ class Trainer:
             warn_only=config.debug.deterministic_warn_only,
         )
 
-    def build_data(self) -> tuple[Any, Any]:
-        """Tokenizer and this data-parallel rank's dataloader."""
-        t, m = self.config.training, self.config.model
-        tokenizer = build_tokenizer(resolve_path(m.tokenizer_path))
-        if tokenizer.vocab_size > self.model_args.vocab_size:
-            raise ConfigError(
-                f"tokenizer {m.tokenizer_path} has {tokenizer.vocab_size} tokens but "
-                f"--model.flavor {m.flavor} has vocab_size {self.model_args.vocab_size}; "
-                "pick a matching --model.tokenizer_path or flavor"
-            )
-        self.chat_template = (
-            load_chat_template(tokenizer, tokenizer_path=str(resolve_path(m.tokenizer_path)),
-                               override=t.chat_template)
-            if t.data_format == "chat"
-            else None
+    def build_data(self) -> RunData:
+        """The tokenizer, chat template and dataset readers of this data-parallel rank."""
+        return RunData(
+            self.config.training, self.config.model, vocab_size=self.model_args.vocab_size,
+            dp_rank=self.dp_rank, dp_degree=self.parallel_dims.dp_degree,
         )  # fmt: skip
-        self.make_dataset = sft_datasets(
-            t.data_format, template=self.chat_template, train_on_prompt=t.train_on_prompt,
-            pack=m.attn_mask == "block_causal",
-        )  # fmt: skip
-        dataloader = self._dataloader(
-            tokenizer, dataset=t.dataset, dataset_path=t.dataset_path, seq_len=t.seq_len,
-            local_batch_size=t.local_batch_size, infinite=True,
-        )  # fmt: skip
-        return tokenizer, dataloader
 
-    def build_validator(self) -> Validator | None:
-        """The validation loop's runner (``--validation.enable``), or ``None``."""
-        v = self.config.validation
-        if not v.enable:
-            return None
-        # Checked now, not at the first validation: a dataset of another format.
-        check_format(v.dataset, self.config.training.data_format, flag="--validation")
-        build_loader = functools.partial(
-            self._dataloader, self.tokenizer, dataset=v.dataset, dataset_path=v.dataset_path,
-            seq_len=v.seq_len, local_batch_size=v.local_batch_size, infinite=False,
-            drop_last=True, flag="--validation",
-        )  # fmt: skip
-        return Validator(v, build_loader=build_loader, runner=self.runner, loss_mesh=self.loss_mesh)
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """``None`` for a model built on meta (no data)."""
+        return self.data.tokenizer if self.data is not None else None
 
-    def _dataloader(self, tokenizer, **dataset) -> Any:
-        """This data-parallel rank's loader of ``dataset`` (each simulated rank's while ranks
-        are simulated), sharded as the training data is."""
-        t = self.config.training
-        loader = functools.partial(
-            build_dataloader,
-            tokenizer=tokenizer,
-            dp_world_size=self.parallel_dims.dp_degree,
-            num_workers=t.num_workers,
-            sharding=t.data_sharding,
-            data_format=t.data_format,
-            make_dataset=self.make_dataset,
-            **dataset,
-        )
-        return local_tensor.dataloader_for_rank(
-            lambda dp_rank: loader(dp_rank=dp_rank), self.dp_rank, self.parallel_dims.dp_degree
-        )
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        """The chat template of ``--training.data_format chat`` (else ``None``)."""
+        return self.data.chat_template if self.data is not None else None
 
     def build_model_parts(
         self, args: Any, context: ParallelizeContext
@@ -339,7 +298,7 @@ class Trainer:
         )
         if self.config.lora.save_adapters_only:  # the frozen weights stay where they came from
             states["model"] = states["model"].without(lora.frozen_names(self.model_parts))
-        template = self.chat_template.source if self.chat_template is not None else None
+        template = self.data.template_source
         return CheckpointManager(
             c,
             dump_folder=self.config.job.dump_folder,
