@@ -23,7 +23,11 @@ from torchtitan.components.dataloader import Tokenizer
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.lr_scheduler import build_lr_schedulers, resumed_note_for
 from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.optimizer import (
+    build_optimizers,
+    changed_settings_note,
+    check_param_groups,
+)
 from torchtitan.components.run_data import RunData
 from torchtitan.components.run_events import RunEvents
 from torchtitan.components.train_state import NonFiniteError, StepResult, TrainState
@@ -66,7 +70,7 @@ class Trainer:
         self._after_optimizer_step = self.model_spec.after_optimizer_step_for(config.model.flavor)
         self.data = None if on_meta else self.build_data()
         self.dataloader = None if on_meta else self.data.training_loader()
-        self.lora_layers = self._lora_targets()
+        self.lora_layers = self._check_whole_model()
         self.parallelize_context = ParallelizeContext.from_config(config, self.parallel_dims)
         self.model_parts, stages = self.build_model_parts(self.model_args, self.parallelize_context)
         self.stage_indices = [stage.stage_index for stage in stages]  # of each model part
@@ -121,6 +125,12 @@ class Trainer:
             self.lr_schedulers.reapply(config.optimizer.lr)
             saved = self.checkpointer.saved_config(config)
             if (note := resumed_note_for(config, saved, self.step)) is not None:
+                logger.warning(note)
+            if (
+                saved is not None
+                and self.step > 0
+                and (note := changed_settings_note(config.optimizer, saved.optimizer))
+            ):
                 logger.warning(note)
         self.events = RunEvents(config.job.dump_folder, enabled=self.rank == 0 and not on_meta)
         self.preemption = None if on_meta else preemption.PreemptionWatch(
@@ -219,14 +229,18 @@ class Trainer:
         )
         return parts, stages
 
-    def _lora_targets(self) -> list[nn.Module]:
-        """The linear layers of the whole model (on meta) that ``--lora.*`` adapts; a target
-        that names none is refused here, before any pipeline split or dry-run probe."""
-        if self.config.lora.rank <= 0:
+    def _check_whole_model(self) -> list[nn.Module]:
+        """What needs the whole model (on meta), checked before any pipeline split or dry-run
+        probe: ``--lora.target_modules`` that name no layer, ``--optimizer.param_groups``
+        entries no trainable parameter takes. Returns the linear layers LoRA adapts."""
+        c = self.config
+        if c.lora.rank <= 0 and not c.optimizer.param_groups:
             return []
         with torch.device("meta"):
             model = self.model_spec.build_model(self.model_args)
-        return list(lora.targets(model, self.config.lora).values())
+            layers = list(lora.targets(model, c.lora).values()) if c.lora.rank > 0 else []
+            check_param_groups(lora.add_adapters(model, c.lora), c.optimizer)
+        return layers
 
     def _log_parameters(self) -> None:
         named = [(n, p) for part in self.model_parts for n, p in part.named_parameters()]
@@ -413,7 +427,7 @@ class Trainer:
             self.config.training.max_norm,
             pp_mesh=self.pp_mesh,
         )
-        lr = self.lr_schedulers.get_last_lr()[0]
+        lr = self.config.optimizer.lr * self.lr_schedulers.factor()  # the unscaled groups'
         result = StepResult(loss_sum, local_tokens, global_tokens, grad_norm, lr)
         if self.checkpointer is not None:  # a pinned-memory save may still read the weights
             self.checkpointer.wait_for_staging()

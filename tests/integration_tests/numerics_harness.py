@@ -43,7 +43,7 @@ class GlobalBatchSlices:
             dp_rank=0,
             dp_world_size=1,
             data_format=t.data_format,
-            make_dataset=trainer.make_dataset,
+            make_dataset=trainer.data.make_dataset,
         )
         rows = slice(dp_rank * t.local_batch_size, (dp_rank + 1) * t.local_batch_size)
         it = iter(source)

@@ -62,6 +62,10 @@ PREFLIGHT = [
         "--training.chat_template does nothing with --training.data_format text",
     ),
     (
+        ["--optimizer.param_groups", "norm:wd=0"],
+        "--optimizer.param_groups 'norm:wd=0': 'wd=0' is not key=value with a key of lr_scale",
+    ),
+    (
         ["--parallelism.fsdp_impl", "simpel"],
         "--parallelism.fsdp_impl=simpel is not a choice: use one of auto, fsdp2, simple (did you mean simple?)",
     ),
@@ -88,6 +92,10 @@ IN_RANK = [
         "no 'messages'; --training.data_format chat reads rows with 'messages'",
     ),
     (["--training.dataset", "chat_demo"], "chat_demo holds chat rows"),
+    (
+        ["--optimizer.param_groups", "nrom:weight_decay=0"],
+        "--optimizer.param_groups 'nrom:weight_decay=0': no trainable parameter takes it",
+    ),
     (
         ["--training.dataset", "files", "--training.dataset_path", "{allempty_jsonl}"],
         "all 10 documents of data-parallel rank",  # either rank may stop first

@@ -175,6 +175,25 @@ def test_exclude_dataloader_restarts_the_data(tmp_path, uninterrupted):
     assert _losses(tmp_path)[11] != _losses(uninterrupted)[11]
 
 
+def test_param_groups_added_on_resume_apply_from_the_next_step(tmp_path, uninterrupted, capfd):
+    """The checkpoint's moments load into the new groups (more of them than it was saved
+    with), the note names the change, and a zero LR scale holds what it matches from then on."""
+    assert _train(tmp_path, "--training.steps", "10") == 0
+    groups = ["norm:lr_scale=0", "tok_embeddings:weight_decay=0,lr_scale=0.5"]
+    assert _train(tmp_path, "--training.steps", "12", "--optimizer.param_groups", *groups) == 0
+    err = capfd.readouterr().err
+    assert f"--optimizer.param_groups [] -> {groups}" in err, err[-3000:]
+    want, got = _losses(uninterrupted), _losses(tmp_path)
+    assert got[11] == want[11]  # the same weights; the new settings change step 11's update
+    assert got[12] != want[12]
+    before, after = (_weights(tmp_path / "checkpoint" / f"step-{s}") for s in (10, 12))
+    norms = [k for k in before if "norm" in k]
+    assert norms and all(torch.equal(before[k], after[k]) for k in norms)
+    assert not torch.equal(
+        before["model.tok_embeddings.weight"], after["model.tok_embeddings.weight"]
+    )
+
+
 def test_seed_checkpoint_sets_the_initial_weights(tmp_path):
     seed_dir = tmp_path / "seeded"
     assert (

@@ -33,10 +33,12 @@ REFERENCE = ("ref", 1, "--training.local_batch_size 8")
 BLOCK_CAUSAL = "--model.attn_mask block_causal --training.seq_len 256"
 BLOCK_CAUSAL_REFERENCE = ("ref_block_causal", 1, f"--training.local_batch_size 8 {BLOCK_CAUSAL}")
 # Mixture of experts (cases named moe_*): DeepSeek-V3's debug flavor with the sequence-wise
-# balance loss on and a bias step large enough to change routing within 10 steps.
+# balance loss on and a bias step large enough to change routing within 10 steps; optimizer
+# groups (routers at half the LR, norms without weight decay) across every layout's sharding.
 MOE = (
     "--module deepseek_v3 --config deepseek_v3_debugmodel --moe.aux_loss_coeff 0.01 "
-    "--moe.load_balance_coeff 0.01"
+    "--moe.load_balance_coeff 0.01 --optimizer.param_groups router:lr_scale=0.5 "
+    "norm:weight_decay=0"
 )
 MOE_REFERENCE = ("ref_moe", 1, f"--training.local_batch_size 8 {MOE}")
 QWEN3 = "--module qwen3 --config qwen3_debugmodel"

@@ -123,8 +123,10 @@ class LRSchedulers(Stateful):
     with any number of model parts loads into any other.
     """
 
-    def __init__(self, schedulers: list[LambdaLR]):
+    def __init__(self, schedulers: list[LambdaLR], lr_scales: list[list[float]] | None = None):
         self.schedulers = schedulers
+        # Each optimizer's param groups' factors of the peak LR (--optimizer.param_groups).
+        self.lr_scales = lr_scales or [[1.0] * len(s.optimizer.param_groups) for s in schedulers]
 
     def step(self) -> None:
         for scheduler in self.schedulers:
@@ -133,6 +135,12 @@ class LRSchedulers(Stateful):
     def get_last_lr(self) -> list[float]:
         return self.schedulers[0].get_last_lr()
 
+    def factor(self) -> float:
+        """The curve's factor of the peak LR for the next step (what ``--optimizer.lr`` is
+        multiplied by; groups with an ``lr_scale`` take that too)."""
+        scheduler = self.schedulers[0]
+        return scheduler.lr_lambdas[0](scheduler.last_epoch)
+
     def state_dict(self) -> dict[str, Any]:
         return self.schedulers[0].state_dict()
 
@@ -140,11 +148,16 @@ class LRSchedulers(Stateful):
         """Set every optimizer's LR from this run's curve and ``--optimizer.lr`` at the loaded
         position: the loaded state carries the saving run's peak LR and the LR its curve chose
         for the next step. (Same flags: the same values, bit for bit.)"""
-        for scheduler in self.schedulers:
-            scheduler.base_lrs = [peak_lr] * len(scheduler.optimizer.param_groups)
-            lrs = [peak_lr * fn(scheduler.last_epoch) for fn in scheduler.lr_lambdas]
-            for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
-                group["initial_lr"] = peak_lr
+        for scheduler, scales in zip(self.schedulers, self.lr_scales, strict=True):
+            scheduler.base_lrs = [peak_lr * scale for scale in scales]
+            lrs = [
+                base * fn(scheduler.last_epoch)
+                for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+            ]
+            for group, base, lr in zip(
+                scheduler.optimizer.param_groups, scheduler.base_lrs, lrs, strict=True
+            ):
+                group["initial_lr"] = base
                 group["lr"] = lr
             scheduler._last_lr = lrs
 
@@ -160,5 +173,6 @@ def build_lr_schedulers(
         [
             build_lr_scheduler(optimizer, config, training_steps=training_steps)
             for optimizer in optimizers.optimizers
-        ]
+        ],
+        optimizers.lr_scales(),
     )

@@ -7,6 +7,7 @@ with the module holding its parameters; the state dicts use flattened, fully qua
 loads into any other split of the same model (one part, or other stages).
 """
 
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -20,7 +21,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from torchtitan.components.lora import clean_name
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
+from torchtitan.config.job_config import ParamGroup
+from torchtitan.tools.logging import logger
 
 _CLASSES = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -30,10 +35,19 @@ class Optimizers(Stateful):
     """The optimizers of this rank's model parts, stepped and checkpointed together."""
 
     def __init__(
-        self, model_parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]
+        self,
+        model_parts: Sequence[nn.Module],
+        optimizers: Sequence[torch.optim.Optimizer],
+        settings: Sequence[list[ParamGroup | None]] | None = None,
     ):
         self.model_parts = list(model_parts)
         self.optimizers = list(optimizers)
+        # Each optimizer's param groups' --optimizer.param_groups entries (None: the section's).
+        self.settings = (
+            [list(s) for s in settings]
+            if settings is not None
+            else [[None] * len(o.param_groups) for o in self.optimizers]
+        )
         self._post_step_hooks: list[Callable[[], object]] = []
 
     def step(self) -> None:
@@ -68,22 +82,35 @@ class Optimizers(Stateful):
             merged.update(get_optimizer_state_dict(part, optimizer, options=_FLAT))
         return merged
 
+    def lr_scales(self) -> list[list[float]]:
+        """Each optimizer's param groups' factors of ``--optimizer.lr``."""
+        return [[e.lr_scale if e is not None else 1.0 for e in s] for s in self.settings]
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the moments; the settings stay this run's (a checkpoint stores the saving
+        run's with every parameter; ``LRSchedulers.reapply`` sets the learning rates)."""
         for part, optimizer in zip(self.model_parts, self.optimizers, strict=True):
+            kept = ("betas", "eps", "weight_decay")
+            settings = [{k: g[k] for k in kept if k in g} for g in optimizer.param_groups]
             set_optimizer_state_dict(part, optimizer, state_dict, options=_FLAT)
+            for group, kept in zip(optimizer.param_groups, settings, strict=True):
+                group.update(kept)
 
 
 def build_optimizers(
     model_parts: Sequence[nn.Module], config: OptimizerConfig, device: torch.device
 ) -> Optimizers:
     """One optimizer per model part; call it after sharding so states are sharded too."""
-    return Optimizers(model_parts, [build_optimizer(part, config, device) for part in model_parts])
+    built = [build_optimizer(part, config, device) for part in model_parts]
+    return Optimizers(model_parts, [optimizer for optimizer, _ in built], [s for _, s in built])
 
 
 def build_optimizer(
     model: nn.Module, config: OptimizerConfig, device: torch.device
-) -> torch.optim.Optimizer:
-    """Build over ``model``'s parameters; call it after sharding so states are sharded too.
+) -> tuple[torch.optim.Optimizer, list[ParamGroup | None]]:
+    """Build over ``model``'s trainable parameters, grouped by ``--optimizer.param_groups``;
+    call it after sharding so states are sharded too. Returns the optimizer and each of its
+    param groups' entry (``None``: the section's own settings).
 
     ``implementation=auto`` picks the fused kernel (CUDA and CPU have one) and falls back to
     ``foreach`` on other devices.
@@ -91,18 +118,26 @@ def build_optimizer(
     implementation = config.implementation
     if implementation == "auto":
         implementation = "fused" if device.type in ("cuda", "cpu") else "foreach"
-    # Fused and foreach kernels cannot mix DTensors with plain tensors (e.g. norms left
-    # replicated by a TP plan without sequence parallelism): one param group per kind.
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": kind}
+    entries = config.groups()
+    patterns = [re.compile(entry.pattern) for entry in entries]
+    members: list[list[nn.Parameter]] = [[] for _ in range(len(entries) + 1)]
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            name = clean_name(name)
+            first = next((i for i, p in enumerate(patterns) if p.search(name)), len(entries))
+            members[first].append(param)
+    groups, settings = [], []
+    for entry, params in zip([*entries, None], members, strict=True):
+        # Fused and foreach kernels cannot mix DTensors with plain tensors (e.g. norms left
+        # replicated by a TP plan without sequence parallelism): one param group per kind.
         for kind in (
             [p for p in params if isinstance(p, DTensor)],
             [p for p in params if not isinstance(p, DTensor)],
-        )
-        if kind
-    ]
-    return _CLASSES[config.name](
+        ):
+            if kind:
+                groups.append({"params": kind, **_hyperparameters(entry, config)})
+                settings.append(entry)
+    optimizer = _CLASSES[config.name](
         groups,
         lr=config.lr,
         betas=(config.beta1, config.beta2),
@@ -110,4 +145,63 @@ def build_optimizer(
         weight_decay=config.weight_decay,
         fused=implementation == "fused",
         foreach=implementation == "foreach",
+    )
+    return optimizer, settings
+
+
+def _hyperparameters(entry: ParamGroup | None, config: OptimizerConfig) -> dict[str, Any]:
+    """A param group's settings: ``entry``'s, else the section's."""
+    source = entry if entry is not None else config
+    lr_scale = entry.lr_scale if entry is not None else 1.0
+    return {
+        "lr": config.lr * lr_scale,
+        "betas": (source.beta1, source.beta2),
+        "eps": source.eps,
+        "weight_decay": source.weight_decay,
+    }
+
+
+def check_param_groups(model: nn.Module, config: OptimizerConfig) -> None:
+    """Refuse a ``--optimizer.param_groups`` entry that no trainable parameter of ``model``
+    (the whole model, before a pipeline split) would take: a typo, or every parameter it
+    names claimed by an earlier entry. Logs what each entry takes."""
+    entries = config.groups()
+    if not entries:
+        return
+    patterns = [re.compile(entry.pattern) for entry in entries]
+    taken: list[list[str]] = [[] for _ in entries]
+    names = [clean_name(n) for n, p in model.named_parameters() if p.requires_grad]
+    for name in names:
+        first = next((i for i, p in enumerate(patterns) if p.search(name)), None)
+        if first is not None:
+            taken[first].append(name)
+    for raw, names_taken in zip(config.param_groups, taken, strict=True):
+        if not names_taken:
+            hint = ", ".join(names[:4] + (["..."] if len(names) > 4 else []))
+            raise ConfigError(
+                f"--optimizer.param_groups {raw!r}: no trainable parameter takes it (its regex "
+                f"matches none, or an earlier entry took them); parameter names: {hint}"
+            )
+        logger.info(
+            f"Optimizer group {raw!r}: {len(names_taken)} parameter tensor(s), e.g. "
+            f"{names_taken[0]}"
+        )
+
+
+def changed_settings_note(current: OptimizerConfig, saved: OptimizerConfig | None) -> str | None:
+    """A note when a resumed run's optimizer settings differ from the checkpoint's run's:
+    this run's apply from the next step (the loaded moments are kept)."""
+    if saved is None:
+        return None
+    fields = ("weight_decay", "beta1", "beta2", "eps", "param_groups")
+    changed = [
+        f"--optimizer.{f} {getattr(saved, f)} -> {getattr(current, f)}"
+        for f in fields
+        if getattr(saved, f) != getattr(current, f)
+    ]
+    if not changed:
+        return None
+    return (
+        f"Optimizer settings differ from the checkpoint's run ({'; '.join(changed)}): this "
+        "run's apply from the next step, with the loaded moments"
     )

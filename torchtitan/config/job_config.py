@@ -8,6 +8,8 @@ Sections marked "(not implemented yet: issue #N)" exist so configs and CLIs stay
 asking for their behaviour fails loudly at start-up instead of being silently ignored.
 """
 
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -152,6 +154,67 @@ class Optimizer:
 
     implementation: Literal["auto", "for-loop", "foreach", "fused"] = "auto"
     """Optimizer kernel: ``auto`` picks fused where the device supports it, else foreach."""
+
+    param_groups: list[str] = field(default_factory=list)
+    """Settings for some parameters, each ``REGEX:key=value[,key=value...]``: a trainable
+    parameter whose name (``layers.0.attention_norm.weight``, as in checkpoints) the regex
+    matches (``re.search``) takes these settings over the section's. Keys: ``lr_scale``
+    (multiplies ``--optimizer.lr``, so the whole schedule), ``weight_decay``, ``beta1``,
+    ``beta2``, ``eps``. The first entry that matches wins; one that matches no trainable
+    parameter is refused. Example: ``"norm|bias:weight_decay=0" "tok_embeddings:lr_scale=0.1"``
+    (``docs/training.md``)."""
+
+    def groups(self) -> list["ParamGroup"]:
+        """``param_groups`` parsed, each with every setting filled in from the section's;
+        ``ValueError`` names the entry that does not parse or holds a bad value."""
+        return [ParamGroup.parse(entry, self) for entry in self.param_groups]
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """One entry of ``--optimizer.param_groups``."""
+
+    pattern: str
+    lr_scale: float
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+
+    @classmethod
+    def parse(cls, entry: str, defaults: Optimizer) -> "ParamGroup":
+        pattern, colon, settings = entry.rpartition(":")
+        if not colon or not pattern:
+            raise ValueError(f"{entry!r} is not REGEX:key=value[,key=value...]")
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"{entry!r}: the regex does not compile ({e})") from None
+        values = dict(
+            lr_scale=1.0, weight_decay=defaults.weight_decay, beta1=defaults.beta1,
+            beta2=defaults.beta2, eps=defaults.eps,
+        )  # fmt: skip
+        for item in settings.split(","):
+            key, equals, value = item.strip().partition("=")
+            if key not in values or not equals:
+                raise ValueError(
+                    f"{entry!r}: {item.strip()!r} is not key=value with a key of "
+                    f"{', '.join(values)}"
+                )
+            try:
+                values[key] = float(value)
+            except ValueError:
+                raise ValueError(f"{entry!r}: {key}={value} is not a number") from None
+        group = cls(pattern, **values)
+        for ok, rule in (
+            (0 <= group.lr_scale < math.inf, "lr_scale must be >= 0 and finite"),
+            (0 <= group.weight_decay < math.inf, "weight_decay must be >= 0 and finite"),
+            (0 <= group.beta1 < 1 and 0 <= group.beta2 < 1, "beta1 and beta2 must be in [0, 1)"),
+            (0 < group.eps < math.inf, "eps must be > 0 and finite"),
+        ):
+            if not ok:
+                raise ValueError(f"{entry!r}: {rule}")
+        return group
 
 
 @dataclass

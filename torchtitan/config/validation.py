@@ -128,6 +128,10 @@ def validate(config: JobConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    try:
+        o.groups()
+    except ValueError as e:
+        raise ConfigError(f"--optimizer.param_groups {e}") from None
 
     spec = get_model_spec(config.model.name)
     if config.model.flavor not in spec.flavors:
