@@ -279,6 +279,36 @@ def test_fsdp_resume_from_an_async_save_is_bitwise_exact(tmp_path, fsdp_uninterr
     assert [got[s] for s in range(6, 21)] == [want[s] for s in range(6, 21)]
 
 
+def test_a_dataset_mix_resumes_on_another_data_parallel_degree(tmp_path):
+    """A mix read by_row under FSDP 2, resumed in one process from its step 5: the data goes
+    on where it was (the same global batches), so the losses follow the FSDP 2 run's."""
+    mix = [
+        "--training.dataset_mix",
+        "python_docs:3",
+        "files=tests/assets/corpus/validation.jsonl:1",
+    ]
+    fsdp = tmp_path / "fsdp"
+    first = _run_train(
+        fsdp, "--training.steps", "10", "--training.local_batch_size", "4", *mix, *BY_ROW
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "Dataset mix (shares of the windows): python_docs 75.0%" in first.stderr
+    one = tmp_path / "one"
+    _copy_step(fsdp, 5, one)
+    rows = ["--training.local_batch_size", "8"]  # the same global batch
+    assert _train(one, "--training.steps", "10", *rows, *mix, *BY_ROW) == 0
+    want, got = _losses(fsdp), _losses(one)
+    assert [got[s] for s in range(6, 11)] == pytest.approx(
+        [want[s] for s in range(6, 11)], rel=1e-5
+    )
+    # Not the same data without the mix's position: restarting it changes step 6.
+    restarted = tmp_path / "restarted"
+    _copy_step(fsdp, 5, restarted)
+    flags = ["--checkpoint.exclude_from_loading", "dataloader", "--training.steps", "6"]
+    assert _train(restarted, *flags, *rows, *mix, *BY_ROW) == 0
+    assert _losses(restarted)[6] != pytest.approx(want[6], rel=1e-5)
+
+
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The full (unsharded) model tensors of a DCP checkpoint directory."""
     metadata = FileSystemReader(str(checkpoint)).read_metadata()

@@ -9,7 +9,7 @@ every document is tokenized with BOS/EOS and the token stream is cut into window
 
 import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import datasets
@@ -19,8 +19,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from torchtitan.components.data_mix import MixedDataset
 from torchtitan.components.data_sources import HFDataset, open_dataset
 from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import MixEntry
 from torchtitan.tools.logging import logger
 
 # torchdata 0.11 calls a deprecated torch API on every loader construction; nothing to act on.
@@ -195,6 +197,7 @@ class TextDataset(IterableDataset, Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         state = {
+            "dataset": self.name,
             "format": self._format,
             "epoch": self._epoch,
             "sample_idx": self._sample_idx,
@@ -205,7 +208,18 @@ class TextDataset(IterableDataset, Stateful):
         return state
 
     def check_state(self, state: dict[str, Any]) -> None:
-        """Refuse (one line) a saved state this dataset cannot continue: another format."""
+        """Refuse (one line) a saved state this dataset cannot continue: a mix's, another
+        format."""
+        if "mix" in state:
+            mix = [
+                f"{label}:{w:g}" for label, w in zip(state["mix"], state["weights"], strict=True)
+            ]
+            raise ConfigError(
+                f"dataloader state was saved reading --training.dataset_mix {' '.join(mix)}, "
+                f"this run reads --training.dataset {self.name} alone; resume with a mix (one "
+                f"that names {self.name} continues it where it was) or pass "
+                "--checkpoint.exclude_from_loading dataloader"
+            )
         saved = state.get("format", "text")
         if saved != self._format:
             raise ConfigError(
@@ -325,7 +339,7 @@ class ParallelAwareDataloader(StatefulDataLoader, Stateful):
 def _dataset_states(state: Any) -> Iterator[dict[str, Any]]:
     """The dataset states inside a ``StatefulDataLoader`` state: its own, or each worker's."""
     if isinstance(state, dict):
-        if "sample_idx" in state and "epoch" in state:
+        if ("sample_idx" in state and "epoch" in state) or "mix" in state:
             yield state
             return
         for value in state.values():
@@ -353,6 +367,7 @@ def build_dataloader(
     data_format: str = "text",
     make_dataset: Callable[..., TextDataset] | None = None,
     flag: str = "--training",
+    mix: Sequence[MixEntry] = (),
 ) -> ParallelAwareDataloader:
     """Open ``dataset`` and wrap this DP rank's share of it in a resumable dataloader.
 
@@ -364,22 +379,37 @@ def build_dataloader(
     leave some ranks no rows at all). ``make_dataset``: what turns the rows into windows
     (called as ``TextDataset`` is; default: ``TextDataset``, reading ``data_format`` text).
     ``flag``: the config section messages name (``--validation`` for validation data).
+    ``mix``: the datasets of ``--training.dataset_mix``, read in place of ``dataset`` (each
+    as ``dataset`` would be) and interleaved by ``MixedDataset``.
     """
-    data, text_key = open_dataset(dataset, dataset_path, data_format=data_format, flag=flag)
     by_row = sharding == "by_row"
-    if make_dataset is None:
-        make_dataset = functools.partial(TextDataset, text_key=text_key)
-    text = make_dataset(
-        data,
-        name=dataset,
-        tokenizer=tokenizer,
-        seq_len=seq_len,
-        dp_rank=0 if by_row else dp_rank,
-        dp_world_size=1 if by_row else dp_world_size,
-        infinite=infinite,
-        flag=flag,
-        where=f"data-parallel rank {dp_rank} of {dp_world_size} (by_row)" if by_row else None,
-    )
+
+    def windows_of(name: str, path: str | None, label: str) -> TextDataset:
+        data, text_key = open_dataset(name, path, data_format=data_format, flag=flag)
+        make = make_dataset or functools.partial(TextDataset, text_key=text_key)
+        return make(
+            data,
+            name=label,
+            tokenizer=tokenizer,
+            seq_len=seq_len,
+            dp_rank=0 if by_row else dp_rank,
+            dp_world_size=1 if by_row else dp_world_size,
+            infinite=infinite,
+            flag=flag,
+            where=f"data-parallel rank {dp_rank} of {dp_world_size} (by_row)" if by_row else None,
+        )
+
+    if mix:
+        if not infinite:
+            raise ValueError("a dataset mix is endless training data")
+        text = MixedDataset(
+            [windows_of(e.name, e.path, e.label) for e in mix],
+            [e.label for e in mix],
+            [e.weight for e in mix],
+        )
+    else:
+        # Named as a mix entry would name it, so a mix naming it continues its state.
+        text = windows_of(dataset, dataset_path, MixEntry(dataset, dataset_path, 1.0).label)
     rows = local_batch_size * dp_world_size if by_row else local_batch_size
     start = dp_rank * local_batch_size if by_row else 0
     return ParallelAwareDataloader(

@@ -162,8 +162,13 @@ class LRSchedulers(Stateful):
             scheduler._last_lr = lrs
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The saved position; call :meth:`reapply` next (the per-group values of the saving
+        run's first optimizer, which may have had other groups, are replaced there)."""
         for scheduler in self.schedulers:
-            scheduler.load_state_dict(dict(state_dict))
+            # The curve is this run's (a function, nothing to restore); the saved list has one
+            # entry per param group of the saving run's first optimizer.
+            lambdas = [None] * len(scheduler.lr_lambdas)
+            scheduler.load_state_dict(dict(state_dict) | {"lr_lambdas": lambdas})
 
 
 def build_lr_schedulers(

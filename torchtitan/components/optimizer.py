@@ -87,14 +87,17 @@ class Optimizers(Stateful):
         return [[e.lr_scale if e is not None else 1.0 for e in s] for s in self.settings]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load the moments; the settings stay this run's (a checkpoint stores the saving
-        run's with every parameter; ``LRSchedulers.reapply`` sets the learning rates)."""
+        """Load the moments; every setting stays this run's (a checkpoint stores the saving
+        run's with each parameter: weight decay, betas, eps, the kernel, Adam or AdamW;
+        ``LRSchedulers.reapply`` sets the learning rates)."""
         for part, optimizer in zip(self.model_parts, self.optimizers, strict=True):
-            kept = ("betas", "eps", "weight_decay")
-            settings = [{k: g[k] for k in kept if k in g} for g in optimizer.param_groups]
+            settings = [
+                {k: v for k, v in group.items() if k != "params"}
+                for group in optimizer.param_groups
+            ]
             set_optimizer_state_dict(part, optimizer, state_dict, options=_FLAT)
-            for group, kept in zip(optimizer.param_groups, settings, strict=True):
-                group.update(kept)
+            for group, own in zip(optimizer.param_groups, settings, strict=True):
+                group.update(own)
 
 
 def build_optimizers(
@@ -193,7 +196,7 @@ def changed_settings_note(current: OptimizerConfig, saved: OptimizerConfig | Non
     this run's apply from the next step (the loaded moments are kept)."""
     if saved is None:
         return None
-    fields = ("weight_decay", "beta1", "beta2", "eps", "param_groups")
+    fields = ("name", "implementation", "weight_decay", "beta1", "beta2", "eps", "param_groups")
     changed = [
         f"--optimizer.{f} {getattr(saved, f)} -> {getattr(current, f)}"
         for f in fields
@@ -203,5 +206,5 @@ def changed_settings_note(current: OptimizerConfig, saved: OptimizerConfig | Non
         return None
     return (
         f"Optimizer settings differ from the checkpoint's run ({'; '.join(changed)}): this "
-        "run's apply from the next step, with the loaded moments"
+        "run's apply from the next step"
     )

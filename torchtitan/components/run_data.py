@@ -56,11 +56,11 @@ class RunData:
         return self.chat_template.source if self.chat_template is not None else None
 
     def training_loader(self) -> Any:
-        """The endless loader of ``--training.dataset``."""
+        """The endless loader of ``--training.dataset`` (or ``--training.dataset_mix``)."""
         t = self.training
         return self.loader(
             dataset=t.dataset, dataset_path=t.dataset_path, seq_len=t.seq_len,
-            local_batch_size=t.local_batch_size, infinite=True,
+            local_batch_size=t.local_batch_size, infinite=True, mix=t.mix(),
         )  # fmt: skip
 
     def validator(self, validation: Validation, **run: Any) -> Validator | None:

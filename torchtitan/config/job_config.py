@@ -67,6 +67,23 @@ class Training:
     """Overrides where the dataset is read from: a local copy of a hub dataset, or the
     file / glob / folder for ``--training.dataset files``."""
 
+    dataset_mix: list[str] = field(default_factory=list)
+    """Train on several datasets in given shares of the windows (so of the tokens), in place
+    of ``--training.dataset``: entries ``NAME:WEIGHT`` or ``NAME=PATH:WEIGHT`` (``PATH`` as
+    ``--training.dataset_path``), weights normalised. Each dataset is read, sharded, and
+    re-looped on its own; the windows interleave deterministically, each dataset as close to
+    its share as whole windows allow, and resume exactly. Resuming with another mix keeps the
+    place of the datasets both mixes name. Example: ``"python_docs:3" "files=code/*.jsonl:1"``
+    (``docs/data.md``)."""
+
+    def mix(self) -> list["MixEntry"]:
+        """``dataset_mix`` parsed; ``ValueError`` names the entry that does not parse."""
+        entries = [MixEntry.parse(entry) for entry in self.dataset_mix]
+        labels = [e.label for e in entries]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"names a dataset twice: {labels}")
+        return entries
+
     data_format: Literal["text", "chat", "prompt_completion"] = "text"
     """What the dataset's rows hold. ``text``: documents (field ``text``), packed into one
     token stream, every token trained (pretraining). Supervised fine-tuning, trained on the
@@ -132,6 +149,34 @@ class Training:
     """Keep FSDP-sharded parameters, gradients and optimizer state in host memory."""
 
 
+@dataclass(frozen=True)
+class MixEntry:
+    """One entry of ``--training.dataset_mix``."""
+
+    name: str
+    path: str | None
+    weight: float
+
+    @property
+    def label(self) -> str:
+        """What messages and checkpoints call it: ``NAME`` or ``NAME=PATH``."""
+        return self.name if self.path is None else f"{self.name}={self.path}"
+
+    @classmethod
+    def parse(cls, entry: str) -> "MixEntry":
+        source, colon, weight = entry.rpartition(":")
+        name, equals, path = source.partition("=")
+        if not colon or not name or (equals and not path):
+            raise ValueError(f"{entry!r} is not NAME:WEIGHT or NAME=PATH:WEIGHT")
+        try:
+            value = float(weight)
+        except ValueError:
+            raise ValueError(f"{entry!r}: the weight {weight!r} is not a number") from None
+        if not 0 < value < math.inf:
+            raise ValueError(f"{entry!r}: the weight must be > 0 and finite")
+        return cls(name, path or None, value)
+
+
 @dataclass
 class Optimizer:
     name: Literal["AdamW", "Adam"] = "AdamW"
@@ -188,19 +233,23 @@ class ParamGroup:
             raise ValueError(f"{entry!r} is not REGEX:key=value[,key=value...]")
         try:
             re.compile(pattern)
-        except re.error as e:
+        except (re.error, OverflowError, RecursionError) as e:
             raise ValueError(f"{entry!r}: the regex does not compile ({e})") from None
         values = dict(
             lr_scale=1.0, weight_decay=defaults.weight_decay, beta1=defaults.beta1,
             beta2=defaults.beta2, eps=defaults.eps,
         )  # fmt: skip
+        given: set[str] = set()
         for item in settings.split(","):
-            key, equals, value = item.strip().partition("=")
+            key, equals, value = (part.strip() for part in item.partition("="))
             if key not in values or not equals:
                 raise ValueError(
                     f"{entry!r}: {item.strip()!r} is not key=value with a key of "
                     f"{', '.join(values)}"
                 )
+            if key in given:
+                raise ValueError(f"{entry!r}: {key} is given twice")
+            given.add(key)
             try:
                 values[key] = float(value)
             except ValueError:

@@ -132,6 +132,10 @@ def validate(config: JobConfig) -> None:
         o.groups()
     except ValueError as e:
         raise ConfigError(f"--optimizer.param_groups {e}") from None
+    try:
+        t.mix()
+    except ValueError as e:
+        raise ConfigError(f"--training.dataset_mix {e}") from None
 
     spec = get_model_spec(config.model.name)
     if config.model.flavor not in spec.flavors:
@@ -283,6 +287,11 @@ def _data_format_checks(config: JobConfig) -> list[tuple[bool, str]]:
             not t.train_on_prompt or t.data_format != "text",
             "--training.train_on_prompt does nothing with --training.data_format text (every "
             "token trains); it is for chat and prompt_completion",
+        ),
+        (
+            not (t.dataset_mix and t.dataset_path),
+            "--training.dataset_path does nothing with --training.dataset_mix (each entry "
+            "names its own: NAME=PATH:WEIGHT); drop one",
         ),
     ]
 

@@ -197,3 +197,53 @@ def test_the_resume_note_names_changed_settings_only():
     assert "--optimizer.weight_decay 0.1 -> 0.0" in note
     assert "--optimizer.param_groups [] -> ['norm:lr_scale=0']" in note
     assert "beta1" not in note
+
+
+def test_stages_with_different_groups_resume_their_schedules():
+    """A rank holding two pipeline stages, the first with more param groups than the second:
+    the one saved schedule state loads into both (it holds the first's per-group values)."""
+    model = Tiny()
+    first, second = nn.Module(), nn.Module()
+    first.tok_embeddings, first.layers = model.tok_embeddings, model.layers
+    second.output = model.output
+    config = Optimizer(param_groups=["tok_embeddings:lr_scale=0.1"])
+    optimizers = build_optimizers([first, second], config, CPU)
+    assert [len(o.param_groups) for o in optimizers.optimizers] == [2, 1]
+    schedulers = build_lr_schedulers(optimizers, LRScheduler(warmup_steps=2), training_steps=10)
+    for _ in range(3):
+        schedulers.step()
+    state = copy.deepcopy(schedulers.state_dict())
+    resumed = build_lr_schedulers(
+        build_optimizers([first, second], config, CPU),
+        LRScheduler(warmup_steps=2),
+        training_steps=10,
+    )
+    resumed.load_state_dict(state)
+    resumed.reapply(config.lr)
+    assert [s.get_last_lr() for s in resumed.schedulers] == [
+        s.get_last_lr() for s in schedulers.schedulers
+    ]
+
+
+def test_a_resume_keeps_this_runs_optimizer_and_kernel():
+    """Adam after AdamW, foreach after fused: the loaded groups do not bring the saving run's
+    decoupled weight decay or kernel back."""
+    model = Tiny()
+    saved, _ = _train(model, Optimizer(name="AdamW", implementation="fused"), steps=1)
+    resumed = build_optimizers([model], Optimizer(name="Adam", implementation="foreach"), CPU)
+    resumed.load_state_dict(copy.deepcopy(saved.state_dict()))
+    (group,) = resumed.optimizers[0].param_groups
+    assert not group["decoupled_weight_decay"] and group["foreach"] and not group["fused"]
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ("norm:lr_scale=1,lr_scale=2", "lr_scale is given twice"),
+        ("a{99999999999}:lr_scale=1", "the regex does not compile"),
+    ],
+)
+def test_more_bad_entries(entry, message):
+    with pytest.raises(ValueError, match=message):
+        Optimizer(param_groups=[entry]).groups()
+    assert Optimizer(param_groups=["norm: lr_scale = 2 "]).groups()[0].lr_scale == 2.0
