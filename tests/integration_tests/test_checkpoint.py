@@ -279,14 +279,16 @@ def test_fsdp_resume_from_an_async_save_is_bitwise_exact(tmp_path, fsdp_uninterr
     assert [got[s] for s in range(6, 21)] == [want[s] for s in range(6, 21)]
 
 
-def test_a_dataset_mix_resumes_on_another_data_parallel_degree(tmp_path):
-    """A mix read by_row under FSDP 2, resumed in one process from its step 5: the data goes
-    on where it was (the same global batches), so the losses follow the FSDP 2 run's."""
+def test_a_shuffled_dataset_mix_resumes_on_another_data_parallel_degree(tmp_path):
+    """A shuffled mix read by_row under FSDP 2, resumed in one process from its step 5: the
+    data goes on where it was (the same global batches), so the losses follow the FSDP 2
+    run's."""
     mix = [
         "--training.dataset_mix",
         "python_docs:3",
         "files=tests/assets/corpus/validation.jsonl:1",
     ]
+    mix += ["--training.shuffle_seed", "3"]
     fsdp = tmp_path / "fsdp"
     first = _run_train(
         fsdp, "--training.steps", "10", "--training.local_batch_size", "4", *mix, *BY_ROW

@@ -181,7 +181,13 @@ def open_dataset(
     if path is None:
         raise ConfigError(f"{flag}.dataset {name} needs {flag}.dataset_path")
     logger.info(f"Opening dataset {name} from {path}")
-    data = spec.loader(path)
+    try:
+        data = spec.loader(path)
+    except ConnectionError as e:  # a hub dataset without network (or a hub id mistyped)
+        raise ConfigError(
+            f"{flag}.dataset {name}: cannot reach {path} ({str(e).splitlines()[0]}); without "
+            f"network, point {flag}.dataset_path at a local copy of it"
+        ) from None
     features = getattr(data, "features", None)
     if features is not None:  # known before reading (files); a stream is checked per row
         wanted = (spec.text_key,) if data_format == "text" else FIELDS[data_format]

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import datasets
+import numpy
 import torch
 from datasets.distributed import split_dataset_by_node
 from torch.distributed.checkpoint.stateful import Stateful
@@ -62,9 +63,12 @@ class TextDataset(IterableDataset, Stateful):
         text_key: str = "text",
         flag: str = "--training",
         where: str | None = None,
+        shuffle_seed: int | None = None,
     ):
         """``flag``: the config section whose flags the messages name (``--validation`` for
-        the validation data); ``where``: who reads, in messages (default: this DP rank)."""
+        the validation data); ``where``: who reads, in messages (default: this DP rank).
+        ``shuffle_seed``: read the documents in a random order drawn from it, a new one each
+        epoch (``None``: in the data's order)."""
         if isinstance(data, datasets.Dataset) and len(data) < dp_world_size:
             raise ConfigError(
                 f"dataset {name} has {len(data)} documents, fewer than the {dp_world_size} "
@@ -76,6 +80,19 @@ class TextDataset(IterableDataset, Stateful):
         self._format = "text"
         self._data = split_dataset_by_node(data, rank=dp_rank, world_size=dp_world_size)
         self._streaming = isinstance(self._data, datasets.IterableDataset)
+        if shuffle_seed is not None and self._streaming:
+            raise ConfigError(
+                f"--training.shuffle_seed: dataset {name} is streamed, and a stream cannot be "
+                "shuffled and resumed exactly; drop the flag, or read a local copy "
+                "(--training.dataset_path)"
+            )
+        self._shuffle_seed = shuffle_seed
+        # Shuffled: this rank's block of a permutation of every document, drawn per epoch.
+        self._all = data
+        self._block = (
+            _contiguous_block(len(data), dp_rank, dp_world_size) if not self._streaming else None
+        )
+        self._order: tuple[int, Any] | None = None  # (epoch, its document indices)
         self._tokenizer = tokenizer
         self._seq_len = seq_len
         self._infinite = infinite
@@ -99,11 +116,25 @@ class TextDataset(IterableDataset, Stateful):
             return
         info = get_worker_info()
         stride, offset = (info.num_workers, info.id) if info is not None else (1, 0)
-        for i in range(self._sample_idx, len(self._data)):
+        source, indices = self._documents_of_epoch()
+        for i in range(self._sample_idx, len(indices)):
             if i % stride == offset:
                 self._sample_idx = i + 1
-                yield self._data[i]
-        self._sample_idx = len(self._data)
+                yield source[int(indices[i])]
+        self._sample_idx = len(indices)
+
+    def _documents_of_epoch(self) -> tuple[HFDataset, Any]:
+        """The dataset to index and this rank's indices into it, in reading order: its shard
+        in order, or (shuffled) its block of this epoch's permutation of every document, so
+        each rank reads a random part of the whole data, another each epoch."""
+        if self._shuffle_seed is None:
+            return self._data, range(len(self._data))
+        if self._order is None or self._order[0] != self._epoch:
+            permutation = numpy.random.default_rng([self._shuffle_seed, self._epoch]).permutation(
+                len(self._all)
+            )
+            self._order = (self._epoch, permutation[slice(*self._block)])
+        return self._all, self._order[1]
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         empty_passes = 0
@@ -199,6 +230,7 @@ class TextDataset(IterableDataset, Stateful):
         state = {
             "dataset": self.name,
             "format": self._format,
+            "shuffle_seed": self._shuffle_seed,
             "epoch": self._epoch,
             "sample_idx": self._sample_idx,
             "token_buffer": list(self._token_buffer),
@@ -220,6 +252,13 @@ class TextDataset(IterableDataset, Stateful):
                 f"that names {self.name} continues it where it was) or pass "
                 "--checkpoint.exclude_from_loading dataloader"
             )
+        seed = state.get("shuffle_seed")
+        if seed != self._shuffle_seed:
+            raise ConfigError(
+                f"dataloader state of {self.name} was saved with --training.shuffle_seed {seed}, "
+                f"this run has {self._shuffle_seed} (the saved position is in that order); "
+                f"resume with {seed} or pass --checkpoint.exclude_from_loading dataloader"
+            )
         saved = state.get("format", "text")
         if saved != self._format:
             raise ConfigError(
@@ -237,6 +276,14 @@ class TextDataset(IterableDataset, Stateful):
             self._data.set_epoch(self._epoch)
             self._data.load_state_dict(state["stream"])
             self._loaded_stream_state = state["stream"]
+
+
+def _contiguous_block(n: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank ``rank``'s ``[start, stop)`` of ``n`` items split into ``world`` contiguous
+    blocks, the first ``n % world`` one longer (as ``split_dataset_by_node`` splits)."""
+    div, mod = divmod(n, world)
+    start = div * rank + min(rank, mod)
+    return start, start + div + (rank < mod)
 
 
 class _RowsOf:
@@ -368,6 +415,7 @@ def build_dataloader(
     make_dataset: Callable[..., TextDataset] | None = None,
     flag: str = "--training",
     mix: Sequence[MixEntry] = (),
+    shuffle_seed: int | None = None,
 ) -> ParallelAwareDataloader:
     """Open ``dataset`` and wrap this DP rank's share of it in a resumable dataloader.
 
@@ -380,7 +428,8 @@ def build_dataloader(
     (called as ``TextDataset`` is; default: ``TextDataset``, reading ``data_format`` text).
     ``flag``: the config section messages name (``--validation`` for validation data).
     ``mix``: the datasets of ``--training.dataset_mix``, read in place of ``dataset`` (each
-    as ``dataset`` would be) and interleaved by ``MixedDataset``.
+    as ``dataset`` would be) and interleaved by ``MixedDataset``. ``shuffle_seed``: read
+    documents in a seeded random order, a new one each epoch (``TextDataset``).
     """
     by_row = sharding == "by_row"
 
@@ -397,6 +446,7 @@ def build_dataloader(
             infinite=infinite,
             flag=flag,
             where=f"data-parallel rank {dp_rank} of {dp_world_size} (by_row)" if by_row else None,
+            shuffle_seed=shuffle_seed,
         )
 
     if mix:

@@ -61,6 +61,7 @@ class RunData:
         return self.loader(
             dataset=t.dataset, dataset_path=t.dataset_path, seq_len=t.seq_len,
             local_batch_size=t.local_batch_size, infinite=True, mix=t.mix(),
+            shuffle_seed=t.shuffle_seed,
         )  # fmt: skip
 
     def validator(self, validation: Validation, **run: Any) -> Validator | None:

@@ -76,6 +76,12 @@ class Training:
     place of the datasets both mixes name. Example: ``"python_docs:3" "files=code/*.jsonl:1"``
     (``docs/data.md``)."""
 
+    shuffle_seed: int | None = None
+    """Read the training documents in a random order drawn from this seed, a new order each
+    epoch, each data-parallel rank a random part of the whole dataset; resumes exactly.
+    ``None``: in the data's own order. Local (map-style) datasets only: a streamed one is
+    refused. Fine-tuning samples shuffle alike; validation data is read in order."""
+
     def mix(self) -> list["MixEntry"]:
         """``dataset_mix`` parsed; ``ValueError`` names the entry that does not parse."""
         entries = [MixEntry.parse(entry) for entry in self.dataset_mix]

@@ -1,5 +1,7 @@
-"""``--training.dataset_mix``: windows of several datasets in their shares, each dataset's
-windows exactly its own stream, exact resume, and resumes across mixes."""
+"""The order of the training data. ``--training.dataset_mix``: windows of several datasets in
+their shares, each dataset's windows exactly its own stream, exact resume, and resumes across
+mixes. ``--training.shuffle_seed``: a new permutation of the documents each epoch, each rank a
+random part, exact resume."""
 
 import json
 from pathlib import Path
@@ -173,3 +175,80 @@ def test_paths_may_hold_colons_and_equals_signs():
     entry = MixEntry.parse("files=data/a=b:c/*.jsonl:2.5")
     assert (entry.name, entry.path, entry.weight) == ("files", "data/a=b:c/*.jsonl", 2.5)
     assert entry.label == "files=data/a=b:c/*.jsonl"
+
+
+# ---- shuffling ---------------------------------------------------------------------------------
+
+
+def _docs(rows) -> list[int]:
+    """The documents of consecutive windows, in order (each is ``bos id id eos``)."""
+    tokens = [t for row in rows for t in row]
+    return [t for k, t in enumerate(tokens) if t < 1000 and tokens[k - 1] == IdTokenizer.bos_id]
+
+
+def test_each_epoch_reads_every_document_once_in_a_new_seeded_order(files):
+    rows = _windows(_single(files["a"], shuffle_seed=7), 36)  # 3 epochs of 24 documents
+    epochs = [_docs(rows)[24 * e : 24 * (e + 1)] for e in range(3)]
+    assert all(sorted(e) == list(range(24)) for e in epochs)
+    assert epochs[0] != list(range(24)) and epochs[0] != epochs[1] != epochs[2]
+    again = _docs(_windows(_single(files["a"], shuffle_seed=7), 12))
+    other = _docs(_windows(_single(files["a"], shuffle_seed=8), 12))
+    assert again == epochs[0] and other != epochs[0]
+
+
+def test_ranks_read_disjoint_random_parts_of_the_whole_data(files):
+    parts = [
+        _docs(_windows(_single(files["a"], shuffle_seed=7, dp_rank=r, dp_world_size=2), 6))
+        for r in range(2)
+    ]
+    assert sorted(parts[0] + parts[1]) == list(range(24))
+    assert sorted(parts[0]) != list(range(12))  # not the first half of the file
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_shuffled_resume_continues_exactly_across_epochs(files, tmp_path, num_workers):
+    make = lambda: _single(files["a"], shuffle_seed=7, num_workers=num_workers)  # noqa: E731
+    loader = make()
+    it = iter(loader)
+    _windows(loader, 9, it)  # mid-epoch 0
+    path = tmp_path / "state.pt"
+    torch.save(loader.state_dict(), path)
+    expected = _windows(loader, 10, it)  # into epoch 1
+    resumed = make()
+    resumed.load_state_dict(torch.load(path, weights_only=True))
+    assert _windows(resumed, 10) == expected
+
+
+def test_shuffled_by_row_batches_do_not_depend_on_the_degree(files):
+    one = _windows(_single(files["a"], shuffle_seed=7, local_batch_size=4, sharding="by_row"), 4)
+    ranks = [
+        _windows(
+            _single(files["a"], shuffle_seed=7, dp_rank=r, dp_world_size=2, local_batch_size=2,
+                    sharding="by_row"),
+            4,
+        )
+        for r in range(2)
+    ]  # fmt: skip
+    assert [row for k in range(4) for r in range(2) for row in ranks[r][2 * k : 2 * k + 2]] == one
+
+
+def test_another_seed_or_order_is_refused_on_resume(files):
+    loader = _single(files["a"], shuffle_seed=7)
+    _windows(loader, 2)
+    state = loader.state_dict()
+    with pytest.raises(ConfigError, match="saved with --training.shuffle_seed 7, this run has 8"):
+        _single(files["a"], shuffle_seed=8).load_state_dict(state)
+    with pytest.raises(ConfigError, match="shuffle_seed 7, this run has None"):
+        _single(files["a"]).load_state_dict(state)
+
+
+def test_a_stream_is_not_shuffled(files):
+    import datasets
+
+    from torchtitan.components.dataloader import TextDataset
+
+    stream = datasets.load_dataset(
+        "json", data_files=str(files["a"]), split="train", streaming=True
+    )
+    with pytest.raises(ConfigError, match="--training.shuffle_seed: dataset s is streamed"):
+        TextDataset(stream, name="s", tokenizer=IdTokenizer(), seq_len=7, shuffle_seed=1)

@@ -32,6 +32,7 @@ from torchtitan.components.tokenizer import (
     Llama3Tokenizer,
     build_tokenizer,
 )
+from torchtitan.config.errors import ConfigError
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
@@ -509,6 +510,17 @@ def test_c4_streams_from_a_local_mirror(c4_mirror: Path) -> None:
         w[1] for w in _windows(list(_c4_loader(c4_mirror, IdTokenizer(), "c4_validation")))
     ]
     assert validation == [100, 101, 102]
+
+
+def test_an_unreachable_hub_dataset_is_one_line() -> None:
+    with pytest.raises(ConfigError, match="--training.dataset c4: cannot reach allenai/c4 .*"
+                       "point --training.dataset_path at a local copy"):  # fmt: skip
+        open_dataset("c4", None)
+
+
+def test_a_streamed_dataset_is_not_shuffled(c4_mirror: Path) -> None:
+    with pytest.raises(ConfigError, match="--training.shuffle_seed: dataset c4=.* is streamed"):
+        _c4_loader(c4_mirror, IdTokenizer(), shuffle_seed=1)
 
 
 @pytest.mark.parametrize("dp_world_size", [2, 3])
