@@ -44,6 +44,8 @@ class GlobalBatchSlices:
             dp_world_size=1,
             data_format=t.data_format,
             make_dataset=trainer.data.make_dataset,
+            mix=t.mix(),
+            shuffle_seed=t.shuffle_seed,
         )
         rows = slice(dp_rank * t.local_batch_size, (dp_rank + 1) * t.local_batch_size)
         it = iter(source)

@@ -2,13 +2,14 @@
 
 Each dataset keeps its own reader (shard, position, epochs, packing buffer), and the stream
 takes its next window from the dataset furthest below its share: after ``n`` windows each
-dataset has given ``weight x n`` of them to within one window, in a fixed order that depends
-on nothing but the weights. Mixing whole windows (not documents) makes the shares shares of
+dataset has given ``weight x n`` of them to within about one window (within one for two
+datasets), in a fixed order that depends on nothing but the weights. Mixing whole windows (not documents) makes the shares shares of
 tokens, whatever the datasets' document lengths. The state is every reader's state and the
 window counts, so a resume continues exactly; a resume with another mix keeps the place of the
 datasets both mixes name and starts the counts over.
 """
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -71,30 +72,43 @@ class MixedDataset(IterableDataset, Stateful):
             for source_state in state["sources"]:
                 self.sources[0].check_state(source_state)
             return
-        saved = state.get("dataset")
-        if saved not in self.labels:
+        saved = self._single_source(state)
+        if saved is None:
             raise ConfigError(
-                f"dataloader state was saved reading --training.dataset {saved or '?'} alone, "
-                f"which --training.dataset_mix does not name ({', '.join(self.labels)}); add "
-                "it to the mix or pass --checkpoint.exclude_from_loading dataloader"
+                f"dataloader state was saved reading {state.get('dataset', 'one dataset')} alone "
+                f"(--training.dataset), which --training.dataset_mix does not name "
+                f"({', '.join(self.labels)}); add it to the mix or pass "
+                "--checkpoint.exclude_from_loading dataloader"
             )
         self.sources[0].check_state(state)
+
+    def _single_source(self, state: dict[str, Any]) -> int | None:
+        """Which of this mix's datasets one dataset's saved state is (a state older than the
+        names in states is the only dataset of a mix of one)."""
+        if "dataset" not in state:
+            return 0 if len(self.labels) == 1 else None
+        return self.labels.index(state["dataset"]) if state["dataset"] in self.labels else None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
         if "mix" not in state:  # one dataset's state, which this mix names
-            saved = state["dataset"]
-            self.sources[self.labels.index(saved)].load_state_dict(state)
-            logger.warning(
-                f"Resumed {saved} where the checkpoint's run left it; the other datasets of the "
-                "mix start at their beginning"
-            )
+            i = self._single_source(state)
+            self.sources[i].load_state_dict(state)
+            if len(self.labels) > 1:
+                logger.warning(
+                    f"Resumed {self.labels[i]} where the checkpoint's run left it; the other "
+                    "datasets of the mix start at their beginning"
+                )
             return
         saved = dict(zip(state["mix"], state["sources"], strict=True))
         for label, source in zip(self.labels, self.sources, strict=True):
             if label in saved:
                 source.load_state_dict(saved[label])
-        if state["mix"] == self.labels and state["weights"] == self.weights:
+        same_weights = all(
+            math.isclose(a, b, rel_tol=1e-9)
+            for a, b in zip(state["weights"], self.weights, strict=False)
+        )
+        if state["mix"] == self.labels and same_weights:
             self._windows = list(state["windows"])
             return
         kept = [label for label in self.labels if label in saved]

@@ -59,7 +59,7 @@ def load_files(path: str) -> datasets.Dataset:
         )
     formats = {_file_format(f) for f in files}
     if len(formats) != 1 or None in formats:
-        raise ValueError(
+        raise ConfigError(
             f"--training.dataset_path {path} mixes or has unknown file types "
             f"({sorted(str(f) for f in formats)}); use one of {sorted(_FORMATS)}"
         )
@@ -141,20 +141,23 @@ FIELDS = {"text": ("text",), "chat": ("messages",), "prompt_completion": ("promp
 """The fields each ``--training.data_format`` reads from a row."""
 
 
-def check_format(name: str, data_format: str, *, flag: str = "--training") -> DatasetSpec:
+def check_format(
+    name: str, data_format: str, *, flag: str = "--training", entry: str | None = None
+) -> DatasetSpec:
     """The registered dataset ``name``, refused in one line if it is not registered or holds
-    rows of another format than ``data_format`` (``files`` holds any)."""
+    rows of another format than ``data_format`` (``files`` holds any). ``entry``: the
+    ``--training.dataset_mix`` entry that names it, for the messages."""
+    named = f"--training.dataset_mix {entry}: {name}" if entry else f"{flag}.dataset {name}"
     if name not in DATASETS:
-        raise ConfigError(
-            f"{flag}.dataset {name} is not registered; choose one of {', '.join(DATASETS)}"
-        )
+        raise ConfigError(f"{named} is not registered; choose one of {', '.join(DATASETS)}")
     spec = DATASETS[name]
     if name != "files" and spec.data_format != data_format:
-        fix = (
-            f"pass --training.data_format {spec.data_format}"
-            if flag == "--training"
-            else f"pass a {flag}.dataset of {data_format} rows"
-            + next(
+        if entry:
+            fix = "every dataset of a mix reads that format; drop it from the mix"
+        elif flag == "--training":
+            fix = f"pass --training.data_format {spec.data_format}"
+        else:
+            fix = f"pass a {flag}.dataset of {data_format} rows" + next(
                 (
                     f" (e.g. {other})"
                     for other, s in DATASETS.items()
@@ -162,32 +165,46 @@ def check_format(name: str, data_format: str, *, flag: str = "--training") -> Da
                 ),
                 "",
             )
-        )
         raise ConfigError(
-            f"{flag}.dataset {name} holds {spec.data_format} rows, and this run reads "
+            f"{named} holds {spec.data_format} rows, and this run reads "
             f"--training.data_format {data_format}; {fix}"
         )
     return spec
 
 
 def open_dataset(
-    name: str, path: str | None, *, data_format: str = "text", flag: str = "--training"
+    name: str,
+    path: str | None,
+    *,
+    data_format: str = "text",
+    flag: str = "--training",
+    entry: str | None = None,
 ) -> tuple[HFDataset, str]:
     """Open a registered dataset (``path`` overrides its location); return it and its text
     key. Its rows must hold the fields of ``data_format`` (``FIELDS``). ``flag``: the config
-    section that names the dataset (``--validation`` for the validation data)."""
-    spec = check_format(name, data_format, flag=flag)
+    section that names the dataset (``--validation`` for the validation data); ``entry``:
+    the ``--training.dataset_mix`` entry that names it (messages name the entry)."""
+    spec = check_format(name, data_format, flag=flag, entry=entry)
     path = path or spec.path
     if path is None:
+        if entry:
+            raise ConfigError(f"--training.dataset_mix {entry}: give its path, {name}=PATH:WEIGHT")
         raise ConfigError(f"{flag}.dataset {name} needs {flag}.dataset_path")
+    # How messages name where the rows come from.
+    source = f"--training.dataset_mix {entry}" if entry else f"{flag}.dataset_path {path}"
     logger.info(f"Opening dataset {name} from {path}")
     try:
         data = spec.loader(path)
     except ConnectionError as e:  # a hub dataset without network (or a hub id mistyped)
         raise ConfigError(
-            f"{flag}.dataset {name}: cannot reach {path} ({str(e).splitlines()[0]}); without "
-            f"network, point {flag}.dataset_path at a local copy of it"
+            f"{source if entry else f'{flag}.dataset {name}'}: cannot reach {path} "
+            f"({str(e).splitlines()[0]}); without network, point "
+            f"{'its path' if entry else f'{flag}.dataset_path'} at a local copy of it"
         ) from None
+    except (ConfigError, FileNotFoundError) as e:  # the files' own line, named as given
+        if entry is None:
+            raise
+        raise ConfigError(str(e).replace(f"--training.dataset_path {path}", source)) from None
     features = getattr(data, "features", None)
     if features is not None:  # known before reading (files); a stream is checked per row
         wanted = (spec.text_key,) if data_format == "text" else FIELDS[data_format]
@@ -203,7 +220,7 @@ def open_dataset(
                 "",
             )
             raise ConfigError(
-                f"{flag}.dataset_path {path}: its rows have the fields {sorted(features)}, "
+                f"{source}: its rows have the fields {sorted(features)}, "
                 f"no {missing[0]!r}; --training.data_format {data_format} reads rows with "
                 f"{' and '.join(map(repr, wanted))}{hint}"
             )
@@ -212,8 +229,5 @@ def open_dataset(
             "string",
             "large_string",
         ):
-            raise ConfigError(
-                f"{flag}.dataset_path {path}: the {key!r} field holds "
-                f"{features[key].dtype}, not text"
-            )
+            raise ConfigError(f"{source}: the {key!r} field holds {features[key].dtype}, not text")
     return data, spec.text_key

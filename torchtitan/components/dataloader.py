@@ -104,8 +104,7 @@ class TextDataset(IterableDataset, Stateful):
         # A stream reports its loaded position only once it is iterated again; until then
         # state_dict() must return the loaded position itself.
         self._loaded_stream_state: dict[str, Any] | None = None
-        if self._streaming:
-            self._stream_start = self._data.state_dict()
+        self._node = (dp_rank, dp_world_size)
 
     def _documents(self) -> Iterator[dict[str, Any]]:
         if self._streaming:
@@ -217,8 +216,12 @@ class TextDataset(IterableDataset, Stateful):
         if not self._infinite:
             self._token_buffer = []
         if self._streaming:
+            # A fresh split, not the first position loaded back: a dataloader worker's stream
+            # picks its share of the shards when it starts (a loaded state would carry the
+            # unsplit stream's, and the worker would read the other workers' shards).
+            rank, world = self._node
+            self._data = split_dataset_by_node(self._all, rank=rank, world_size=world)
             self._data.set_epoch(epoch)
-            self._data.load_state_dict(self._stream_start)
             self._loaded_stream_state = None
 
     @staticmethod
@@ -248,7 +251,7 @@ class TextDataset(IterableDataset, Stateful):
             ]
             raise ConfigError(
                 f"dataloader state was saved reading --training.dataset_mix {' '.join(mix)}, "
-                f"this run reads --training.dataset {self.name} alone; resume with a mix (one "
+                f"this run reads {self.name} alone (--training.dataset); resume with a mix (one "
                 f"that names {self.name} continues it where it was) or pass "
                 "--checkpoint.exclude_from_loading dataloader"
             )
@@ -433,8 +436,8 @@ def build_dataloader(
     """
     by_row = sharding == "by_row"
 
-    def windows_of(name: str, path: str | None, label: str) -> TextDataset:
-        data, text_key = open_dataset(name, path, data_format=data_format, flag=flag)
+    def windows_of(name: str, path: str | None, label: str, entry: str | None) -> TextDataset:
+        data, text_key = open_dataset(name, path, data_format=data_format, flag=flag, entry=entry)
         make = make_dataset or functools.partial(TextDataset, text_key=text_key)
         return make(
             data,
@@ -453,13 +456,13 @@ def build_dataloader(
         if not infinite:
             raise ValueError("a dataset mix is endless training data")
         text = MixedDataset(
-            [windows_of(e.name, e.path, e.label) for e in mix],
+            [windows_of(e.name, e.path, e.label, e.written) for e in mix],
             [e.label for e in mix],
             [e.weight for e in mix],
         )
     else:
         # Named as a mix entry would name it, so a mix naming it continues its state.
-        text = windows_of(dataset, dataset_path, MixEntry(dataset, dataset_path, 1.0).label)
+        text = windows_of(dataset, dataset_path, MixEntry(dataset, dataset_path, 1.0).label, None)
     rows = local_batch_size * dp_world_size if by_row else local_batch_size
     start = dp_rank * local_batch_size if by_row else 0
     return ParallelAwareDataloader(

@@ -88,6 +88,11 @@ class Training:
         labels = [e.label for e in entries]
         if len(set(labels)) != len(labels):
             raise ValueError(f"names a dataset twice: {labels}")
+        if not math.isfinite(sum(e.weight for e in entries)):
+            raise ValueError("weights sum to infinity; use smaller ones (they are normalised)")
+        for e in entries:
+            if e.name == "files" and e.path is None:
+                raise ValueError(f"{e.written}: files needs its path, files=PATH:WEIGHT")
         return entries
 
     data_format: Literal["text", "chat", "prompt_completion"] = "text"
@@ -167,6 +172,11 @@ class MixEntry:
     def label(self) -> str:
         """What messages and checkpoints call it: ``NAME`` or ``NAME=PATH``."""
         return self.name if self.path is None else f"{self.name}={self.path}"
+
+    @property
+    def written(self) -> str:
+        """The entry as ``--training.dataset_mix`` takes it."""
+        return f"{self.label}:{self.weight:g}"
 
     @classmethod
     def parse(cls, entry: str) -> "MixEntry":

@@ -66,9 +66,9 @@ def _source(window) -> str:
     return "b" if any(100 <= t < 1000 for t in window) else "a"
 
 
-def test_the_order_keeps_every_share_within_one_window():
-    weights = [0.5, 0.3, 0.2]
-    windows = [0, 0, 0]
+@pytest.mark.parametrize("weights", [[0.5, 0.3, 0.2], [0.7, 0.3], [0.9, 0.1], [0.123, 0.877]])
+def test_the_order_keeps_shares_within_one_window_for_two_and_three_datasets(weights):
+    windows = [0] * len(weights)
     for n in range(1, 1001):
         windows[mix_order(weights, windows)] += 1
         assert all(abs(c - w * n) < 1 for c, w in zip(windows, weights, strict=True)), n
@@ -136,6 +136,40 @@ def test_one_datasets_state_continues_in_a_mix_that_names_it(files):
         elsewhere.load_state_dict(state)
 
 
+def test_a_state_from_before_mixes_continues_in_a_mix_of_one(files):
+    single = _single(files["a"])
+    it = iter(single)
+    _windows(single, 3, it)
+    state = single.state_dict()
+    del state["dp_rank_0"]["dataset_state"]["dataset"]  # as states were written before mixes
+    expected = _windows(single, 2, it)
+    mixed = _loader(files, weights=(1,), names=("a",), local_batch_size=1)
+    mixed.load_state_dict(state)
+    assert _windows(mixed, 2) == expected
+    with pytest.raises(ConfigError, match="saved reading one dataset alone"):
+        _loader(files).load_state_dict(state)
+
+
+def test_a_bad_entry_is_one_line_naming_it(files, tmp_path):
+    def build(*entries):
+        mix = [MixEntry.parse(e) for e in entries]
+        args = dict(seq_len=7, local_batch_size=2, dp_rank=0, dp_world_size=1)
+        return build_dataloader(
+            dataset="unused", dataset_path=None, tokenizer=IdTokenizer(), mix=mix, **args
+        )
+
+    with pytest.raises(ConfigError, match="^--training.dataset_mix chat_demo:1: chat_demo holds "
+                       "chat rows.*drop it from the mix"):  # fmt: skip
+        build("python_docs:1", "chat_demo:1")
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(ConfigError, match=f"^--training.dataset_mix files={missing}:2: no "):
+        build("python_docs:1", f"files={missing}:2")
+    notext = tmp_path / "notext.jsonl"
+    notext.write_text('{"txt": "x"}\n')
+    with pytest.raises(ConfigError, match=f"^--training.dataset_mix files={notext}:1: its rows"):
+        build(f"files={notext}:1")
+
+
 def test_a_mix_state_is_refused_by_a_run_of_one_dataset(files):
     loader = _loader(files)
     _windows(loader, 2)
@@ -153,6 +187,8 @@ def test_a_mix_state_is_refused_by_a_run_of_one_dataset(files):
         (["python_docs:0"], "the weight must be > 0 and finite"),
         (["files=:1"], "is not NAME:WEIGHT"),
         (["python_docs:1", "python_docs:2"], "names a dataset twice"),
+        (["python_docs:1", "files:1"], "files:1: files needs its path, files=PATH:WEIGHT"),
+        (["python_docs:1e308", "files=x:1e308"], "weights sum to infinity"),
     ],
 )
 def test_a_bad_mix_is_refused_before_launch(flags, message):

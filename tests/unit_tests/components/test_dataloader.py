@@ -512,6 +512,31 @@ def test_c4_streams_from_a_local_mirror(c4_mirror: Path) -> None:
     assert validation == [100, 101, 102]
 
 
+def test_stream_workers_re_loop_alike_and_resume_exactly(tmp_path: Path) -> None:
+    """Two workers over a stream of two shards, over several epochs: every run reads the same
+    batches and a resume continues exactly (a rewind used to load the unsplit stream's first
+    position into a worker, which then read whatever shards it happened to)."""
+    docs = datasets.Dataset.from_dict({"text": [f"doc {i}" for i in range(7)]})
+
+    def loader() -> ParallelAwareDataloader:
+        text = TextDataset(
+            docs.to_iterable_dataset(num_shards=2), name="s", tokenizer=IdTokenizer(), seq_len=3
+        )
+        return ParallelAwareDataloader(
+            text, dp_rank=0, dp_world_size=1, batch_size=2, num_workers=2
+        )
+
+    first, second = loader(), loader()
+    a, b = iter(first), iter(second)
+    taken = [next(a) for _ in range(9)]
+    state = _saved(first.state_dict(), tmp_path)
+    rest = [next(a) for _ in range(9)]
+    _assert_same_batches([next(b) for _ in range(18)], taken + rest)
+    resumed = loader()
+    resumed.load_state_dict(state)
+    _assert_same_batches(_take(iter(resumed), 9), rest)
+
+
 def test_an_unreachable_hub_dataset_is_one_line() -> None:
     with pytest.raises(ConfigError, match="--training.dataset c4: cannot reach allenai/c4 .*"
                        "point --training.dataset_path at a local copy"):  # fmt: skip
