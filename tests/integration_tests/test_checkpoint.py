@@ -194,6 +194,19 @@ def test_param_groups_added_on_resume_apply_from_the_next_step(tmp_path, uninter
     )
 
 
+def test_another_optimizers_checkpoint_is_refused_in_one_line(tmp_path, uninterrupted, capfd):
+    """AdamW's moments are not Muon's momentum: one line, and the flag that starts Muon's
+    state from zero (the weights, schedule and data position still load)."""
+    _copy_step(uninterrupted, 10, tmp_path)
+    muon = ["--training.steps", "11", "--optimizer.name", "Muon"]
+    assert _train(tmp_path, *muon) == 2
+    err = capfd.readouterr().err
+    assert "holds the state of another optimizer (--optimizer.name AdamW)" in err, err[-2000:]
+    assert "--checkpoint.exclude_from_loading optimizer" in err
+    assert _train(tmp_path, *muon, "--checkpoint.exclude_from_loading", "optimizer") == 0
+    assert _losses(tmp_path)[11] == _losses(uninterrupted)[11]  # same weights and data
+
+
 def test_seed_checkpoint_sets_the_initial_weights(tmp_path):
     seed_dir = tmp_path / "seeded"
     assert (

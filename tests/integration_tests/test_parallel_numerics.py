@@ -41,13 +41,16 @@ MOE = (
     "norm:weight_decay=0"
 )
 MOE_REFERENCE = ("ref_moe", 1, f"--training.local_batch_size 8 {MOE}")
-QWEN3 = "--module qwen3 --config qwen3_debugmodel"
+# Qwen3 cases train with Muon (the blocks' matrices orthogonalised whole on every rank, the rest
+# AdamW): TP's and FSDP's shards must give the one-process update.
+QWEN3 = "--module qwen3 --config qwen3_debugmodel --optimizer.name Muon --optimizer.lr 0.003"
 QWEN3_REFERENCE = ("ref_qwen3", 1, f"--training.local_batch_size 8 {QWEN3}")
 # Qwen3's MoE (cases named qwen3moe_*): Llama 3's attention plans with the shared MoE plans,
-# softmax routing without shared experts; both balancing rules on, as for MOE.
+# softmax routing without shared experts; both balancing rules on, as for MOE; Muon (the
+# experts' stacked matrices orthogonalised per expert, across EP, TP and PP layouts).
 QWEN3_MOE = (
     "--module qwen3 --config qwen3_moe_debugmodel --moe.aux_loss_coeff 0.01 "
-    "--moe.load_balance_coeff 0.01"
+    "--moe.load_balance_coeff 0.01 --optimizer.name Muon --optimizer.lr 0.003"
 )
 QWEN3_MOE_REFERENCE = ("ref_qwen3moe", 1, f"--training.local_batch_size 8 {QWEN3_MOE}")
 # LoRA (cases named lora_*): rank-4 adapters on every block's linear layers, the rest frozen;

@@ -26,6 +26,7 @@ import os
 import shutil
 import threading
 import time
+import tomllib
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -229,7 +230,12 @@ class CheckpointManager:
             self.weights.before_full_load(path)
         match_dataloader_layout(path, wanted)
         logger.info(f"Loading checkpoint {path} ({', '.join(wanted)})")
-        safe_load(wanted, path)
+        try:
+            safe_load(wanted, path)
+        except (RuntimeError, CheckpointException) as e:
+            if "Missing key in checkpoint state_dict: optimizer." not in str(e):
+                raise
+            raise ConfigError(_other_optimizer_message(path)) from None
         return int(STEP_DIR.match(path.name).group(1))
 
     # ---- saving ----------------------------------------------------------------------------
@@ -452,3 +458,19 @@ class CheckpointManager:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _other_optimizer_message(path: Path) -> str:
+    """Why a checkpoint's optimizer state does not load: another optimizer saved it."""
+    saved = None
+    try:
+        with open(path / CONFIG_FILE, "rb") as f:
+            saved = tomllib.load(f).get("optimizer", {}).get("name", "AdamW")
+    except (OSError, tomllib.TOMLDecodeError):
+        pass
+    by = f" (--optimizer.name {saved})" if saved else ""
+    return (
+        f"checkpoint {path} holds the state of another optimizer{by}, not the state this run's "
+        f"optimizer keeps; resume with {'that optimizer' if not saved else saved}, or pass "
+        "--checkpoint.exclude_from_loading optimizer to start this optimizer's state from zero"
+    )

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.lora import clean_name
+from torchtitan.components.muon import Muon, muon_takes
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.config.job_config import ParamGroup
@@ -39,9 +40,12 @@ class Optimizers(Stateful):
         model_parts: Sequence[nn.Module],
         optimizers: Sequence[torch.optim.Optimizer],
         settings: Sequence[list[ParamGroup | None]] | None = None,
+        parts: Sequence[int] | None = None,
     ):
         self.model_parts = list(model_parts)
         self.optimizers = list(optimizers)
+        # The model part each optimizer steps (a part may have two: Muon and AdamW).
+        self.parts = list(parts) if parts is not None else list(range(len(self.optimizers)))
         # Each optimizer's param groups' --optimizer.param_groups entries (None: the section's).
         self.settings = (
             [list(s) for s in settings]
@@ -76,10 +80,14 @@ class Optimizers(Stateful):
         """Whether a step has created the per-parameter state (Adam's moments)."""
         return any(optimizer.state for optimizer in self.optimizers)
 
+    def _by_part(self) -> Iterator[tuple[nn.Module, list[torch.optim.Optimizer]]]:
+        for index, part in enumerate(self.model_parts):
+            yield part, [o for o, p in zip(self.optimizers, self.parts, strict=True) if p == index]
+
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
-        for part, optimizer in zip(self.model_parts, self.optimizers, strict=True):
-            merged.update(get_optimizer_state_dict(part, optimizer, options=_FLAT))
+        for part, optimizers in self._by_part():
+            merged.update(get_optimizer_state_dict(part, optimizers, options=_FLAT))
         return merged
 
     def lr_scales(self) -> list[list[float]]:
@@ -90,30 +98,36 @@ class Optimizers(Stateful):
         """Load the moments; every setting stays this run's (a checkpoint stores the saving
         run's with each parameter: weight decay, betas, eps, the kernel, Adam or AdamW;
         ``LRSchedulers.reapply`` sets the learning rates)."""
-        for part, optimizer in zip(self.model_parts, self.optimizers, strict=True):
-            settings = [
-                {k: v for k, v in group.items() if k != "params"}
-                for group in optimizer.param_groups
-            ]
-            set_optimizer_state_dict(part, optimizer, state_dict, options=_FLAT)
-            for group, own in zip(optimizer.param_groups, settings, strict=True):
+        for part, optimizers in self._by_part():
+            groups = [group for optimizer in optimizers for group in optimizer.param_groups]
+            settings = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+            set_optimizer_state_dict(part, optimizers, state_dict, options=_FLAT)
+            groups = [group for optimizer in optimizers for group in optimizer.param_groups]
+            for group, own in zip(groups, settings, strict=True):
                 group.update(own)
 
 
 def build_optimizers(
     model_parts: Sequence[nn.Module], config: OptimizerConfig, device: torch.device
 ) -> Optimizers:
-    """One optimizer per model part; call it after sharding so states are sharded too."""
-    built = [build_optimizer(part, config, device) for part in model_parts]
-    return Optimizers(model_parts, [optimizer for optimizer, _ in built], [s for _, s in built])
+    """The optimizers of each model part (one; two with Muon: Muon and AdamW); call it after
+    sharding so states are sharded too."""
+    optimizers, settings, parts = [], [], []
+    for index, part in enumerate(model_parts):
+        for optimizer, groups in build_optimizer(part, config, device):
+            optimizers.append(optimizer)
+            settings.append(groups)
+            parts.append(index)
+    return Optimizers(model_parts, optimizers, settings, parts)
 
 
 def build_optimizer(
     model: nn.Module, config: OptimizerConfig, device: torch.device
-) -> tuple[torch.optim.Optimizer, list[ParamGroup | None]]:
+) -> list[tuple[torch.optim.Optimizer, list[ParamGroup | None]]]:
     """Build over ``model``'s trainable parameters, grouped by ``--optimizer.param_groups``;
-    call it after sharding so states are sharded too. Returns the optimizer and each of its
-    param groups' entry (``None``: the section's own settings).
+    call it after sharding so states are sharded too. Returns each optimizer (Adam or AdamW;
+    with Muon, Muon for the blocks' matrices and AdamW for the rest) with each of its param
+    groups' entry (``None``: the section's own settings).
 
     ``implementation=auto`` picks the fused kernel (CUDA and CPU have one) and falls back to
     ``foreach`` on other devices.
@@ -123,33 +137,51 @@ def build_optimizer(
         implementation = "fused" if device.type in ("cuda", "cpu") else "foreach"
     entries = config.groups()
     patterns = [re.compile(entry.pattern) for entry in entries]
-    members: list[list[nn.Parameter]] = [[] for _ in range(len(entries) + 1)]
+    muon = config.name == "Muon"
+    # [uses Muon][entry index]: the parameters of each param group
+    members: list[list[list[nn.Parameter]]] = [
+        [[] for _ in range(len(entries) + 1)] for _ in (0, 1)
+    ]
     for name, param in model.named_parameters():
         if param.requires_grad:
             name = clean_name(name)
             first = next((i for i, p in enumerate(patterns) if p.search(name)), len(entries))
-            members[first].append(param)
-    groups, settings = [], []
-    for entry, params in zip([*entries, None], members, strict=True):
-        # Fused and foreach kernels cannot mix DTensors with plain tensors (e.g. norms left
-        # replicated by a TP plan without sequence parallelism): one param group per kind.
-        for kind in (
-            [p for p in params if isinstance(p, DTensor)],
-            [p for p in params if not isinstance(p, DTensor)],
-        ):
-            if kind:
-                groups.append({"params": kind, **_hyperparameters(entry, config)})
-                settings.append(entry)
-    optimizer = _CLASSES[config.name](
-        groups,
-        lr=config.lr,
-        betas=(config.beta1, config.beta2),
-        eps=config.eps,
-        weight_decay=config.weight_decay,
-        fused=implementation == "fused",
-        foreach=implementation == "foreach",
-    )
-    return optimizer, settings
+            members[muon and muon_takes(name, param)][first].append(param)
+    built = []
+    for uses_muon, by_entry in enumerate(members):
+        groups, settings = [], []
+        for entry, params in zip([*entries, None], by_entry, strict=True):
+            # Fused and foreach kernels cannot mix DTensors with plain tensors (e.g. norms left
+            # replicated by a TP plan without sequence parallelism): one param group per kind.
+            for kind in (
+                [p for p in params if isinstance(p, DTensor)],
+                [p for p in params if not isinstance(p, DTensor)],
+            ):
+                if kind:
+                    hyper = _hyperparameters(entry, config)
+                    if uses_muon:
+                        hyper = {k: hyper[k] for k in ("lr", "weight_decay")}
+                    groups.append({"params": kind, **hyper})
+                    settings.append(entry)
+        if not groups:
+            continue
+        if uses_muon:
+            optimizer = Muon(
+                groups, lr=config.lr, momentum=config.muon_momentum,
+                weight_decay=config.weight_decay, ns_steps=config.muon_ns_steps,
+            )  # fmt: skip
+        else:
+            optimizer = _CLASSES["AdamW" if muon else config.name](
+                groups,
+                lr=config.lr,
+                betas=(config.beta1, config.beta2),
+                eps=config.eps,
+                weight_decay=config.weight_decay,
+                fused=implementation == "fused",
+                foreach=implementation == "foreach",
+            )
+        built.append((optimizer, settings))
+    return built
 
 
 def _hyperparameters(entry: ParamGroup | None, config: OptimizerConfig) -> dict[str, Any]:

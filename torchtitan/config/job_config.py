@@ -195,8 +195,9 @@ class MixEntry:
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW", "Adam"] = "AdamW"
-    """Optimizer class from ``torch.optim``."""
+    name: Literal["AdamW", "Adam", "Muon"] = "AdamW"
+    """``AdamW`` or ``Adam`` from ``torch.optim``; ``Muon``: orthogonalised momentum for the
+    matrices inside the transformer blocks, AdamW for the rest (``docs/training.md``)."""
 
     lr: float = 8e-4
     """Peak learning rate."""
@@ -215,6 +216,12 @@ class Optimizer:
 
     implementation: Literal["auto", "for-loop", "foreach", "fused"] = "auto"
     """Optimizer kernel: ``auto`` picks fused where the device supports it, else foreach."""
+
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov)."""
+
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations of Muon's orthogonalisation."""
 
     param_groups: list[str] = field(default_factory=list)
     """Settings for some parameters, each ``REGEX:key=value[,key=value...]``: a trainable

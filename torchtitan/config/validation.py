@@ -44,6 +44,11 @@ def validate(config: JobConfig) -> None:
             f"--training.max_norm={t.max_norm} must be finite (<= 0 turns clipping off)",
         ),
         (0 <= o.beta1 < 1, f"--optimizer.beta1={o.beta1} must be in [0, 1)"),
+        (
+            0 <= o.muon_momentum < 1,
+            f"--optimizer.muon_momentum={o.muon_momentum} must be in [0, 1)",
+        ),
+        (o.muon_ns_steps >= 1, f"--optimizer.muon_ns_steps={o.muon_ns_steps} must be >= 1"),
         (0 <= o.beta2 < 1, f"--optimizer.beta2={o.beta2} must be in [0, 1)"),
         (0 < o.eps < math.inf, f"--optimizer.eps={o.eps} must be > 0 and finite"),
         (

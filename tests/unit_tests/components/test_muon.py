@@ -1,0 +1,143 @@
+"""Muon (``--optimizer.name Muon``): orthogonalised momentum for the blocks' matrices, AdamW
+for the rest, one schedule, exact resume."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.muon import Muon, muon_takes, orthogonalise
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import JobConfig, LRScheduler, Optimizer
+from torchtitan.config.validation import validate
+
+CPU = torch.device("cpu")
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(8, 6)
+        self.layers = nn.ModuleList(
+            [nn.ModuleDict({"w": nn.Linear(6, 6), "norm": nn.LayerNorm(6)})]
+        )
+        self.experts = nn.Parameter(torch.randn(3, 6, 4) * 0.1)  # outside the blocks: AdamW
+        self.output = nn.Linear(6, 8, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        block = self.layers[0]
+        h = block["w"](block["norm"](h)) + torch.einsum("bsd,edf->bs", h, self.experts)[..., None]
+        return self.output(h)
+
+
+def _loss(model):
+    return model(torch.arange(8).reshape(2, 4)).logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize("shape", [(6, 6), (4, 9), (9, 4), (3, 5, 7)])
+def test_orthogonalise_pushes_singular_values_toward_one(shape):
+    torch.manual_seed(0)
+    update = torch.randn(shape)
+    ortho = orthogonalise(update, steps=5)
+    assert ortho.shape == update.shape and ortho.dtype == torch.float32
+    singular = torch.linalg.svdvals(ortho)
+    assert singular.min() > 0.5 and singular.max() < 1.3  # the quintic's band, not exactly 1
+    if len(shape) == 3:  # per matrix of a stack
+        for e in range(shape[0]):
+            torch.testing.assert_close(ortho[e], orthogonalise(update[e], steps=5))
+
+
+def test_a_step_is_the_formula_and_close_to_torch_muon():
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(6, 10))
+    grad = torch.randn(6, 10)
+    mine = copy.deepcopy(weight)
+    mine.grad = grad.clone()
+    Muon([mine], lr=0.02, momentum=0.95, weight_decay=0.1).step()
+    update = grad + 0.95 * grad  # Nesterov on a fresh buffer
+    expected = weight * (1 - 0.02 * 0.1) - 0.02 * 0.2 * math.sqrt(10) * orthogonalise(update, 5)
+    torch.testing.assert_close(mine, expected)
+    theirs = copy.deepcopy(weight)
+    theirs.grad = grad.clone()
+    torch.optim.Muon(
+        [theirs], lr=0.02, momentum=0.95, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"
+    ).step()
+    torch.testing.assert_close(mine, theirs, atol=2e-3, rtol=0)  # theirs iterates in bf16
+
+
+def test_the_blocks_matrices_take_muon_and_the_rest_adamw():
+    model = Tiny()
+    optimizers = build_optimizers([model], Optimizer(name="Muon", lr=0.01), CPU)
+    kinds = {
+        type(o).__name__: sorted(
+            n
+            for n, p in model.named_parameters()
+            for g in o.param_groups
+            if any(p is q for q in g["params"])
+        )
+        for o in optimizers.optimizers
+    }
+    assert kinds == {
+        "Muon": ["layers.0.w.weight"],
+        "AdamW": sorted(
+            ["tok_embeddings.weight", "layers.0.w.bias", "layers.0.norm.weight",
+             "layers.0.norm.bias", "experts", "output.weight"]
+        ),
+    }  # fmt: skip
+    assert optimizers.parts == [0, 0]
+    assert muon_takes("layers.1.moe.experts.w1", torch.empty(4, 6, 8))
+
+
+def test_schedule_groups_and_resume_cover_both_optimizers(tmp_path):
+    torch.manual_seed(0)
+    model = Tiny()
+    config = Optimizer(name="Muon", lr=0.01, param_groups=["layers.0.w.weight:lr_scale=0.5"])
+
+    def build(m):
+        optimizers = build_optimizers([m], config, CPU)
+        return optimizers, build_lr_schedulers(
+            optimizers, LRScheduler(warmup_steps=2), training_steps=10
+        )
+
+    def step(m, optimizers, schedulers):
+        optimizers.zero_grad()
+        _loss(m).backward()
+        optimizers.step()
+        schedulers.step()
+
+    optimizers, schedulers = build(model)
+    for _ in range(3):
+        step(model, optimizers, schedulers)
+    factor = schedulers.factor()
+    lrs = {type(o).__name__: [g["lr"] for g in o.param_groups] for o in optimizers.optimizers}
+    assert lrs == {"AdamW": [0.01 * factor], "Muon": [0.01 * 0.5 * factor]}
+
+    saved_model = copy.deepcopy(model.state_dict())
+    saved = copy.deepcopy(optimizers.state_dict())
+    assert any(k.endswith("momentum_buffer") for k in saved) and any(
+        k.endswith("exp_avg") for k in saved
+    )
+    saved_schedule = copy.deepcopy(schedulers.state_dict())
+    step(model, optimizers, schedulers)
+
+    resumed = Tiny()
+    resumed.load_state_dict(saved_model)
+    optimizers2, schedulers2 = build(resumed)
+    optimizers2.load_state_dict(saved)
+    schedulers2.load_state_dict(saved_schedule)
+    schedulers2.reapply(config.lr)
+    step(resumed, optimizers2, schedulers2)
+    for (name, p), q in zip(model.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_bad_muon_settings_are_refused_before_launch():
+    config = JobConfig()
+    config.optimizer.muon_ns_steps = 0
+    with pytest.raises(ConfigError, match="--optimizer.muon_ns_steps=0 must be >= 1"):
+        validate(config)
