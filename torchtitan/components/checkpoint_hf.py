@@ -97,8 +97,15 @@ class HFIO:
         )  # fmt: skip
 
 
+_SCALE = "_scale_inv"  # an fp8 weight's per-block scales: ``<name>_scale_inv``
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 class _Shards:
-    """The tensors of an HF folder by name, read lazily from memory-mapped files."""
+    """The tensors of an HF folder by name, read lazily from memory-mapped files. Weights
+    quantized to fp8 in blocks (``quantization_config``: ``quant_method`` fp8 with a
+    ``weight_block_size``, as DeepSeek-V3 and Qwen3's FP8 models are published) come back
+    dequantized to float32: each block times its ``weight_scale_inv``."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -107,14 +114,54 @@ class _Shards:
         else:
             with safe_open(folder / SINGLE, "pt") as f:
                 weight_map = dict.fromkeys(f.keys(), SINGLE)
-        self.files: dict[str, str] = weight_map
+        self.block = fp8_block_size(read_config(folder), str(folder))
+        self._all: dict[str, str] = weight_map
+        self.files: dict[str, str] = {
+            n: f for n, f in weight_map.items() if not (self.block and n.endswith(_SCALE))
+        }
         self._open: dict[str, Any] = {}
 
-    def get(self, name: str) -> torch.Tensor:
-        file = self.files[name]
+    def _raw(self, name: str) -> torch.Tensor:
+        file = self._all[name]
         if file not in self._open:
             self._open[file] = safe_open(self.folder / file, "pt")
         return self._open[file].get_tensor(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        tensor = self._raw(name)
+        if self.block is None or tensor.dtype not in _FP8:
+            return tensor
+        if name + _SCALE not in self._all:
+            raise ConfigError(f"{self.folder}: {name} is fp8 without a {name + _SCALE} tensor")
+        return dequantize_blocks(tensor, self._raw(name + _SCALE), self.block)
+
+
+def fp8_block_size(config: dict[str, Any], where: str) -> tuple[int, int] | None:
+    """The block size of a block-quantized fp8 folder, ``None`` for an unquantized one; any
+    other quantization is refused in one line."""
+    quantized = config.get("quantization_config")
+    if not quantized:
+        return None
+    method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+    block = quantized.get("weight_block_size") if isinstance(quantized, dict) else None
+    if method != "fp8" or not (isinstance(block, list) and len(block) == 2):
+        raise ConfigError(
+            f"{where}: the weights are quantized ({method}, quantization_config in config.json) "
+            "in a way this loader does not read (it reads fp8 in blocks, weight_block_size); "
+            "dequantize them to bf16 or fp32 first (e.g. with transformers), then load that"
+        )
+    return int(block[0]), int(block[1])
+
+
+def dequantize_blocks(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """``weight`` (fp8, ``[rows, columns]``) in float32: each ``block`` of it times its entry of
+    ``scale_inv`` (``[ceil(rows / block[0]), ceil(columns / block[1])]``)."""
+    rows, columns = weight.shape
+    scales = scale_inv.float().repeat_interleave(block[0], 0)[:rows]
+    scales = scales.repeat_interleave(block[1], 1)[:, :columns]
+    return weight.float() * scales
 
 
 def read_tensors(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -130,15 +177,12 @@ def load_hf_(model_parts: Sequence[nn.Module], adapter, folder: str | os.PathLik
     folder = Path(folder)
     where = str(folder)
     config = read_config(folder)
-    quantized = config.get("quantization_config")
-    if quantized:
-        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
-        raise ConfigError(
-            f"{where}: the weights are quantized ({method}, quantization_config in config.json); "
-            "dequantize them to bf16 or fp32 first (e.g. with transformers), then load that"
-        )
     adapter.check_hf_config(config, where)
     shards = _Shards(folder)
+    if shards.block is not None:
+        logger.info(
+            f"{where}: fp8 weights in {shards.block[0]}x{shards.block[1]} blocks, dequantized"
+        )
     available = set(shards.files)
     tied = getattr(adapter.args, "tie_word_embeddings", False)
     embedding, head = "model.embed_tokens.weight", "lm_head.weight"

@@ -160,7 +160,8 @@ def test_convert_script_round_trips_through_a_dcp_checkpoint(tmp_path):
     ("change", "expected"),
     [
         ({"rms_norm_eps": 1e-2}, r"rms_norm_eps=0\.01 \(ours: 1e-05\)"),
-        ({"quantization_config": {"quant_method": "fp8"}}, r"quantized \(fp8"),
+        ({"quantization_config": {"quant_method": "fp8"}}, r"quantized \(fp8.*in blocks"),
+        ({"quantization_config": {"quant_method": "gptq"}}, r"quantized \(gptq"),
         ({"rope_theta": None, "rope_parameters": None}, "rope_theta 10000.0 differs"),  # HF's
     ],
 )
@@ -170,6 +171,59 @@ def test_folders_that_would_compute_otherwise_are_refused(tmp_path, change, expe
     (tmp_path / "hf/config.json").write_text(json.dumps(config | change))
     with pytest.raises(ConfigError, match=expected):
         checkpoint_hf.load_hf_([_ours(ARGS)], Llama3StateDictAdapter(ARGS), tmp_path / "hf")
+
+
+def _quantize_blocks(weight: torch.Tensor, block: tuple[int, int]):
+    """DeepSeek's published layout: fp8 e4m3 weights, one float32 ``scale_inv`` per block
+    (the block's max magnitude over fp8's largest value)."""
+    rows, columns = weight.shape
+    grid = (-(-rows // block[0]), -(-columns // block[1]))
+    scale_inv = torch.empty(grid)
+    quantized = torch.empty_like(weight, dtype=torch.float8_e4m3fn)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            cut = (slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1]))
+            scale_inv[i, j] = weight[cut].abs().max().clamp(min=1e-12) / 448.0
+            quantized[cut] = (weight[cut] / scale_inv[i, j]).to(torch.float8_e4m3fn)
+    return quantized, scale_inv
+
+
+def test_an_fp8_block_quantized_folder_loads_dequantized(tmp_path):
+    """The layers' linear weights in fp8 with 32x16 blocks (rows and columns not multiples of
+    the block): each loads as its blocks times their scales; the rest loads as saved."""
+    from safetensors.torch import load_file, save_file
+
+    hf = _hf_model(tied=False)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    tensors = load_file(tmp_path / "hf/model.safetensors")
+    block, expected = (32, 16), {}
+    for name in [n for n in tensors if ".layers." in n and "proj" in n]:
+        quantized, scale_inv = _quantize_blocks(tensors[name], block)
+        tensors[name], tensors[name + "_scale_inv"] = quantized, scale_inv
+        expected[name] = checkpoint_hf.dequantize_blocks(quantized, scale_inv, block)
+        assert (expected[name] - hf.state_dict()[name]).abs().max() > 0  # fp8 rounds
+    save_file(tensors, tmp_path / "hf/model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "hf/config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block),
+        "activation_scheme": "dynamic",
+    }  # fmt: skip
+    (tmp_path / "hf/config.json").write_text(json.dumps(config))
+
+    read = checkpoint_hf.read_tensors(tmp_path / "hf")
+    assert not any(n.endswith("_scale_inv") for n in read)
+    for name, want in expected.items():
+        assert torch.equal(read[name], want), name
+    assert torch.equal(read["model.norm.weight"], hf.state_dict()["model.norm.weight"])
+    ours = _ours()
+    checkpoint_hf.load_hf_([ours], Llama3StateDictAdapter(ARGS), tmp_path / "hf")
+    hf.load_state_dict({n: expected.get(n, t) for n, t in hf.state_dict().items()})
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS), _hf_logits(hf), atol=1e-5, rtol=1e-5)
+    del tensors["model.layers.0.self_attn.q_proj.weight_scale_inv"]
+    save_file(tensors, tmp_path / "hf/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="q_proj.weight is fp8 without a .*_scale_inv"):
+        checkpoint_hf.load_hf_([_ours()], Llama3StateDictAdapter(ARGS), tmp_path / "hf")
 
 
 def test_a_tied_flavor_refuses_an_untied_model(tmp_path):
