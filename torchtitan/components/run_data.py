@@ -48,6 +48,7 @@ class RunData:
         self.make_dataset = sft_datasets(
             training.data_format, template=self.chat_template,
             train_on_prompt=training.train_on_prompt, pack=model.attn_mask == "block_causal",
+            packing_bins=training.packing_bins,
         )  # fmt: skip
 
     @property

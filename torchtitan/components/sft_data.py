@@ -50,9 +50,11 @@ class SFTDataset(TextDataset):
         template: ChatTemplate | None = None,
         train_on_prompt: bool = False,
         pack: bool = True,
+        packing_bins: int = 1,
         **reading: Any,
     ):
-        """``reading``: ``TextDataset``'s (name, tokenizer, seq_len, dp_rank, dp_world_size,
+        """``packing_bins``: windows open at once, filled first-fit (1: in data order).
+        ``reading``: ``TextDataset``'s (name, tokenizer, seq_len, dp_rank, dp_world_size,
         infinite)."""
         super().__init__(data, **reading)
         tokenizer = self._tokenizer
@@ -65,7 +67,8 @@ class SFTDataset(TextDataset):
         self._pad_id = getattr(tokenizer, "pad_id", None)
         if self._pad_id is None:
             self._pad_id = tokenizer.eos_id
-        self._pending: list[tuple[list[int], list[int]]] = []  # the window being filled
+        self._bins = packing_bins
+        self._open: list[list[tuple[list[int], list[int]]]] = []  # windows being filled
         self._ready: list[list[tuple[list[int], list[int]]]] = []  # complete, not yet yielded
         self._counts = _PassCounts()
 
@@ -87,14 +90,25 @@ class SFTDataset(TextDataset):
         if not self._pack:
             self._ready.append([(inputs, labels)])
         else:
-            if self._filled() + len(inputs) > self._seq_len:
-                self._ready.append(self._pending)
-                self._pending = []
-            self._pending.append((inputs, labels))
-            if self._filled() == self._seq_len:
-                self._ready.append(self._pending)
-                self._pending = []
+            self._place((inputs, labels))
         yield from self._flush_ready()
+
+    def _place(self, sample: tuple[list[int], list[int]]) -> None:
+        """First fit: into the first open window with room; else a new window, after the
+        fullest open one leaves when ``packing_bins`` are open. A full window leaves at once.
+        (One bin: windows fill in data order.)"""
+        size = len(sample[0])
+        window = next((w for w in self._open if _filled(w) + size <= self._seq_len), None)
+        if window is None:
+            if len(self._open) >= self._bins:
+                fullest = max(range(len(self._open)), key=lambda i: (_filled(self._open[i]), -i))
+                self._ready.append(self._open.pop(fullest))
+            window = []
+            self._open.append(window)
+        window.append(sample)
+        if _filled(window) == self._seq_len:
+            self._open.remove(window)
+            self._ready.append(window)
 
     def _flush_ready(self) -> Iterator[tuple[dict, torch.Tensor]]:
         while self._ready:
@@ -162,9 +176,6 @@ class SFTDataset(TextDataset):
 
     # ---- windows -----------------------------------------------------------------------------
 
-    def _filled(self) -> int:
-        return sum(len(inputs) for inputs, _ in self._pending)
-
     def _row(self, samples: list[tuple[list[int], list[int]]]) -> tuple[dict, torch.Tensor]:
         """One window: ``samples`` one after another, then padding (no labels)."""
         pad = self._seq_len - sum(len(inputs) for inputs, _ in samples)
@@ -180,9 +191,8 @@ class SFTDataset(TextDataset):
         return row, torch.tensor(labels, dtype=torch.long)
 
     def _last_windows(self) -> Iterator[tuple[dict, torch.Tensor]]:
-        if self._pending:
-            self._ready.append(self._pending)
-            self._pending = []
+        self._ready.extend(self._open)
+        self._open = []
         yield from self._flush_ready()
 
     def _check_pass(self, documents: int, *, started_at_first: bool) -> None:
@@ -212,7 +222,7 @@ class SFTDataset(TextDataset):
         return super().state_dict() | {
             "seq_len": self._seq_len,
             "pack": self._pack,
-            "pending": [list(pair) for pair in self._pending],
+            "open": [[list(pair) for pair in window] for window in self._open],
             "ready": [[list(pair) for pair in window] for window in self._ready],
         }
 
@@ -233,8 +243,19 @@ class SFTDataset(TextDataset):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self._pending = [(list(inputs), list(labels)) for inputs, labels in state["pending"]]
+        if "open" in state:
+            windows = state["open"]
+        else:  # a state from before first-fit packing: one window being filled
+            windows = [state["pending"]] if state["pending"] else []
+        self._open = [[(list(i), list(lab)) for i, lab in window] for window in windows]
         self._ready = [[(list(i), list(lab)) for i, lab in window] for window in state["ready"]]
+        while len(self._open) > self._bins:  # resumed with fewer bins: the fullest leave
+            fullest = max(range(len(self._open)), key=lambda i: (_filled(self._open[i]), -i))
+            self._ready.append(self._open.pop(fullest))
+
+
+def _filled(window: list[tuple[list[int], list[int]]]) -> int:
+    return sum(len(inputs) for inputs, _ in window)
 
 
 class _PassCounts:
@@ -294,6 +315,7 @@ def sft_datasets(
     template: ChatTemplate | None,
     train_on_prompt: bool,
     pack: bool,
+    packing_bins: int = 1,
 ) -> Callable[..., SFTDataset] | None:
     """What ``build_dataloader`` makes its dataset with for ``--training.data_format``
     (``None``: text, its default)."""
@@ -310,4 +332,5 @@ def sft_datasets(
         template=template,
         train_on_prompt=train_on_prompt,
         pack=pack,
+        packing_bins=packing_bins,
     )

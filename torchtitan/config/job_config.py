@@ -114,6 +114,12 @@ class Training:
     """Fine-tuning formats: train on every token (prompts and user turns too), not only on the
     answers."""
 
+    packing_bins: int = 1
+    """Fine-tuning samples packed under ``--model.attn_mask block_causal`` go first-fit into
+    this many open windows: each to the first with room, a window leaving when full, or (the
+    fullest) when a sample fits none and all are open. 1 fills windows in data order; more
+    waste less padding and reorder samples by up to that many windows (``docs/sft.md``)."""
+
     local_batch_size: int = 8
     """Sequences per gradient-accumulation batch on each data-parallel rank (a step runs
     global_batch_size / (local_batch_size x data-parallel degree) of them)."""

@@ -293,6 +293,14 @@ def _data_format_checks(config: JobConfig) -> list[tuple[bool, str]]:
             "--training.train_on_prompt does nothing with --training.data_format text (every "
             "token trains); it is for chat and prompt_completion",
         ),
+        (t.packing_bins >= 1, f"--training.packing_bins={t.packing_bins} must be >= 1"),
+        (
+            t.packing_bins == 1
+            or (t.data_format != "text" and config.model.attn_mask == "block_causal"),
+            f"--training.packing_bins {t.packing_bins} does nothing: it packs fine-tuning "
+            "samples (--training.data_format chat or prompt_completion) under "
+            "--model.attn_mask block_causal",
+        ),
         (
             not (t.dataset_mix and t.dataset_path),
             "--training.dataset_path does nothing with --training.dataset_mix (each entry "

@@ -24,6 +24,8 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.sft_data import SFTDataset, load_chat_template, sft_datasets
 from torchtitan.components.tokenizer import DEFAULT_TOKENIZER_PATH, build_tokenizer
 from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.validation import validate
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
@@ -500,3 +502,80 @@ def test_workers_states_are_checked_before_any_worker_starts(tokenizer, template
     del it
     with pytest.raises(ConfigError, match="cut for --training.seq_len 64"):
         loader(48).load_state_dict(state)
+
+
+# ---- first-fit packing (--training.packing_bins) -------------------------------------------
+
+
+def _samples_of(windows, tokenizer) -> list[list[int]]:
+    """Each window's samples (their input tokens), padding left out."""
+    out = []
+    for inputs, labels in windows:
+        docs = inputs["document_ids"]
+        for d in range(int(docs[-1]) + 1):
+            where = docs == d
+            if (labels[where] == IGNORE_INDEX).all() and (
+                inputs["input"][where] == tokenizer.pad_id
+            ).all():
+                continue  # the padding's
+            out.append(inputs["input"][where].tolist())
+    return out
+
+
+def test_first_fit_packs_every_sample_once_into_fewer_windows(tokenizer, template, tmp_path):
+    rows = [_qa(i, words=1 + (7 * i) % 23) for i in range(60)]
+    path = _rows(tmp_path, rows)
+    in_order = list(_dataset(path, tokenizer, template, seq_len=96))
+    first_fit = list(_dataset(path, tokenizer, template, seq_len=96, packing_bins=8))
+    assert len(first_fit) < len(in_order)
+    got, want = _samples_of(first_fit, tokenizer), _samples_of(in_order, tokenizer)
+    assert sorted(got) == sorted(want) and got != want  # the same samples, reordered
+    assert len(want) == len(rows)
+
+
+def test_first_fit_resumes_at_any_window(tokenizer, template, tmp_path):
+    rows = [_qa(i, words=1 + (7 * i) % 23) for i in range(40)]
+    path = _rows(tmp_path, rows)
+
+    def fresh(bins: int = 6) -> SFTDataset:
+        return _dataset(path, tokenizer, template, seq_len=96, packing_bins=bins)
+
+    whole = list(fresh())
+    data = fresh()
+    it = iter(data)
+    for k in range(len(whole) - 1):
+        next(it)
+        resumed = fresh()
+        resumed.load_state_dict(copy.deepcopy(data.state_dict()))
+        _windows_equal(list(resumed), whole[k + 1 :])
+    # Resumed with fewer bins: the fullest open windows leave first; no sample is lost.
+    data = fresh()
+    it = iter(data)
+    before = [next(it) for _ in range(3)]
+    fewer = fresh(bins=2)
+    fewer.load_state_dict(copy.deepcopy(data.state_dict()))
+    assert sorted(_samples_of(before + list(fewer), tokenizer)) == sorted(
+        _samples_of(whole, tokenizer)
+    )
+
+
+def test_a_state_from_before_first_fit_resumes(tokenizer, template, tmp_path):
+    rows = [_qa(i, words=1 + i % 5) for i in range(12)]
+    path = _rows(tmp_path, rows)
+    whole = list(_dataset(path, tokenizer, template, seq_len=64))
+    data = _dataset(path, tokenizer, template, seq_len=64)
+    it = iter(data)
+    next(it)
+    state = copy.deepcopy(data.state_dict())
+    (window,) = state.pop("open")  # the one window being filled, as it was saved then
+    state["pending"] = window
+    resumed = _dataset(path, tokenizer, template, seq_len=64)
+    resumed.load_state_dict(state)
+    _windows_equal(list(resumed), whole[1:])
+
+
+def test_packing_bins_without_packing_is_refused():
+    config = JobConfig()
+    config.training.packing_bins = 4
+    with pytest.raises(ConfigError, match="--training.packing_bins 4 does nothing"):
+        validate(config)
