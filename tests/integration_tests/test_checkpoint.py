@@ -201,7 +201,8 @@ def test_another_optimizers_checkpoint_is_refused_in_one_line(tmp_path, uninterr
     muon = ["--training.steps", "11", "--optimizer.name", "Muon"]
     assert _train(tmp_path, *muon) == 2
     err = capfd.readouterr().err
-    assert "holds the state of another optimizer (--optimizer.name AdamW)" in err, err[-2000:]
+    assert "momentum_buffer for this run's optimizer (another optimizer's state, saved by " \
+        "--optimizer.name AdamW)" in err, err[-2000:]  # fmt: skip
     assert "--checkpoint.exclude_from_loading optimizer" in err
     assert _train(tmp_path, *muon, "--checkpoint.exclude_from_loading", "optimizer") == 0
     assert _losses(tmp_path)[11] == _losses(uninterrupted)[11]  # same weights and data

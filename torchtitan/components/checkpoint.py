@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -233,9 +234,10 @@ class CheckpointManager:
         try:
             safe_load(wanted, path)
         except (RuntimeError, CheckpointException) as e:
-            if "Missing key in checkpoint state_dict: optimizer." not in str(e):
+            missing = _missing_optimizer_key(e)
+            if missing is None:
                 raise
-            raise ConfigError(_other_optimizer_message(path)) from None
+            raise ConfigError(_other_optimizer_message(path, missing)) from None
         return int(STEP_DIR.match(path.name).group(1))
 
     # ---- saving ----------------------------------------------------------------------------
@@ -460,17 +462,34 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _other_optimizer_message(path: Path) -> str:
-    """Why a checkpoint's optimizer state does not load: another optimizer saved it."""
+_MISSING = re.compile(r"Missing key in checkpoint state_dict: (optimizer\.[\w.]*\w)")
+
+
+def _missing_optimizer_key(error: BaseException) -> str | None:
+    """The optimizer state key a failed load missed, when that is every rank's failure (a
+    ``CheckpointException`` holds each rank's); else ``None``."""
+    failures = getattr(error, "failures", None)
+    errors = list(failures.values()) if isinstance(failures, dict) and failures else [error]
+    keys = set()
+    for e in errors:
+        found = _MISSING.search(str(e))
+        if found is None:
+            return None
+        keys.add(found.group(1))
+    return sorted(keys)[0]
+
+
+def _other_optimizer_message(path: Path, missing: str) -> str:
+    """Why a checkpoint's optimizer state does not load (``missing``: a key it lacks)."""
     saved = None
     try:
         with open(path / CONFIG_FILE, "rb") as f:
             saved = tomllib.load(f).get("optimizer", {}).get("name", "AdamW")
     except (OSError, tomllib.TOMLDecodeError):
         pass
-    by = f" (--optimizer.name {saved})" if saved else ""
+    by = f", saved by --optimizer.name {saved}" if saved else ""
     return (
-        f"checkpoint {path} holds the state of another optimizer{by}, not the state this run's "
-        f"optimizer keeps; resume with {'that optimizer' if not saved else saved}, or pass "
+        f"checkpoint {path} has no {missing} for this run's optimizer (another optimizer's "
+        f"state{by}); resume with the optimizer that saved it, or pass "
         "--checkpoint.exclude_from_loading optimizer to start this optimizer's state from zero"
     )

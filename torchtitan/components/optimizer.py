@@ -46,6 +46,11 @@ class Optimizers(Stateful):
         self.optimizers = list(optimizers)
         # The model part each optimizer steps (a part may have two: Muon and AdamW).
         self.parts = list(parts) if parts is not None else list(range(len(self.optimizers)))
+        if len(self.parts) != len(self.optimizers) or not all(
+            0 <= p < len(self.model_parts) for p in self.parts
+        ):
+            raise ValueError(f"parts {self.parts} do not map {len(self.optimizers)} optimizers "
+                             f"to {len(self.model_parts)} model parts")  # fmt: skip
         # Each optimizer's param groups' --optimizer.param_groups entries (None: the section's).
         self.settings = (
             [list(s) for s in settings]
@@ -228,7 +233,10 @@ def changed_settings_note(current: OptimizerConfig, saved: OptimizerConfig | Non
     this run's apply from the next step (the loaded moments are kept)."""
     if saved is None:
         return None
-    fields = ("name", "implementation", "weight_decay", "beta1", "beta2", "eps", "param_groups")
+    fields = (
+        "name", "implementation", "weight_decay", "beta1", "beta2", "eps", "muon_momentum",
+        "muon_ns_steps", "param_groups",
+    )  # fmt: skip
     changed = [
         f"--optimizer.{f} {getattr(saved, f)} -> {getattr(current, f)}"
         for f in fields

@@ -49,6 +49,11 @@ def validate(config: JobConfig) -> None:
             f"--optimizer.muon_momentum={o.muon_momentum} must be in [0, 1)",
         ),
         (o.muon_ns_steps >= 1, f"--optimizer.muon_ns_steps={o.muon_ns_steps} must be >= 1"),
+        (
+            not (o.name == "Muon" and t.enable_cpu_offload),
+            "--optimizer.name Muon orthogonalises each matrix on the device, and "
+            "--training.enable_cpu_offload keeps the parameters on the host; drop one",
+        ),
         (0 <= o.beta2 < 1, f"--optimizer.beta2={o.beta2} must be in [0, 1)"),
         (0 < o.eps < math.inf, f"--optimizer.eps={o.eps} must be > 0 and finite"),
         (
