@@ -9,6 +9,7 @@ every document is tokenized with BOS/EOS and the token stream is cut into window
 
 import functools
 import warnings
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -129,10 +130,11 @@ class TextDataset(IterableDataset, Stateful):
         if self._shuffle_seed is None:
             return self._data, range(len(self._data))
         if self._order is None or self._order[0] != self._epoch:
-            permutation = numpy.random.default_rng([self._shuffle_seed, self._epoch]).permutation(
-                len(self._all)
-            )
-            self._order = (self._epoch, permutation[slice(*self._block)])
+            # Seeded by the dataset's name too: datasets of a mix draw different orders. The
+            # block is copied so that the whole permutation (8 bytes a document) is freed.
+            entropy = [self._shuffle_seed, self._epoch, zlib.crc32(self.name.encode())]
+            permutation = numpy.random.default_rng(entropy).permutation(len(self._all))
+            self._order = (self._epoch, permutation[slice(*self._block)].copy())
         return self._all, self._order[1]
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
@@ -258,9 +260,9 @@ class TextDataset(IterableDataset, Stateful):
         seed = state.get("shuffle_seed")
         if seed != self._shuffle_seed:
             raise ConfigError(
-                f"dataloader state of {self.name} was saved with --training.shuffle_seed {seed}, "
-                f"this run has {self._shuffle_seed} (the saved position is in that order); "
-                f"resume with {seed} or pass --checkpoint.exclude_from_loading dataloader"
+                f"dataloader state of {self.name} was saved {_seed_text(seed)}, this run reads "
+                f"{_seed_text(self._shuffle_seed)} (the saved position is in that order); "
+                f"resume {_seed_text(seed)} or pass --checkpoint.exclude_from_loading dataloader"
             )
         saved = state.get("format", "text")
         if saved != self._format:
@@ -279,6 +281,14 @@ class TextDataset(IterableDataset, Stateful):
             self._data.set_epoch(self._epoch)
             self._data.load_state_dict(state["stream"])
             self._loaded_stream_state = state["stream"]
+
+
+def _seed_text(seed: int | None) -> str:
+    return (
+        "without --training.shuffle_seed"
+        if seed is None
+        else f"with --training.shuffle_seed {seed}"
+    )
 
 
 def _contiguous_block(n: int, rank: int, world: int) -> tuple[int, int]:

@@ -9,8 +9,8 @@ completion + eos``, labels on the completion and eos. ``--training.train_on_prom
 every token. Labels of untrained tokens are ``IGNORE_INDEX``, so the loss is the mean over the
 answers' tokens of the global batch.
 
-Under ``--model.attn_mask block_causal`` samples are packed in order into windows of
-``seq_len`` tokens, each window row carrying ``document_ids`` (one per sample, another for the
+Under ``--model.attn_mask block_causal`` samples are packed into windows of ``seq_len``
+tokens (in order, or first-fit over ``--training.packing_bins`` open windows), each window row carrying ``document_ids`` (one per sample, another for the
 padding at its end), so every sample attends only to itself: it trains as if alone. Under
 ``causal`` each window holds one sample (packing would let samples see each other). A sample
 longer than a window is left out (truncating it would train on a cut answer), and so is one
@@ -107,7 +107,7 @@ class SFTDataset(TextDataset):
             self._open.append(window)
         window.append(sample)
         if _filled(window) == self._seq_len:
-            self._open.remove(window)
+            self._open = [w for w in self._open if w is not window]
             self._ready.append(window)
 
     def _flush_ready(self) -> Iterator[tuple[dict, torch.Tensor]]:

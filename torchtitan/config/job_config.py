@@ -118,7 +118,8 @@ class Training:
     """Fine-tuning samples packed under ``--model.attn_mask block_causal`` go first-fit into
     this many open windows: each to the first with room, a window leaving when full, or (the
     fullest) when a sample fits none and all are open. 1 fills windows in data order; more
-    waste less padding and reorder samples by up to that many windows (``docs/sft.md``)."""
+    waste less padding and reorder samples: a sample can wait in a window that is never the
+    fullest while many others leave (``docs/sft.md``)."""
 
     local_batch_size: int = 8
     """Sequences per gradient-accumulation batch on each data-parallel rank (a step runs

@@ -300,6 +300,10 @@ def _data_format_checks(config: JobConfig) -> list[tuple[bool, str]]:
         ),
         (t.packing_bins >= 1, f"--training.packing_bins={t.packing_bins} must be >= 1"),
         (
+            t.shuffle_seed is None or t.shuffle_seed >= 0,
+            f"--training.shuffle_seed={t.shuffle_seed} must be >= 0",
+        ),
+        (
             t.packing_bins == 1
             or (t.data_format != "text" and config.model.attn_mask == "block_causal"),
             f"--training.packing_bins {t.packing_bins} does nothing: it packs fine-tuning "

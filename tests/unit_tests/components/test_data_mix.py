@@ -272,9 +272,9 @@ def test_another_seed_or_order_is_refused_on_resume(files):
     loader = _single(files["a"], shuffle_seed=7)
     _windows(loader, 2)
     state = loader.state_dict()
-    with pytest.raises(ConfigError, match="saved with --training.shuffle_seed 7, this run has 8"):
+    with pytest.raises(ConfigError, match="saved with --training.shuffle_seed 7, this run reads with --training.shuffle_seed 8"):
         _single(files["a"], shuffle_seed=8).load_state_dict(state)
-    with pytest.raises(ConfigError, match="shuffle_seed 7, this run has None"):
+    with pytest.raises(ConfigError, match="shuffle_seed 7, this run reads without --training.shuffle_seed"):
         _single(files["a"]).load_state_dict(state)
 
 
@@ -288,3 +288,10 @@ def test_a_stream_is_not_shuffled(files):
     )
     with pytest.raises(ConfigError, match="--training.shuffle_seed: dataset s is streamed"):
         TextDataset(stream, name="s", tokenizer=IdTokenizer(), seq_len=7, shuffle_seed=1)
+
+
+def test_a_negative_shuffle_seed_is_refused_before_launch():
+    config = JobConfig()
+    config.training.shuffle_seed = -1
+    with pytest.raises(ConfigError, match="--training.shuffle_seed=-1 must be >= 0"):
+        validate(config)
