@@ -23,8 +23,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.components.data_mix import MixedDataset
 from torchtitan.components.data_sources import HFDataset, open_dataset
+from torchtitan.config.entries import MixEntry
 from torchtitan.config.errors import ConfigError
-from torchtitan.config.job_config import MixEntry
 from torchtitan.tools.logging import logger
 
 # torchdata 0.11 calls a deprecated torch API on every loader construction; nothing to act on.

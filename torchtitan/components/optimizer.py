@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.components.lora import clean_name
 from torchtitan.components.muon import Muon, muon_takes
+from torchtitan.config.entries import ParamGroup
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
-from torchtitan.config.job_config import ParamGroup
 from torchtitan.tools.logging import logger
 
 _CLASSES = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}

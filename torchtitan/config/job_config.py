@@ -9,9 +9,11 @@ asking for their behaviour fails loudly at start-up instead of being silently ig
 """
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Literal
+
+# Entries of list fields, parsed (torch-free too).
+from torchtitan.config.entries import MixEntry, ParamGroup
 
 # Sections of what a run reports and how it is debugged, kept in their own module.
 from torchtitan.config.observability import Comm, Debug, Metrics, Profiling
@@ -82,7 +84,7 @@ class Training:
     ``None``: in the data's own order. Local (map-style) datasets only: a streamed one is
     refused. Fine-tuning samples shuffle alike; validation data is read in order."""
 
-    def mix(self) -> list["MixEntry"]:
+    def mix(self) -> list[MixEntry]:
         """``dataset_mix`` parsed; ``ValueError`` names the entry that does not parse."""
         entries = [MixEntry.parse(entry) for entry in self.dataset_mix]
         labels = [e.label for e in entries]
@@ -167,39 +169,6 @@ class Training:
     """Keep FSDP-sharded parameters, gradients and optimizer state in host memory."""
 
 
-@dataclass(frozen=True)
-class MixEntry:
-    """One entry of ``--training.dataset_mix``."""
-
-    name: str
-    path: str | None
-    weight: float
-
-    @property
-    def label(self) -> str:
-        """What messages and checkpoints call it: ``NAME`` or ``NAME=PATH``."""
-        return self.name if self.path is None else f"{self.name}={self.path}"
-
-    @property
-    def written(self) -> str:
-        """The entry as ``--training.dataset_mix`` takes it."""
-        return f"{self.label}:{self.weight:g}"
-
-    @classmethod
-    def parse(cls, entry: str) -> "MixEntry":
-        source, colon, weight = entry.rpartition(":")
-        name, equals, path = source.partition("=")
-        if not colon or not name or (equals and not path):
-            raise ValueError(f"{entry!r} is not NAME:WEIGHT or NAME=PATH:WEIGHT")
-        try:
-            value = float(weight)
-        except ValueError:
-            raise ValueError(f"{entry!r}: the weight {weight!r} is not a number") from None
-        if not 0 < value < math.inf:
-            raise ValueError(f"{entry!r}: the weight must be > 0 and finite")
-        return cls(name, path or None, value)
-
-
 @dataclass
 class Optimizer:
     name: Literal["AdamW", "Adam", "Muon"] = "AdamW"
@@ -239,61 +208,13 @@ class Optimizer:
     parameter is refused. Example: ``"norm|bias:weight_decay=0" "tok_embeddings:lr_scale=0.1"``
     (``docs/training.md``)."""
 
-    def groups(self) -> list["ParamGroup"]:
+    def groups(self) -> list[ParamGroup]:
         """``param_groups`` parsed, each with every setting filled in from the section's;
         ``ValueError`` names the entry that does not parse or holds a bad value."""
-        return [ParamGroup.parse(entry, self) for entry in self.param_groups]
-
-
-@dataclass(frozen=True)
-class ParamGroup:
-    """One entry of ``--optimizer.param_groups``."""
-
-    pattern: str
-    lr_scale: float
-    weight_decay: float
-    beta1: float
-    beta2: float
-    eps: float
-
-    @classmethod
-    def parse(cls, entry: str, defaults: Optimizer) -> "ParamGroup":
-        pattern, colon, settings = entry.rpartition(":")
-        if not colon or not pattern:
-            raise ValueError(f"{entry!r} is not REGEX:key=value[,key=value...]")
-        try:
-            re.compile(pattern)
-        except (re.error, OverflowError, RecursionError) as e:
-            raise ValueError(f"{entry!r}: the regex does not compile ({e})") from None
-        values = dict(
-            lr_scale=1.0, weight_decay=defaults.weight_decay, beta1=defaults.beta1,
-            beta2=defaults.beta2, eps=defaults.eps,
-        )  # fmt: skip
-        given: set[str] = set()
-        for item in settings.split(","):
-            key, equals, value = (part.strip() for part in item.partition("="))
-            if key not in values or not equals:
-                raise ValueError(
-                    f"{entry!r}: {item.strip()!r} is not key=value with a key of "
-                    f"{', '.join(values)}"
-                )
-            if key in given:
-                raise ValueError(f"{entry!r}: {key} is given twice")
-            given.add(key)
-            try:
-                values[key] = float(value)
-            except ValueError:
-                raise ValueError(f"{entry!r}: {key}={value} is not a number") from None
-        group = cls(pattern, **values)
-        for ok, rule in (
-            (0 <= group.lr_scale < math.inf, "lr_scale must be >= 0 and finite"),
-            (0 <= group.weight_decay < math.inf, "weight_decay must be >= 0 and finite"),
-            (0 <= group.beta1 < 1 and 0 <= group.beta2 < 1, "beta1 and beta2 must be in [0, 1)"),
-            (0 < group.eps < math.inf, "eps must be > 0 and finite"),
-        ):
-            if not ok:
-                raise ValueError(f"{entry!r}: {rule}")
-        return group
+        defaults = dict(
+            weight_decay=self.weight_decay, beta1=self.beta1, beta2=self.beta2, eps=self.eps
+        )
+        return [ParamGroup.parse(entry, **defaults) for entry in self.param_groups]
 
 
 @dataclass

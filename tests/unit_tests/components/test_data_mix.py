@@ -11,8 +11,9 @@ import torch
 
 from torchtitan.components.data_mix import mix_order
 from torchtitan.components.dataloader import build_dataloader
+from torchtitan.config.entries import MixEntry
 from torchtitan.config.errors import ConfigError
-from torchtitan.config.job_config import JobConfig, MixEntry
+from torchtitan.config.job_config import JobConfig
 from torchtitan.config.validation import validate
 
 
@@ -272,9 +273,14 @@ def test_another_seed_or_order_is_refused_on_resume(files):
     loader = _single(files["a"], shuffle_seed=7)
     _windows(loader, 2)
     state = loader.state_dict()
-    with pytest.raises(ConfigError, match="saved with --training.shuffle_seed 7, this run reads with --training.shuffle_seed 8"):
+    with pytest.raises(
+        ConfigError,
+        match="saved with --training.shuffle_seed 7, this run reads with --training.shuffle_seed 8",
+    ):
         _single(files["a"], shuffle_seed=8).load_state_dict(state)
-    with pytest.raises(ConfigError, match="shuffle_seed 7, this run reads without --training.shuffle_seed"):
+    with pytest.raises(
+        ConfigError, match="shuffle_seed 7, this run reads without --training.shuffle_seed"
+    ):
         _single(files["a"]).load_state_dict(state)
 
 
