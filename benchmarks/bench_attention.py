@@ -69,10 +69,16 @@ def time_variant(fn, documents, dtype, repeats):
         torch.randn(bs, KV_HEADS, seq, HEAD_DIM, generator=g).to(dtype).requires_grad_()
         for _ in "kv"
     )
+    return fwd_bwd_ms(lambda: fn(q, k, v, documents), repeats)
+
+
+def fwd_bwd_ms(call, repeats: int) -> tuple[float, torch.Tensor]:
+    """Median ms of ``call()`` and a backward from its output's sum, over ``repeats`` after a
+    warm-up; and the last output (float32)."""
     times, out = [], None
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        out = fn(q, k, v, documents)
+        out = call()
         out.float().sum().backward()
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times[1:]), out.detach().float()

@@ -70,7 +70,7 @@ def attention_rank(seq_len: int, repeats: int, out: str, attn_mask: str, doc_len
             mesh,
             rotate_method="allgather",
             load_balance=balance,
-            block_causal=block_causal,
+            gather=block_causal,
         )
         local = seq_len // cp
         q = torch.randn(1, HEADS, local, HEAD_DIM, requires_grad=True)

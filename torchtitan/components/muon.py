@@ -25,8 +25,9 @@ _NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 def muon_takes(name: str, param: torch.Tensor) -> bool:
     """Whether Muon trains ``param`` (its wrapper-free name): a matrix (or a stack of expert
-    matrices) inside the transformer blocks. The rest (embeddings, output, norms) takes AdamW."""
-    return param.ndim in (2, 3) and name.startswith("layers.")
+    matrices) inside the transformer blocks. The rest (embeddings, output, norms, biases,
+    stacked per expert too) takes AdamW."""
+    return param.ndim in (2, 3) and name.startswith("layers.") and not name.endswith("bias")
 
 
 def orthogonalise(update: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:

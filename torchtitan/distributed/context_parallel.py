@@ -87,23 +87,24 @@ def apply_cp(
     *,
     rotate_method: str,
     load_balance: bool,
-    block_causal: bool = False,
+    gather: bool = False,
 ) -> None:
     """Make each module's scaled-dot-product attention exact over the sequence split on
-    ``cp_mesh``: ring attention, or for ``block_causal`` the gathered K/V.
+    ``cp_mesh``: ring attention, or with ``gather`` (block-causal attention, attention sinks,
+    sliding windows) the gathered K/V.
 
     Each module takes ``(q, k, v)`` as ``[bs, heads, seq, head_dim]`` local shards (in the
     :func:`sequence_order` layout) and returns its attention output for the local queries; the
     product must be causal SDPA (``models/common/attention.py``). The rotate method and load
     balancing are process-wide settings of torch's ring attention.
 
-    ``block_causal``: the modules are ``models.common.attention.ScaledDotProductAttention``
-    taking the whole sequence's document numbers; their K/V are gathered instead
-    (:func:`gather_keys_and_values`).
+    ``gather``: the modules are ``models.common.attention.ScaledDotProductAttention``
+    (taking the whole sequence's document numbers where block-causal); their K/V are gathered
+    instead (:func:`gather_keys_and_values`).
     """
-    if block_causal:
+    if gather:
         if rotate_method != "allgather":
-            raise ValueError(f"block-causal attention gathers K/V: rotate_method {rotate_method!r}")
+            raise ValueError(f"gathered K/V: rotate_method {rotate_method!r} is not allgather")
         for module in modules:
             module.register_forward_pre_hook(
                 gather_keys_and_values(cp_mesh, load_balance=load_balance), with_kwargs=True

@@ -110,8 +110,8 @@ class _Dispatcher:
         (all routings: no capacity dropping) go out in ``ep`` slots of ``m`` rows, one per
         peer, each filled from the front, with ``m`` the most any simulated rank (of this
         process or pipeline thread) sends any peer; the received rows, regrouped by (expert, source), come first and the zero
-        padding last. The padding goes to the last expert: zero rows give zero outputs, nobody
-        reads them, and they add nothing to the weights' gradients."""
+        padding last. The padding goes to the last expert: nobody reads its outputs, so it
+        adds nothing to the weights' (or biases') gradients."""
         ep, group, n = self.mesh.size(), self.mesh.get_group(), rows.shape[0]
         local = counts.shape[0] // ep
         received_counts = torch.empty_like(counts)

@@ -93,15 +93,12 @@ class _GatherOverDP(nn.Module):
         )
 
 
-def _fsdp_dim(name: str, param: torch.Tensor, tp_placement: Placement | None) -> int:
-    """The tensor dim FSDP shards: 0, or 1 when TP already shards dim 0."""
+def _fsdp_dim(param: torch.Tensor, tp_placement: Placement | None) -> int | None:
+    """The tensor dim FSDP shards: 0, or 1 when TP already shards dim 0; ``None`` (kept whole
+    over dp, its gradient all-reduced) for a 1-D parameter TP splits: a column-parallel
+    projection's bias, per-head attention sinks (a few values per rank)."""
     if isinstance(tp_placement, Shard) and tp_placement.dim % param.ndim == 0:
-        if param.ndim < 2:
-            raise ValueError(
-                f"{name}: a 1-D parameter sharded by TP on dim 0 cannot also be FSDP-sharded "
-                "on another dim; leave it out of the TP plan (keep it replicated)"
-            )
-        return 1
+        return 1 if param.ndim >= 2 else None
     return 0
 
 
@@ -174,8 +171,9 @@ def apply_simple_fsdp(
                         f"expects plain parameters or DTensors on tp_mesh={tp_mesh}"
                     )
                 (tp_p,) = param.placements
+            dim = _fsdp_dim(param, tp_p)
             dp_placements = (Replicate(),) * (dp_mesh.ndim - 1) + (
-                Shard(_fsdp_dim(full_name, param, tp_p)),
+                Replicate() if dim is None else Shard(dim),
             )
             if id(param) not in done:  # tied weights are sharded once, shared afterwards
                 done[id(param)] = _shard(param, mesh, dp_placements, tp_p)

@@ -63,7 +63,7 @@ def _cp_attention(
         mesh,
         rotate_method=rotate_method,
         load_balance=load_balance,
-        block_causal=block_causal,
+        gather=block_causal,
     )
     positions = context_parallel.rank_positions(SHAPE["seq"], mesh, load_balance)
 

@@ -46,6 +46,46 @@ def test_grouped_mm_equals_the_loop_forward_and_backward(dtype, counts):
         torch.testing.assert_close(got, want, **tol)
 
 
+def test_biased_clamped_experts_agree_on_every_path_and_with_their_formula():
+    """gpt-oss's experts (biases on the three projections, the clamped SwiGLU): the loop, the
+    grouped GEMM and the grouped GEMM without a host sync (a padded buffer longer than the
+    groups, whose extra rows hold garbage) give the same outputs and gradients, and an
+    expert's rows compute ``(clamp(up) + 1) * gate * sigmoid(1.702 * gate)`` written out."""
+    gating = moe.clamped_swiglu(limit=7.0, alpha=1.702)
+    torch.manual_seed(0)
+    experts = moe.GroupedExperts(64, 32, 4, "loop", bias=True, activation=gating)
+    for name, p in experts.named_parameters():  # biases large enough to reach the clamps
+        torch.nn.init.normal_(p, std=3.0 if name.endswith("bias") else 0.3)
+    counts = torch.tensor([10, 0, 20, 7])
+    x = torch.randn(37, 64)
+    params = list(experts.parameters())
+    results = []
+    for path in ("loop", "grouped", "grouped_nosync"):
+        xi = x.clone().requires_grad_()
+        weights = [experts.w1, experts.w2, experts.w3]
+        biases = [experts.w1_bias, experts.w2_bias, experts.w3_bias]
+        if path == "loop":
+            out = moe._loop_experts(xi, counts, *weights, biases=biases, activation=gating)
+        else:
+            out = moe._grouped_mm_experts(
+                xi, counts, *weights, biases=biases, activation=gating,
+                max_padding=path == "grouped_nosync",
+            )  # fmt: skip
+        grads = torch.autograd.grad(out.pow(2).sum(), [xi, *params])
+        results.append((out, grads))
+    # Summation order differs (padded groups can take other BLAS kernels): to 1e-5 of scale.
+    for out, grads in results[1:]:
+        for got, want in zip((out, *grads), (results[0][0], *results[0][1]), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    rows = x[10:30]  # expert 2's
+    gate = rows @ experts.w1[2].T + experts.w1_bias[2]
+    up = rows @ experts.w3[2].T + experts.w3_bias[2]
+    assert (gate > 7).any() and (up.abs() > 7).any()  # the clamps act
+    gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+    want = ((up + 1) * gate * torch.sigmoid(1.702 * gate)) @ experts.w2[2].T + experts.w2_bias[2]
+    torch.testing.assert_close(results[0][0][10:30], want, rtol=1e-5, atol=1e-4)
+
+
 def test_auto_takes_the_loop_where_the_grouped_gemm_cannot_run():
     assert moe.GroupedExperts(64, 32, 4, "auto").uses_grouped_mm(torch.float32)
     # fp32 rows of 10 values are 40 bytes: not 16-byte aligned.

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from torchtitan.models.common.sliding_window import sliding_window_attention
 from torchtitan.tools.logging import logger
 
 
@@ -67,9 +68,12 @@ class ScaledDotProductAttention(nn.Module):
     and holding every score) and ring attention, which needs a fused kernel, fails.
     """
 
-    def __init__(self, scale: float | None = None):
+    def __init__(self, scale: float | None = None, window: int | None = None):
         super().__init__()
         self.scale = scale
+        self.window = window
+        """Sliding window: a query sees only the ``window`` latest keys, itself included
+        (``None``: every earlier key)."""
 
     def forward(
         self,
@@ -78,15 +82,29 @@ class ScaledDotProductAttention(nn.Module):
         v: torch.Tensor,
         documents: "torch.Tensor | BlockMask | None" = None,
         query_positions: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``query_positions [bs, q]``: where the queries sit in the keys' sequence when they
         are fewer (ascending runs; ``documents`` then cover the keys' whole sequence, and a
-        ``BlockMask`` must have been built for these positions: :func:`attention_documents`)."""
+        ``BlockMask`` must have been built for these positions: :func:`attention_documents`).
+        ``sinks [h]``: each query head's sink logit (:func:`with_sink`)."""
         value_width = v.shape[-1]
-        if value_width < q.shape[-1]:
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        window = self.window if self.window is not None and self.window < k.shape[2] else None
+        if sinks is not None:
+            q, k, v = with_sink(q, k, v, sinks, scale)
+        elif value_width < q.shape[-1]:
             v = _pad_last(v, q.shape[-1] - value_width)
-            return self._attend(q, k, v, documents, query_positions)[..., :value_width]
-        return self._attend(q, k, v, documents, query_positions)
+        if window is not None:
+            if isinstance(documents, BlockMask):
+                raise ValueError("a sliding window takes document numbers, not a BlockMask")
+            out = sliding_window_attention(
+                q, k, v, documents, query_positions, window=window, scale=scale,
+                sink=sinks is not None,
+            )  # fmt: skip
+        else:
+            out = self._attend(q, k, v, documents, query_positions, scale, sinks is not None)
+        return out[..., :value_width]
 
     def _attend(
         self,
@@ -94,33 +112,82 @@ class ScaledDotProductAttention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         documents: "torch.Tensor | BlockMask | None",
-        query_positions: torch.Tensor | None = None,
+        query_positions: torch.Tensor | None,
+        scale: float,
+        sink: bool,
     ) -> torch.Tensor:
+        """Causal or block-causal attention; with ``sink`` the keys and values hold the sink
+        first (:func:`with_sink`), which every query sees."""
         gqa = q.shape[1] != k.shape[1]
         if isinstance(documents, BlockMask):
+            if sink:
+                raise ValueError("attention sinks take document numbers, not a BlockMask")
             return _compiled("flex_attention", flex_attention)(
-                q, k, v, block_mask=documents, scale=self.scale, enable_gqa=gqa
+                q, k, v, block_mask=documents, scale=scale, enable_gqa=gqa
             )
         if documents is None and query_positions is None:
             if gqa and _no_fused_gqa(q):
                 k, v = _repeat_heads(k, v, q.shape[1])
                 gqa = False
-            return F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=gqa, scale=self.scale
-            )
+            return _causal(q, k, v, gqa=gqa, scale=scale, sink=sink)
         if documents is None:  # causal over the whole sequence: one document
-            documents = torch.zeros(k.shape[0], k.shape[2], dtype=torch.long, device=k.device)
+            keys = k.shape[2] - sink
+            documents = torch.zeros(k.shape[0], keys, dtype=torch.long, device=k.device)
         if query_positions is None and _eager_cpu(q, k, v, documents):  # the whole sequence's
             query_positions = torch.arange(q.shape[2]).expand(q.shape[0], -1)
         if query_positions is not None and _eager_cpu(q, k, v, documents, query_positions):
-            return _per_document(q, k, v, documents, query_positions, gqa, self.scale)
+            return _per_document(q, k, v, documents, query_positions, gqa, scale, sink)
         mask = block_causal_mask(documents, query_positions)
+        if sink:
+            mask = with_sink_column(mask)
         if gqa and q.device.type not in ("cpu", "meta"):
             k, v = _repeat_heads(k, v, q.shape[1])
             gqa = False
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=gqa, scale=self.scale
-        )
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
+
+
+def with_sink(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, keys and values widened so that plain SDPA computes attention with a sink
+    per head (gpt-oss): a logit ``sinks[h]`` in every row's softmax that adds nothing to the
+    output, so a head may attend to nothing. The sink becomes key 0 (unit vector in one extra
+    column, zero value) and each query of head ``h`` carries ``sinks[h] / scale`` in that
+    column: the query-key products are unchanged, each query's product with the sink is
+    ``sinks[h]``, and the sink's gradient flows back through the queries. Grouped-query
+    heads share the sink key. Widths round up to a multiple of 8 (the fused kernels' rule);
+    ``scale`` must be given explicitly (the default would follow the new width). The sink key
+    must be visible to every query: :func:`with_sink_column` for masks, a leading query for
+    causal calls (:func:`_causal`)."""
+    bs, heads, queries, width = q.shape
+    wide = -(-(max(width + 1, v.shape[-1])) // 8) * 8
+    logits = (sinks.float() / scale).to(q.dtype).view(1, heads, 1, 1)
+    logits = logits.expand(bs, heads, queries, 1)
+    q = torch.cat([q, logits, q.new_zeros(bs, heads, queries, wide - width - 1)], dim=-1)
+    k, v = _pad_last(k, wide - k.shape[-1]), _pad_last(v, wide - v.shape[-1])
+    sink_key = k.new_zeros(1, 1, 1, wide)
+    sink_key[..., width] = 1
+    k = torch.cat([sink_key.expand(k.shape[0], k.shape[1], 1, wide), k], dim=2)
+    v = torch.cat([v.new_zeros(v.shape[0], v.shape[1], 1, wide), v], dim=2)
+    return q, k, v
+
+
+def with_sink_column(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean mask ``[..., q, keys]`` with the sink's key in front, visible to every query."""
+    return torch.cat([mask.new_ones(*mask.shape[:-1], 1), mask], dim=-1)
+
+
+def _causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, gqa: bool, scale: float, sink: bool
+) -> torch.Tensor:
+    """Causal SDPA of queries over keys at the same positions; with ``sink`` the keys hold the
+    sink first and a zero query goes in front, so that the causal mask (aligned to the top
+    left) shows query i the sink and keys 0..i, without a mask tensor."""
+    if not sink:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+    q = torch.cat([q.new_zeros(*q.shape[:2], 1, q.shape[3]), q], dim=2)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+    return out[:, :, 1:]
 
 
 def _no_fused_gqa(q: torch.Tensor) -> bool:
@@ -294,12 +361,14 @@ def _per_document(
     query_positions: torch.Tensor,
     gqa: bool,
     scale: float | None = None,
+    sink: bool = False,
 ) -> torch.Tensor:
     """Block-causal SDPA of queries at ``query_positions [bs, q]`` over the whole sequence's
     keys: one call per run of queries that are consecutive and in one document, over the keys
     from that document's start to the run's last query; where the run starts after its
     document does, every earlier key and causally its own (:func:`_attend_after_earlier_keys`).
-    With the whole sequence's queries: one causal call per document."""
+    With the whole sequence's queries: one causal call per document. With ``sink`` the keys
+    and values hold the sink first (:func:`with_sink`), which every call includes."""
     seq = documents.shape[1]
     index = torch.arange(seq)
     rows = []
@@ -324,17 +393,24 @@ def _per_document(
         ):
             end = begin + last - first
             queries = q[b : b + 1, :, first:last]
-            keys, values = (t[b : b + 1, :, start:end] for t in (k, v))
+            keys, values = (t[b : b + 1, :, start + sink : end + sink] for t in (k, v))
+            sink_kv = [t[b : b + 1, :, :1] for t in (k, v)] if sink else []
             if start == begin:  # the run starts its document: plain causal
-                out = F.scaled_dot_product_attention(
-                    queries, keys, values, is_causal=True, enable_gqa=gqa, scale=scale
-                )
+                if sink:
+                    keys, values = (
+                        torch.cat(pair, dim=2) for pair in zip(sink_kv, (keys, values), strict=True)
+                    )
+                out = _causal(queries, keys, values, gqa=gqa, scale=scale, sink=sink)
             else:  # earlier keys of its document all visible, then causal over its own
                 split = begin - start
+                earlier = [t[:, :, :split] for t in (keys, values)]
+                if sink:  # the sink goes with the keys every query sees
+                    earlier = [
+                        torch.cat(pair, dim=2) for pair in zip(sink_kv, earlier, strict=True)
+                    ]
                 out = _attend_after_earlier_keys(
-                    queries, keys[:, :, :split], values[:, :, :split],
-                    keys[:, :, split:], values[:, :, split:], scale,
-                )  # fmt: skip
+                    queries, *earlier, keys[:, :, split:], values[:, :, split:], scale
+                )
             pieces.append(out)
         rows.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
     return torch.cat(rows)

@@ -27,6 +27,17 @@ class MoEArgs:
     selection scores). 1 turns it off."""
     top_groups: int = 1
     """Groups a token may route to (with ``num_groups > 1``)."""
+    router_bias: bool = False
+    """The router's linear layer has a bias (gpt-oss)."""
+    expert_linear_bias: bool = False
+    """Each routed expert's three projections have biases (gpt-oss's ``w1_bias``, ``w3_bias``
+    ``[E, hidden]`` and ``w2_bias [E, dim]``; unrelated to the balancing ``expert_bias``)."""
+    activation: Literal["silu", "clamped_swiglu"] = "silu"
+    """The routed experts' gating of ``gate = x W1`` and ``up = x W3``: ``silu`` is SwiGLU,
+    ``silu(gate) * up``; ``clamped_swiglu`` is gpt-oss's: ``gate`` clamped above and ``up``
+    both ways at ``swiglu_limit``, then ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``."""
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
     # Training-time settings, from ``--moe.*`` (``models.common.moe_args.with_training``).
     load_balance_coeff: float = 1e-3
     aux_loss_coeff: float = 0.0

@@ -47,7 +47,8 @@ def moe_tp_plan(block: nn.Module, tp_mesh: DeviceMesh, *, between: Placement, sp
     Without ``split_tokens`` every TP rank routes the whole tokens (gathered from the sequence
     shards under SP) with the replicated router, and every expert's hidden width is split over
     the ranks, routed (``w1``/``w3`` along their rows, ``w2`` along its columns) and shared
-    (column- then row-parallel) alike: each rank computes a partial sum of the layer's output,
+    (column- then row-parallel) alike, with their biases (the output's whole on every rank,
+    counted once): each rank computes a partial sum of the layer's output,
     reduced once after it (reduce-scattered back to the sequence shards under SP, all-reduced
     without). With ``split_tokens`` (expert parallelism spans the TP ranks; needs sequence
     parallelism) each TP rank routes its own sequence shard: the router's gate and the shared
@@ -71,7 +72,11 @@ def moe_tp_plan(block: nn.Module, tp_mesh: DeviceMesh, *, between: Placement, sp
     # The layer runs on the whole tokens as a plain tensor and returns this rank's partial
     # sum of its output, reduced to the residual stream's layout after it.
     plan["moe"] = GatherInputReduceOutput(between)
-    plan["moe.experts"] = ShardParameters({"w1": 1, "w2": 2, "w3": 1})
+    split = {"w1": 1, "w2": 2, "w3": 1}
+    if moe.experts.has_bias:  # w2's bias stays whole: added once over the partial sums
+        split |= {"w1_bias": 1, "w3_bias": 1}
+        moe.experts.partial_output_mesh = tp_mesh
+    plan["moe.experts"] = ShardParameters(split)
     moe.hidden_split_mesh = tp_mesh
     if moe.shared_experts is not None:
         # Its input's gradient joins the layer's partial sum.

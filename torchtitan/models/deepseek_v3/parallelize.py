@@ -62,7 +62,7 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
             dims.mesh("cp"),
             rotate_method=parallelism.context_parallel_rotate_method,
             load_balance=parallelism.context_parallel_load_balance,
-            block_causal=context.attn_mask == "block_causal",
+            gather=context.attn_mask == "block_causal",
         )
     apply_moe_cp_and_ep(model, context)
     lora.add_adapters(model, context.lora)  # placed from the weights TP just placed
