@@ -264,9 +264,17 @@ def run(trainer: Trainer) -> None:
     if trainer.config.compile.enable:
         logger.info(COMPILED_NOTE)
     if trainer.config.model.attn_mask == "block_causal":
+        args = trainer.model_args
+        dense = getattr(args, "attention_sinks", False) or getattr(args, "sliding_window", 0)
         logger.info(
             "block_causal: the estimate counts the dense mask's attention (what CPU runs "
-            "compiled or on DTensors take); CUDA runs take FlexAttention, which holds less"
+            "compiled or on DTensors take); "
+            + (
+                "so do CUDA runs of its full-attention blocks (sinks and windows take no "
+                "FlexAttention block mask yet)"
+                if dense
+                else "CUDA runs take FlexAttention, which holds less"
+            )
         )
     steps = trainer.config.comm.dry_run_steps
     if steps == 0:

@@ -53,6 +53,14 @@ QWEN3_MOE = (
     "--moe.load_balance_coeff 0.01 --optimizer.name Muon --optimizer.lr 0.003"
 )
 QWEN3_MOE_REFERENCE = ("ref_qwen3moe", 1, f"--training.local_batch_size 8 {QWEN3_MOE}")
+# gpt-oss (cases named gptoss_*): attention sinks, a 32-token window in every other block,
+# biased projections and experts, the clamped SwiGLU; per-document attention on windows that
+# hold document starts; both balancing rules on, as for MOE.
+GPT_OSS = (
+    "--module gpt_oss --config gpt_oss_debugmodel --model.attn_mask block_causal "
+    "--training.seq_len 128 --moe.aux_loss_coeff 0.01 --moe.load_balance_coeff 0.01"
+)
+GPT_OSS_REFERENCE = ("ref_gptoss", 1, f"--training.local_batch_size 8 {GPT_OSS}")
 # LoRA (cases named lora_*): rank-4 adapters on every block's linear layers, the rest frozen;
 # a scale (alpha / rank = 8) at which they move the loss within 10 steps at the config's
 # learning rate (at 5x that rate torch 2.11 put one adapter 9e-5 from one process's: B starts
@@ -297,6 +305,23 @@ CASES = {
         f"{QWEN3_MOE} --training.local_batch_size 4 --parallelism.pipeline_parallel_degree 2 "
         "--parallelism.pipeline_parallel_microbatch_size 2 --parallelism.expert_parallel_degree 2",
     ),
+    # gpt-oss: each TP rank its heads' sinks and biases, its share of every expert's hidden
+    # width and biases (the output's bias counted once over the partial sums); CP gathering
+    # the sequence's keys for windows and sinks, EP over the CP ranks; FSDP x TP.
+    "gptoss_tp2_no_sp": (
+        2,
+        f"{GPT_OSS} --training.local_batch_size 8 --parallelism.tensor_parallel_degree 2 "
+        "--parallelism.no_enable_sequence_parallel",
+    ),
+    "gptoss_cp2_ep2": (
+        2,
+        f"{GPT_OSS} --training.local_batch_size 8 --parallelism.context_parallel_degree 2 "
+        "--parallelism.expert_parallel_degree 2",
+    ),
+    "gptoss_fsdp2_tp2": (
+        4,
+        f"{GPT_OSS} --training.local_batch_size 4 --parallelism.tensor_parallel_degree 2",
+    ),
     # TP without EP splits every expert's hidden width (routed and shared).
     "moe_tp2_no_sp": (
         2,
@@ -458,7 +483,7 @@ def _killed_by_signal(stderr: str) -> bool:
 def results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("numerics")
     references = (REFERENCE, BLOCK_CAUSAL_REFERENCE, MOE_REFERENCE, QWEN3_REFERENCE)
-    references += (QWEN3_MOE_REFERENCE,)
+    references += (QWEN3_MOE_REFERENCE, GPT_OSS_REFERENCE)
     references += (VALIDATION_REFERENCE, LORA_REFERENCE, SFT_REFERENCE)
     references += (WHOLE_SPLIT,)
     _launch(out, 1, [(name, flags) for name, _, flags in references])
@@ -483,6 +508,8 @@ def test_layout_matches_one_process(results, case):
         reference = QWEN3_REFERENCE[0]
     elif case.startswith("qwen3moe_"):
         reference = QWEN3_MOE_REFERENCE[0]
+    elif case.startswith("gptoss_"):
+        reference = GPT_OSS_REFERENCE[0]
     elif case.startswith("validation_"):
         reference = VALIDATION_REFERENCE[0]
     elif case.startswith("lora_"):

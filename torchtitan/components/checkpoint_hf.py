@@ -46,6 +46,7 @@ from torchtitan.components.hf_config import (
     is_hf_folder,
     read_config,
 )
+from torchtitan.components.hf_quantization import quantization
 from torchtitan.components.peft_export import PeftAdapters, peft_problem, write_peft
 from torchtitan.components.tokenizer_export import save_hf_tokenizer
 from torchtitan.config.errors import ConfigError
@@ -97,15 +98,9 @@ class HFIO:
         )  # fmt: skip
 
 
-_SCALE = "_scale_inv"  # an fp8 weight's per-block scales: ``<name>_scale_inv``
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
 class _Shards:
-    """The tensors of an HF folder by name, read lazily from memory-mapped files. Weights
-    quantized to fp8 in blocks (``quantization_config``: ``quant_method`` fp8 with a
-    ``weight_block_size``, as DeepSeek-V3 and Qwen3's FP8 models are published) come back
-    dequantized to float32: each block times its ``weight_scale_inv``."""
+    """The tensors of an HF folder by name, read lazily from memory-mapped files; quantized
+    ones (``hf_quantization``) come back dequantized to float32 under their plain names."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -114,11 +109,9 @@ class _Shards:
         else:
             with safe_open(folder / SINGLE, "pt") as f:
                 weight_map = dict.fromkeys(f.keys(), SINGLE)
-        self.block = fp8_block_size(read_config(folder), str(folder))
+        self.quantization = quantization(read_config(folder), str(folder))
         self._all: dict[str, str] = weight_map
-        self.files: dict[str, str] = {
-            n: f for n, f in weight_map.items() if not (self.block and n.endswith(_SCALE))
-        }
+        self.files: list[str] = self.quantization.names(list(weight_map))
         self._open: dict[str, Any] = {}
 
     def _raw(self, name: str) -> torch.Tensor:
@@ -128,40 +121,7 @@ class _Shards:
         return self._open[file].get_tensor(name)
 
     def get(self, name: str) -> torch.Tensor:
-        tensor = self._raw(name)
-        if self.block is None or tensor.dtype not in _FP8:
-            return tensor
-        if name + _SCALE not in self._all:
-            raise ConfigError(f"{self.folder}: {name} is fp8 without a {name + _SCALE} tensor")
-        return dequantize_blocks(tensor, self._raw(name + _SCALE), self.block)
-
-
-def fp8_block_size(config: dict[str, Any], where: str) -> tuple[int, int] | None:
-    """The block size of a block-quantized fp8 folder, ``None`` for an unquantized one; any
-    other quantization is refused in one line."""
-    quantized = config.get("quantization_config")
-    if not quantized:
-        return None
-    method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
-    block = quantized.get("weight_block_size") if isinstance(quantized, dict) else None
-    if method != "fp8" or not (isinstance(block, list) and len(block) == 2):
-        raise ConfigError(
-            f"{where}: the weights are quantized ({method}, quantization_config in config.json) "
-            "in a way this loader does not read (it reads fp8 in blocks, weight_block_size); "
-            "dequantize them to bf16 or fp32 first (e.g. with transformers), then load that"
-        )
-    return int(block[0]), int(block[1])
-
-
-def dequantize_blocks(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
-) -> torch.Tensor:
-    """``weight`` (fp8, ``[rows, columns]``) in float32: each ``block`` of it times its entry of
-    ``scale_inv`` (``[ceil(rows / block[0]), ceil(columns / block[1])]``)."""
-    rows, columns = weight.shape
-    scales = scale_inv.float().repeat_interleave(block[0], 0)[:rows]
-    scales = scales.repeat_interleave(block[1], 1)[:, :columns]
-    return weight.float() * scales
+        return self.quantization.read(name, self._raw, self._all.keys())
 
 
 def read_tensors(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -179,10 +139,8 @@ def load_hf_(model_parts: Sequence[nn.Module], adapter, folder: str | os.PathLik
     config = read_config(folder)
     adapter.check_hf_config(config, where)
     shards = _Shards(folder)
-    if shards.block is not None:
-        logger.info(
-            f"{where}: fp8 weights in {shards.block[0]}x{shards.block[1]} blocks, dequantized"
-        )
+    if shards.quantization.description:
+        logger.info(f"{where}: {shards.quantization.description}")
     available = set(shards.files)
     tied = getattr(adapter.args, "tie_word_embeddings", False)
     embedding, head = "model.embed_tokens.weight", "lm_head.weight"
@@ -292,7 +250,10 @@ def save_hf(
                     # Routing tensors the HF model keeps in float32: a bias step of 1e-3
                     # is under bf16's spacing near 0.5 and would change the experts chosen.
                     fp32 = hf.endswith(getattr(adapter, "keep_in_fp32", ()))
-                    tensors[hf] = t.to(torch.float32 if fp32 else dtype).contiguous()
+                    t = t.to(torch.float32 if fp32 else dtype)
+                    # An HF tensor fused from several of ours (gpt-oss's gate_up_proj) comes
+                    # as parts, each zero outside its own entries: their sum.
+                    tensors[hf] = (tensors[hf] + t if hf in tensors else t).contiguous()
     adapters = _peft_parts(peft) if peft is not None else []
     # Tied when our output is the embedding (a tied flavor, or untouched since a tied import);
     # stages of a pipeline hold them apart: exported untied.

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from torchtitan.components import checkpoint_hf
+from torchtitan.components import checkpoint_hf, hf_quantization
 from torchtitan.config.errors import ConfigError
 from torchtitan.models.llama3.args import flavors
 from torchtitan.models.llama3.model import Transformer
@@ -200,7 +200,7 @@ def test_an_fp8_block_quantized_folder_loads_dequantized(tmp_path):
     for name in [n for n in tensors if ".layers." in n and "proj" in n]:
         quantized, scale_inv = _quantize_blocks(tensors[name], block)
         tensors[name], tensors[name + "_scale_inv"] = quantized, scale_inv
-        expected[name] = checkpoint_hf.dequantize_blocks(quantized, scale_inv, block)
+        expected[name] = hf_quantization.dequantize_blocks(quantized, scale_inv, block)
         assert (expected[name] - hf.state_dict()[name]).abs().max() > 0  # fp8 rounds
     save_file(tensors, tmp_path / "hf/model.safetensors", metadata={"format": "pt"})
     config = json.loads((tmp_path / "hf/config.json").read_text())

@@ -17,6 +17,23 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class YarnScaling:
+    """YaRN scaling of RoPE (gpt-oss; transformers' ``rope_type: yarn``): frequencies whose
+    wavelength fits ``original_max_position_embeddings`` fewer than ``beta_slow`` times are
+    divided by ``factor``, those fitting more than ``beta_fast`` times kept, a linear ramp
+    between (over the dims, floored and ceiled with ``truncate``); the rotations are scaled
+    by ``attention_factor`` (default ``0.1 ln(factor) + 1``), so each query-key product by
+    its square."""
+
+    factor: float = 32.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Llama3Args:
     dim: int = 4096
     n_layers: int = 32
@@ -29,7 +46,7 @@ class Llama3Args:
     ffn_dim_multiplier: float | None = None
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     max_seq_len: int = 131072
     """RoPE table length; the trainer sets it to ``--training.seq_len``."""
     tie_word_embeddings: bool = False
@@ -43,6 +60,21 @@ class Llama3Args:
     ``None``: dense."""
     moe_hidden_dim: int = 0
     """Hidden width of one expert (HF's ``moe_intermediate_size``), with ``moe``."""
+    attention_bias: bool = False
+    """Biases on the query, key, value and output projections (gpt-oss)."""
+    attention_sinks: bool = False
+    """A learned logit per query head in every row's softmax that adds nothing to the output
+    (gpt-oss): a head may attend to nothing (``models.common.attention.with_sink``)."""
+    sliding_window: int = 0
+    """With ``> 0`` a block's attention sees only this many latest tokens (itself included),
+    except every ``full_attention_every``-th block's (gpt-oss: 128, every 2nd)."""
+    full_attention_every: int = 2
+
+    def window(self, layer_id: int) -> int | None:
+        """Block ``layer_id``'s sliding window (``None``: the whole causal sequence)."""
+        if self.sliding_window <= 0 or (layer_id + 1) % self.full_attention_every == 0:
+            return None
+        return self.sliding_window
 
     @property
     def head_dim(self) -> int:
@@ -68,13 +100,17 @@ class Llama3Args:
         m = self.moe
         expert = 3 * self.dim * self.moe_hidden_dim
         routed = m.top_k if activated else m.num_experts
-        return self.dim * m.num_experts + (routed + m.num_shared_experts) * expert
+        router = (self.dim + m.router_bias) * m.num_experts
+        biases = routed * (2 * self.moe_hidden_dim + self.dim) * m.expert_linear_bias
+        return router + (routed + m.num_shared_experts) * expert + biases
 
     def num_params(self, *, exclude_embedding: bool = False, activated: bool = False) -> int:
         """Exact parameter count, computed from the dims (matches the built module);
         ``activated``: the routed experts a token uses (``top_k`` per block), not all."""
         q_dim, kv_dim = self.n_heads * self.head_dim, self.kv_heads * self.head_dim
         attn = self.dim * q_dim * 2 + self.dim * kv_dim * 2 + 2 * self.head_dim * self.qk_norm
+        attn += (q_dim + 2 * kv_dim + self.dim) * self.attention_bias
+        attn += self.n_heads * self.attention_sinks
         block = attn + self.ffn_params(activated=activated) + 2 * self.dim
         embedding = self.vocab_size * self.dim
         output = 0 if self.tie_word_embeddings else self.vocab_size * self.dim
@@ -83,12 +119,13 @@ class Llama3Args:
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6 x (non-embedding params a token activates) + attention
-        (12 * L * H * D * S)."""
+        (12 * L * H * D * S, with S the keys a block's window holds where it has one)."""
         dense = 6 * self.num_params(exclude_embedding=True, activated=True)
         if self.tie_word_embeddings:
             # The tied output projection is still a matmul per token.
             dense += 6 * self.vocab_size * self.dim
-        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        keys = sum(min(seq_len, self.window(i) or seq_len) for i in range(self.n_layers))
+        attention = 12 * self.n_heads * self.head_dim * keys
         return dense + attention
 
 

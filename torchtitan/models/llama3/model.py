@@ -7,24 +7,51 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchtitan.models.common.attention import ScaledDotProductAttention, attention_documents
 from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.rope import apply_rope
-from torchtitan.models.llama3.args import Llama3Args, RopeScaling
+from torchtitan.models.llama3.args import Llama3Args, RopeScaling, YarnScaling
 
 
 def precompute_rope_cis(
-    head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None
+    head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | YarnScaling | None
 ) -> torch.Tensor:
-    """Complex rotations ``[max_seq_len, head_dim // 2]`` with Llama 3.1 frequency scaling."""
+    """Complex rotations ``[max_seq_len, head_dim // 2]`` with Llama 3.1 frequency scaling or
+    YaRN (whose rotations also scale by its attention factor)."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if scaling is not None:
+    magnitude = 1.0
+    if isinstance(scaling, YarnScaling):
+        freqs = _yarn_frequencies(freqs, scaling, theta, head_dim)
+        magnitude = scaling.attention_factor or 0.1 * math.log(scaling.factor) + 1.0
+    elif scaling is not None:
         freqs = _scale_rope_frequencies(freqs, scaling)
     positions = torch.arange(max_seq_len, dtype=torch.float64)
     angles = torch.outer(positions, freqs)
-    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+    return torch.polar(torch.full_like(angles, magnitude), angles).to(torch.complex64)
+
+
+def _yarn_frequencies(
+    freqs: torch.Tensor, s: YarnScaling, theta: float, head_dim: int
+) -> torch.Tensor:
+    """YaRN: interpolate (divide by ``factor``) the frequencies that turn fewer than
+    ``beta_slow`` times over the original context, keep those that turn more than
+    ``beta_fast`` times, ramp linearly over the dims between (transformers' rule)."""
+
+    def turning_dim(turns: float) -> float:  # the dim whose rotation turns `turns` times
+        wavelength = s.original_max_position_embeddings / (turns * 2 * math.pi)
+        return head_dim * math.log(wavelength) / (2 * math.log(theta))
+
+    low, high = turning_dim(s.beta_fast), turning_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return freqs / s.factor * ramp + freqs * (1 - ramp)
 
 
 def _scale_rope_frequencies(freqs: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -43,22 +70,26 @@ def _scale_rope_frequencies(freqs: torch.Tensor, s: RopeScaling) -> torch.Tensor
 
 class Attention(nn.Module):
     """Causal grouped-query attention: ``n_heads`` query heads share ``n_kv_heads`` K/V heads
-    (with ``qk_norm``, each query and key head RMS-normalized before the rotary embedding)."""
+    (with ``qk_norm``, each query and key head RMS-normalized before the rotary embedding;
+    with ``attention_sinks``, a learned sink logit per query head; with a ``window``, only the
+    latest ``window`` tokens)."""
 
-    def __init__(self, args: Llama3Args):
+    def __init__(self, args: Llama3Args, window: int | None = None):
         super().__init__()
         self.n_heads = args.n_heads
         self.n_kv_heads = args.kv_heads
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        bias = args.attention_bias
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=bias)
         self.q_norm = self.k_norm = None
         if args.qk_norm:
             self.q_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
-        self.sdpa = ScaledDotProductAttention()
+        self.sinks = nn.Parameter(torch.empty(args.n_heads)) if args.attention_sinks else None
+        self.sdpa = ScaledDotProductAttention(window=window)
 
     def forward(
         self, x: torch.Tensor, rope_cis: torch.Tensor, documents: torch.Tensor | None = None
@@ -73,14 +104,22 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             xq, xk = self.q_norm(xq), self.k_norm(xk)
         xq, xk = apply_rope(xq, xk, rope_cis)
+        sinks = self.sinks
+        if isinstance(sinks, DTensor):  # tensor parallel: this rank's heads'
+            sinks = sinks.to_local()
         # [bs, h, seq, hd] for SDPA.
-        out = self.sdpa(*(t.transpose(1, 2) for t in (xq, xk, xv)), documents)
+        out = self.sdpa(*(t.transpose(1, 2) for t in (xq, xk, xv)), documents, sinks=sinks)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        for linear in (self.wq, self.wk, self.wv, self.wo):
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+        if self.sinks is not None:
+            nn.init.trunc_normal_(self.sinks, mean=0.0, std=0.02)
         if self.q_norm is not None:
             self.q_norm.reset_parameters()
             self.k_norm.reset_parameters()
@@ -93,7 +132,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: Llama3Args):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(args, window=args.window(layer_id))
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.moe_enabled = args.moe is not None
         if self.moe_enabled:
@@ -182,7 +221,10 @@ class Transformer(nn.Module):
         parallelism)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope_cis if positions is None else self.rope_cis[positions]
-        documents = attention_documents(document_ids, positions)
+        # FlexAttention's block mask takes neither sinks nor windows (yet): those models take
+        # the document numbers on every device.
+        flex = not (self.args.attention_sinks or self.args.sliding_window)
+        documents = attention_documents(document_ids, positions) if flex else document_ids
         for layer in self.layers.values():
             h = layer(h, rope, documents)
         h = self.norm(h) if self.norm is not None else h

@@ -30,7 +30,11 @@ from torchtitan.components import float8, lora
 from torchtitan.components.float8 import tp_style
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.context_parallel import apply_cp
-from torchtitan.distributed.tensor_parallel import apply_tp_embedding_and_output, enable_async_tp
+from torchtitan.distributed.tensor_parallel import (
+    ShardParameters,
+    apply_tp_embedding_and_output,
+    enable_async_tp,
+)
 from torchtitan.models.common.parallelize import (
     apply_data_parallel,
     apply_moe_cp_and_ep,
@@ -72,7 +76,10 @@ def parallelize_llama3(model: nn.Module, context: ParallelizeContext) -> nn.Modu
             dims.mesh("cp"),
             rotate_method=parallelism.context_parallel_rotate_method,
             load_balance=parallelism.context_parallel_load_balance,
-            block_causal=context.attn_mask == "block_causal",
+            # Block-causal masks, sinks and windows need the whole sequence's K/V on each rank.
+            gather=context.attn_mask == "block_causal"
+            or model.args.attention_sinks
+            or model.args.sliding_window > 0,
         )
     apply_moe_cp_and_ep(model, context)
     lora.add_adapters(model, context.lora)  # placed from the weights TP just placed
@@ -147,3 +154,5 @@ def apply_tp(
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
+        if attn.sinks is not None:  # one per query head: each rank its heads'
+            parallelize_module(attn, tp_mesh, ShardParameters({"sinks": 0}))

@@ -16,7 +16,7 @@ import torch
 
 from torchtitan.components.hf_config import check_computation, hf_rope
 from torchtitan.config.errors import ConfigError
-from torchtitan.models.llama3.args import Llama3Args
+from torchtitan.models.llama3.args import Llama3Args, RopeScaling
 
 _BLOCK = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -109,7 +109,7 @@ class Llama3StateDictAdapter:
             "tie_word_embeddings": tied,
             "torch_dtype": str(dtype).removeprefix("torch."),
         }
-        if a.rope_scaling is not None:
+        if isinstance(a.rope_scaling, RopeScaling):  # (a family with YaRN writes its own)
             s = a.rope_scaling
             config["rope_scaling"] = {
                 "rope_type": "llama3",

@@ -1,0 +1,45 @@
+"""gpt-oss: Llama 3's model, parallelization plans and pipeline split with attention sinks,
+sliding windows, biased projections, YaRN and biased experts with a clamped SwiGLU
+(``args.py``). Importing this package does not import torch."""
+
+import dataclasses
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.models.gpt_oss import config_registry
+from torchtitan.models.gpt_oss.args import GptOssArgs, flavors
+from torchtitan.models.llama3 import model_spec as llama3_spec
+from torchtitan.models.llama3 import validate_args
+from torchtitan.models.spec import lazy
+
+__all__ = ["GptOssArgs", "config_registry", "flavors", "model_spec"]
+
+
+def validate(config, parallel_dims) -> None:
+    """Model-specific checks of a config against its parallel degrees (no torch import)."""
+    validate_args(flavors[config.model.flavor], config, parallel_dims)
+    p = config.parallelism
+    if parallel_dims.cp > 1 and p.context_parallel_rotate_method != "allgather":
+        raise ConfigError(
+            f"--parallelism.context_parallel_rotate_method {p.context_parallel_rotate_method} "
+            "with gpt-oss: its sinks and windows need the whole sequence's keys and values on "
+            "every rank; use allgather"
+        )
+    if config.checkpoint.last_save_in_hf and config.moe.load_balance_coeff > 0:
+        raise ConfigError(
+            "--checkpoint.last_save_in_hf with --moe.load_balance_coeff > 0: the routing bias it "
+            "learns has no place in GptOssForCausalLM (the export would route differently); "
+            "pass --moe.load_balance_coeff 0 (--moe.aux_loss_coeff balances)"
+        )
+
+
+# Llama 3's model, plans, pipeline split and FLOP count, with gpt-oss's flavors and HF mapping.
+model_spec = dataclasses.replace(
+    llama3_spec,
+    name="gpt_oss",
+    flavors=flavors,
+    config_registry=config_registry,
+    validate=validate,
+    state_dict_adapter=lazy("torchtitan.models.gpt_oss.state_dict_adapter:GptOssStateDictAdapter"),
+    has_experts=True,
+    after_optimizer_step=lazy("torchtitan.models.common.moe:update_expert_biases"),
+)
