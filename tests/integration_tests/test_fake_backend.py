@@ -241,3 +241,23 @@ def test_a_model_whose_weights_outweigh_its_activations_peaks_at_the_end_of_back
     assert _gib(out, "parameters") == pytest.approx(expected, rel=0.01)
     state = _gib(out, "parameters") + _gib(out, "gradients") + _gib(out, "optimizer state")
     assert _gib(out, "peak of a step") >= state - 0.03  # (each figure rounded to 0.01)
+
+
+def test_gpt_oss_120b_with_expert_parallelism_estimates_on_one_cpu_process(tmp_path):
+    """gpt-oss-120b on 64 simulated ranks with EP 8 and block-causal attention: every rank
+    holds 16 of each block's 128 experts (biases too), sharded again over its expert-FSDP
+    group of 8, and 1/64 of the rest; the windowed blocks' attention runs as blocks of
+    queries, the full ones with the sink's dense mask."""
+    result = _dry_run(
+        tmp_path, "gpt_oss_120b", 64, "--parallelism.expert_parallel_degree", "8",
+        MODULE="gpt_oss",
+    )  # fmt: skip
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert "116,829,156,672 parameters" in out
+    assert "dp_shard=64, cp=1, tp=1, pp=1, ep=8" in out
+    expected = 116_829_156_672 * 4 / 64 / GiB
+    assert _gib(out, "parameters") == pytest.approx(expected, rel=0.01)
+    assert _gib(out, "optimizer state") == pytest.approx(2 * expected, rel=0.01)
+    assert _gib(out, "Activation") > 0.1
+    assert "sinks and windows take no FlexAttention block mask" in out

@@ -266,6 +266,20 @@ def test_parameter_count_matches_the_built_debug_model():
             "--moe.experts_impl loop under COMM_MODE=local_tensor is not implemented for qwen3",
         ),
         (
+            "gpt_oss",
+            2,
+            ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_rotate_method", "alltoall"],
+            "context_parallel_rotate_method alltoall with gpt-oss: its sinks and windows need",
+        ),
+        (
+            "gpt_oss",
+            2,
+            ["--checkpoint.enable", "--checkpoint.last_save_in_hf", "--moe.load_balance_coeff", "1e-3"],
+            "no place in GptOssForCausalLM",
+        ),
+        ("gpt_oss", 4, ["--parallelism.tensor_parallel_degree", "4"], "does not divide n_kv_heads=2"),
+        ("gpt_oss", 4, ["--parallelism.expert_parallel_degree", "2", "--parallelism.context_parallel_degree", "2"], None),
+        (
             "deepseek_v3",
             2,
             ["--comm.mode", "local_tensor", "--moe.capacity_factor", "1.5"],
