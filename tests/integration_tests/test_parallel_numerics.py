@@ -61,6 +61,14 @@ GPT_OSS = (
     "--training.seq_len 128 --moe.aux_loss_coeff 0.01 --moe.load_balance_coeff 0.01"
 )
 GPT_OSS_REFERENCE = ("ref_gptoss", 1, f"--training.local_batch_size 8 {GPT_OSS}")
+# Llama 4 (cases named llama4_*): experts (top 1, scaled on the way in, a shared one) in every
+# 2nd block, dense blocks between; chunks of 32 tokens in the blocks with RoPE, a block
+# without RoPE scaling its queries by position; per-document attention; both balancing rules.
+LLAMA4 = (
+    "--module llama4 --config llama4_debugmodel --model.attn_mask block_causal "
+    "--training.seq_len 128 --moe.aux_loss_coeff 0.01 --moe.load_balance_coeff 0.01"
+)
+LLAMA4_REFERENCE = ("ref_llama4", 1, f"--training.local_batch_size 8 {LLAMA4}")
 # LoRA (cases named lora_*): rank-4 adapters on every block's linear layers, the rest frozen;
 # a scale (alpha / rank = 8) at which they move the loss within 10 steps at the config's
 # learning rate (at 5x that rate torch 2.11 put one adapter 9e-5 from one process's: B starts
@@ -322,6 +330,24 @@ CASES = {
         4,
         f"{GPT_OSS} --training.local_batch_size 4 --parallelism.tensor_parallel_degree 2",
     ),
+    # Llama 4: TP with sequence parallelism over the dense blocks, the shared and the routed
+    # experts' widths (the router's scores scaling the rows on their way in; the attention's
+    # query temperature over the gathered sequence); CP gathering the keys for chunks, EP over
+    # the CP ranks; pipeline stages of dense and expert blocks under FSDP.
+    "llama4_tp2": (
+        2,
+        f"{LLAMA4} --training.local_batch_size 8 --parallelism.tensor_parallel_degree 2",
+    ),
+    "llama4_cp2_ep2": (
+        2,
+        f"{LLAMA4} --training.local_batch_size 8 --parallelism.context_parallel_degree 2 "
+        "--parallelism.expert_parallel_degree 2",
+    ),
+    "llama4_pp2_fsdp2": (
+        4,
+        f"{LLAMA4} --training.local_batch_size 4 --parallelism.pipeline_parallel_degree 2 "
+        "--parallelism.pipeline_parallel_microbatch_size 2",
+    ),
     # TP without EP splits every expert's hidden width (routed and shared).
     "moe_tp2_no_sp": (
         2,
@@ -483,7 +509,7 @@ def _killed_by_signal(stderr: str) -> bool:
 def results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("numerics")
     references = (REFERENCE, BLOCK_CAUSAL_REFERENCE, MOE_REFERENCE, QWEN3_REFERENCE)
-    references += (QWEN3_MOE_REFERENCE, GPT_OSS_REFERENCE)
+    references += (QWEN3_MOE_REFERENCE, GPT_OSS_REFERENCE, LLAMA4_REFERENCE)
     references += (VALIDATION_REFERENCE, LORA_REFERENCE, SFT_REFERENCE)
     references += (WHOLE_SPLIT,)
     _launch(out, 1, [(name, flags) for name, _, flags in references])
@@ -510,6 +536,8 @@ def test_layout_matches_one_process(results, case):
         reference = QWEN3_MOE_REFERENCE[0]
     elif case.startswith("gptoss_"):
         reference = GPT_OSS_REFERENCE[0]
+    elif case.startswith("llama4_"):
+        reference = LLAMA4_REFERENCE[0]
     elif case.startswith("validation_"):
         reference = VALIDATION_REFERENCE[0]
     elif case.startswith("lora_"):

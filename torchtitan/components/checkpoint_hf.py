@@ -43,6 +43,7 @@ from torchtitan.components.hf_config import (
     CONFIG,
     INDEX,
     SINGLE,
+    FusedPart,
     is_hf_folder,
     read_config,
 )
@@ -227,6 +228,7 @@ def save_hf(
             "the start (--moe.aux_loss_coeff balances instead)"
         )
     tensors: dict[str, torch.Tensor] = {}
+    parts: dict[str, list[FusedPart]] = {}
     embedding = output = None
     peft = PeftAdapters(model_type) if peft_folder is not None else None
     for part in model_parts:
@@ -250,10 +252,13 @@ def save_hf(
                     # Routing tensors the HF model keeps in float32: a bias step of 1e-3
                     # is under bf16's spacing near 0.5 and would change the experts chosen.
                     fp32 = hf.endswith(getattr(adapter, "keep_in_fp32", ()))
-                    t = t.to(torch.float32 if fp32 else dtype)
-                    # An HF tensor fused from several of ours (gpt-oss's gate_up_proj) comes
-                    # as parts, each zero outside its own entries: their sum.
-                    tensors[hf] = (tensors[hf] + t if hf in tensors else t).contiguous()
+                    out = torch.float32 if fp32 else dtype
+                    if isinstance(t, FusedPart):  # assembled once every part is here
+                        parts.setdefault(hf, []).append(t)
+                        if len(parts[hf]) == t.count:
+                            tensors[hf] = _fuse(parts.pop(hf), out)
+                    else:
+                        tensors[hf] = t.to(out).contiguous()
     adapters = _peft_parts(peft) if peft is not None else []
     # Tied when our output is the embedding (a tied flavor, or untouched since a tied import);
     # stages of a pipeline hold them apart: exported untied.
@@ -361,6 +366,17 @@ def read_model_state(step: Path, run: dict[str, Any], spec, args) -> dict[str, t
             base = read_full_model(source)
         state = {k: v for k, v in base.items() if not lora.is_adapter_name(k)} | state
     return lora.merge_state_dict(state, lora.scale_of(settings))
+
+
+def _fuse(parts: list[FusedPart], dtype: torch.dtype) -> torch.Tensor:
+    """The HF tensor the ``parts`` make, in ``dtype``."""
+    first = parts[0]
+    shape = list(first.tensor.shape)
+    shape[first.dim] *= first.count
+    fused = first.tensor.new_empty(shape, dtype=dtype)
+    for part in parts:
+        part.place(fused)
+    return fused
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

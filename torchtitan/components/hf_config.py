@@ -3,6 +3,7 @@
 that its other settings compute what ours do (the families' state-dict adapters call it).
 """
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -13,6 +14,32 @@ from torchtitan.config.errors import ConfigError
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedPart:
+    """What a state-dict adapter's ``to_hf`` returns for one of ``count`` of our tensors that
+    together make one HF tensor (gpt-oss's and Llama 4's ``gate_up_proj``): ``tensor`` in the
+    HF layout, part ``index`` along ``dim``, either in consecutive blocks (part i the i-th
+    block) or ``interleaved`` (part i at i, i + count, ...). The export assembles the HF
+    tensor once all parts are there, in the export's dtype."""
+
+    tensor: Any
+    index: int
+    count: int
+    dim: int = -1
+    interleaved: bool = False
+
+    def place(self, fused: Any) -> None:
+        """Copy (and cast) this part into its entries of ``fused``."""
+        dim = self.dim % fused.dim()
+        size = self.tensor.shape[dim]
+        where = [slice(None)] * fused.dim()
+        if self.interleaved:
+            where[dim] = slice(self.index, None, self.count)
+        else:
+            where[dim] = slice(self.index * size, (self.index + 1) * size)
+        fused[tuple(where)] = self.tensor
 
 
 def is_hf_folder(path: str | os.PathLike) -> bool:

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from hf_models import build_ours, logits
 from safetensors.torch import load_file, save_file
 
 from torchtitan.components import checkpoint_hf, hf_quantization
@@ -56,16 +57,11 @@ def _hf_model():
 
 
 def _ours(args=ARGS) -> Transformer:
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    model.init_weights()
-    return model.eval()
+    return build_ours(args)
 
 
 def _logits(model, hf: bool = False) -> torch.Tensor:
-    with torch.no_grad():
-        return model(TOKENS).logits if hf else model(TOKENS)
+    return logits(model, TOKENS, hf)
 
 
 def test_import_export_and_round_trip(tmp_path):

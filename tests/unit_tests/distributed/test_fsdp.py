@@ -76,3 +76,22 @@ def test_prefetch_lists_the_next_blocks_and_their_inner_units(mesh):
     assert _prefetched(b[0], units) == ([b[1], f[1], b[2], f[2]], [])
     assert _prefetched(b[2], units) == ([], [f[1], b[1], f[0], b[0]])
     assert _prefetched(f[0], units) == ([], [])  # the inner units keep FSDP's own order
+
+
+def test_expert_weights_split_along_a_dim_that_divides_evenly(mesh):
+    """FSDP pads an uneven dim 0: 2 experts over 8 ranks would leave a whole expert on each
+    (4x the memory). Expert weights then split along a width that divides, one that tensor or
+    expert parallelism does not split already; nothing divides: dim 0, padded."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from torchtitan.distributed.fsdp import expert_shard_dim
+
+    assert expert_shard_dim(torch.empty(16, 8, 4), 8) == 0
+    assert expert_shard_dim(torch.empty(2, 8, 4), 8) == 1
+    assert expert_shard_dim(torch.empty(2, 6, 8), 8) == 2
+    assert expert_shard_dim(torch.empty(2, 8), 4) == 1  # a bias
+    assert expert_shard_dim(torch.empty(3, 5, 7), 8) == 0
+    # Tensor parallelism splits dim 1 (2 ranks): its 4 local rows would divide over 4, but the
+    # dim is taken.
+    split = distribute_tensor(torch.empty(2, 8, 8), mesh, [Shard(1)])
+    assert expert_shard_dim(split, 4) == 2

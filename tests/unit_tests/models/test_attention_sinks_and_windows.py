@@ -1,6 +1,6 @@
-"""Attention sinks and sliding windows (gpt-oss's attention) against a written-out reference:
-the scores of every query over its visible keys and the sink logit, one softmax, the sink's
-column dropped. Outputs and gradients (queries, keys, values, sinks) agree on every path the
+"""Attention sinks and sliding windows (gpt-oss's attention) and chunks (Llama 4's) against a
+written-out reference: the scores of every query over its visible keys and the sink logit,
+one softmax, the sink's column dropped. Outputs and gradients (queries, keys, values, sinks) agree on every path the
 module takes: eager CPU (per-document calls, the windowed blocks), compiled (dense masks),
 and a context-parallel rank's queries over the whole sequence's keys."""
 
@@ -17,8 +17,9 @@ from torchtitan.models.common.attention import ScaledDotProductAttention
 BS, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 4, 2, 48, 16
 
 
-def _reference(q, k, v, documents, window, sinks, scale):
-    """Every score written out: causal, within ``window`` and the document, then the sink."""
+def _reference(q, k, v, documents, window, sinks, scale, chunk=None):
+    """Every score written out: causal, within ``window``, the chunk and the document, then
+    the sink."""
     repeat = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
     scores = (q @ k.transpose(-1, -2)) * scale
@@ -26,6 +27,8 @@ def _reference(q, k, v, documents, window, sinks, scale):
     visible = j <= i
     if window is not None:
         visible = visible & (j > i - window)
+    if chunk is not None:
+        visible = visible & (i // chunk == j // chunk)
     if documents is not None:
         visible = visible & (documents[:, None, :, None] == documents[:, None, None, :])
     scores = scores.masked_fill(~visible, float("-inf"))
@@ -79,6 +82,28 @@ def test_sinks_and_windows_equal_the_written_out_attention(window, sink, block_c
                 loss = loss + (out * weights[:, :, positions]).sum()
             for got, expected in zip(torch.autograd.grad(loss, inputs), want_grads, strict=True):
                 torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk, block_causal", [(16, False), (16, True), (20, True)])
+def test_chunked_attention_equals_the_written_out_attention(chunk, block_causal):
+    """Llama 4's chunked attention: a query sees only the keys of its chunk (and document),
+    on the per-document CPU calls, compiled, and at a context-parallel rank's positions."""
+    q, k, v, _, weights = _inputs(seed=chunk + block_causal, sink=False)
+    documents = DOCUMENTS if block_causal else None
+    want = _reference(q, k, v, documents, None, None, HEAD_DIM**-0.5, chunk=chunk)
+    want_grads = torch.autograd.grad((want * weights).sum(), (q, k, v))
+    attention = ScaledDotProductAttention(chunk=chunk)
+    torch._dynamo.reset()
+    for run in (attention, torch.compile(attention, fullgraph=True, dynamic=False)):
+        out = run(q, k, v, documents)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+        for got, expected in zip(grads, want_grads, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+        for positions in sequence_order(SEQ, 2, True).view(2, -1):
+            where = positions.expand(BS, -1)
+            out = run(q[:, :, positions], k, v, documents, query_positions=where)
+            torch.testing.assert_close(out, want[:, :, positions], rtol=1e-5, atol=1e-5)
 
 
 def test_a_sink_lets_a_head_attend_to_nothing():

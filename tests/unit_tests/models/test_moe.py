@@ -269,7 +269,7 @@ def test_parameter_count_matches_the_built_debug_model():
             "gpt_oss",
             2,
             ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_rotate_method", "alltoall"],
-            "context_parallel_rotate_method alltoall with gpt-oss: its sinks and windows need",
+            "of gpt_oss: attention with sinks and sliding windows gathers the whole sequence's keys",
         ),
         (
             "gpt_oss",
@@ -278,6 +278,19 @@ def test_parameter_count_matches_the_built_debug_model():
             "no place in GptOssForCausalLM",
         ),
         ("gpt_oss", 4, ["--parallelism.tensor_parallel_degree", "4"], "does not divide n_kv_heads=2"),
+        (
+            "llama4",
+            2,
+            ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_rotate_method", "alltoall"],
+            "of llama4: attention with chunks gathers the whole sequence's keys",
+        ),
+        (
+            "llama4",
+            2,
+            ["--checkpoint.enable", "--checkpoint.last_save_in_hf", "--moe.load_balance_coeff", "1e-3"],
+            "no place in Llama4ForCausalLM",
+        ),
+        ("llama4", 8, ["--parallelism.tensor_parallel_degree", "8"], "does not divide n_kv_heads=4"),
         ("gpt_oss", 4, ["--parallelism.expert_parallel_degree", "2", "--parallelism.context_parallel_degree", "2"], None),
         (
             "deepseek_v3",

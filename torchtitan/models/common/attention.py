@@ -68,12 +68,17 @@ class ScaledDotProductAttention(nn.Module):
     and holding every score) and ring attention, which needs a fused kernel, fails.
     """
 
-    def __init__(self, scale: float | None = None, window: int | None = None):
+    def __init__(
+        self, scale: float | None = None, window: int | None = None, chunk: int | None = None
+    ):
         super().__init__()
         self.scale = scale
         self.window = window
         """Sliding window: a query sees only the ``window`` latest keys, itself included
         (``None``: every earlier key)."""
+        self.chunk = chunk
+        """Chunked attention (Llama 4): a query sees only the keys of its chunk of ``chunk``
+        positions (and of its document), as if each chunk were a document of its own."""
 
     def forward(
         self,
@@ -91,6 +96,14 @@ class ScaledDotProductAttention(nn.Module):
         value_width = v.shape[-1]
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         window = self.window if self.window is not None and self.window < k.shape[2] else None
+        if self.chunk is not None and self.chunk < k.shape[2]:
+            if isinstance(documents, BlockMask):
+                raise ValueError("chunked attention takes document numbers, not a BlockMask")
+            if query_positions is None and sinks is None and window is None:
+                return self._chunked(q, k, v, documents, scale)[..., :value_width]
+            # A rank's queries over the whole sequence (context parallelism): the chunks as
+            # documents of their own.
+            documents = chunk_documents(documents, k.shape[0], k.shape[2], self.chunk, k.device)
         if sinks is not None:
             q, k, v = with_sink(q, k, v, sinks, scale)
         elif value_width < q.shape[-1]:
@@ -105,6 +118,40 @@ class ScaledDotProductAttention(nn.Module):
         else:
             out = self._attend(q, k, v, documents, query_positions, scale, sinks is not None)
         return out[..., :value_width]
+
+    def _chunked(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        documents: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """Chunked attention as a batch of chunks: each chunk of the sequence (the last one
+        filled up with zeros, whose rows are dropped) attends causally, or block-causally with
+        ``documents``, within itself: no mask over the whole sequence, so plain causal SDPA
+        runs where there are no documents."""
+        bs, _, seq, _ = q.shape
+        chunk = self.chunk
+        chunks = -(-seq // chunk)
+        pad = chunks * chunk - seq
+
+        def fold(t: torch.Tensor) -> torch.Tensor:  # [bs, h, seq, d] -> [bs * chunks, h, chunk, d]
+            t = F.pad(t, (0, 0, 0, pad))
+            heads, width = t.shape[1], t.shape[3]
+            return (
+                t.view(bs, heads, chunks, chunk, width)
+                .transpose(1, 2)
+                .reshape(-1, heads, chunk, width)
+            )
+
+        if documents is not None:  # (the filling takes the last token's document)
+            documents = torch.cat([documents, documents[:, -1:].expand(bs, pad)], dim=1)
+            documents = documents.view(bs * chunks, chunk)
+        out = self._attend(fold(q), fold(k), fold(v), documents, None, scale, False)
+        heads, width = out.shape[1], out.shape[3]
+        out = out.view(bs, chunks, heads, chunk, width).transpose(1, 2)
+        return out.reshape(bs, heads, chunks * chunk, width)[:, :, :seq]
 
     def _attend(
         self,
@@ -144,6 +191,20 @@ class ScaledDotProductAttention(nn.Module):
             k, v = _repeat_heads(k, v, q.shape[1])
             gqa = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
+
+
+def chunk_documents(
+    documents: torch.Tensor | None, bs: int, seq: int, chunk: int, device: torch.device
+) -> torch.Tensor:
+    """Document numbers ``[bs, seq]`` that also change at every multiple of ``chunk``
+    (``documents`` ``None``: one document), still ascending along a row: block-causal
+    attention over them is attention within each chunk of each document."""
+    # Truncating, not flooring (the same here): torch 2.13's inductor on CPU gives garbage in
+    # the last vector lanes of a floored arange added to a wider tensor (measured).
+    chunks = torch.arange(seq, device=device).div(chunk, rounding_mode="trunc")
+    if documents is None:
+        return chunks.expand(bs, -1)
+    return documents * -(-seq // chunk) + chunks
 
 
 def with_sink(

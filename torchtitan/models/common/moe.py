@@ -371,12 +371,16 @@ class MoE(nn.Module):
         if self.hidden_split_mesh is not None:  # each rank's gradient is a partial sum
             route_weights = sum_gradients(route_weights, self.hidden_split_mesh)
         rows = flat[order // a.top_k]
+        if a.score_before_experts:  # each row scaled by its weight on the way in
+            rows = (rows * route_weights[order].unsqueeze(-1)).to(rows.dtype)
         out_rows = self.experts(rows, counts)
-        # Back to token order, weighted, summed over each token's k experts.
+        # Back to token order, weighted (unless it was on the way in), summed over each
+        # token's k experts.
         combined = flat.new_zeros(routed.shape[0], dim, dtype=out_rows.dtype)
-        combined = combined.index_copy(0, order, out_rows)
-        mixed = (combined.view(-1, a.top_k, dim) * route_weights.view(-1, a.top_k, 1)).sum(1)
-        out = mixed.to(x.dtype)
+        combined = combined.index_copy(0, order, out_rows).view(-1, a.top_k, dim)
+        if not a.score_before_experts:
+            combined = combined * route_weights.view(-1, a.top_k, 1)
+        out = combined.sum(1).to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         if a.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():

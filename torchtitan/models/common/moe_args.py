@@ -38,6 +38,9 @@ class MoEArgs:
     both ways at ``swiglu_limit``, then ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``."""
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
+    score_before_experts: bool = False
+    """Scale each routed row by its weight before its expert instead of the expert's output
+    after (Llama 4; the same for experts that are linear in their input, not for SwiGLU)."""
     # Training-time settings, from ``--moe.*`` (``models.common.moe_args.with_training``).
     load_balance_coeff: float = 1e-3
     aux_loss_coeff: float = 0.0
@@ -99,3 +102,14 @@ def check_moe_run(config, parallel_dims, family: str) -> None:
             )
     if moe.capacity_factor < 0 or moe.aux_loss_coeff < 0:
         raise ConfigError("--moe.capacity_factor and --moe.aux_loss_coeff must be >= 0")
+
+
+def check_hf_export_balancing(config, architecture: str) -> None:
+    """An HF export of a family whose HF model has no routing bias must not learn one (one
+    line, ``ConfigError``); ``config`` a ``JobConfig``."""
+    if config.checkpoint.last_save_in_hf and config.moe.load_balance_coeff > 0:
+        raise ConfigError(
+            "--checkpoint.last_save_in_hf with --moe.load_balance_coeff > 0: the routing bias it "
+            f"learns has no place in {architecture} (the export would route differently); pass "
+            "--moe.load_balance_coeff 0 (--moe.aux_loss_coeff balances)"
+        )

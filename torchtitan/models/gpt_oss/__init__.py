@@ -4,7 +4,7 @@ sliding windows, biased projections, YaRN and biased experts with a clamped SwiG
 
 import dataclasses
 
-from torchtitan.config.errors import ConfigError
+from torchtitan.models.common.moe_args import check_hf_export_balancing
 from torchtitan.models.gpt_oss import config_registry
 from torchtitan.models.gpt_oss.args import GptOssArgs, flavors
 from torchtitan.models.llama3 import model_spec as llama3_spec
@@ -16,20 +16,9 @@ __all__ = ["GptOssArgs", "config_registry", "flavors", "model_spec"]
 
 def validate(config, parallel_dims) -> None:
     """Model-specific checks of a config against its parallel degrees (no torch import)."""
-    validate_args(flavors[config.model.flavor], config, parallel_dims)
-    p = config.parallelism
-    if parallel_dims.cp > 1 and p.context_parallel_rotate_method != "allgather":
-        raise ConfigError(
-            f"--parallelism.context_parallel_rotate_method {p.context_parallel_rotate_method} "
-            "with gpt-oss: its sinks and windows need the whole sequence's keys and values on "
-            "every rank; use allgather"
-        )
-    if config.checkpoint.last_save_in_hf and config.moe.load_balance_coeff > 0:
-        raise ConfigError(
-            "--checkpoint.last_save_in_hf with --moe.load_balance_coeff > 0: the routing bias it "
-            "learns has no place in GptOssForCausalLM (the export would route differently); "
-            "pass --moe.load_balance_coeff 0 (--moe.aux_loss_coeff balances)"
-        )
+    args = flavors[config.model.flavor]
+    validate_args(args, config, parallel_dims)
+    check_hf_export_balancing(config, "GptOssForCausalLM")
 
 
 # Llama 3's model, plans, pipeline split and FLOP count, with gpt-oss's flavors and HF mapping.

@@ -44,24 +44,16 @@ class GptOssArgs(Llama3Args):
     max_seq_len: int = 131072
     """RoPE table length (the published ``max_position_embeddings``); runs set it to
     ``--training.seq_len``."""
-    head_size: int = 64
-    """Each head's width (``head_dim``)."""
+    head_size: int | None = 64
+    hidden_dim: int | None = 2880
+    """(No dense FFN: every block has experts; HF's ``intermediate_size`` is an expert's
+    width, ``moe_hidden_dim``.)"""
     attention_bias: bool = True
     attention_sinks: bool = True
     sliding_window: int = 128
     full_attention_every: int = 2
     moe: MoEArgs | None = dataclasses.field(default_factory=lambda: _routing(32))
     moe_hidden_dim: int = 2880
-
-    @property
-    def head_dim(self) -> int:
-        return self.head_size
-
-    @property
-    def ffn_hidden_dim(self) -> int:
-        """No dense FFN: every block has experts (HF's ``intermediate_size`` is an expert's
-        width)."""
-        return self.moe_hidden_dim
 
 
 flavors: dict[str, GptOssArgs] = {

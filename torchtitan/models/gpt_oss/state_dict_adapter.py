@@ -9,8 +9,8 @@ the query and key rows, here of their biases too) plus:
   ``mlp.experts.gate_up_proj [E, dim, 2 x hidden]`` holds the gate (our ``w1``) in its even
   columns and the up projection (``w3``) in its odd ones, its bias ``gate_up_proj_bias``
   likewise; ``down_proj [E, hidden, dim]`` is ``w2`` transposed, ``down_proj_bias`` is
-  ``w2_bias``. An export writes each of ``w1`` and ``w3`` into its columns of a zero tensor;
-  the export sums the parts of one HF tensor (``checkpoint_hf.save_hf``).
+  ``w2_bias``. An export hands ``w1`` and ``w3`` over as parts of one HF tensor
+  (``hf_config.FusedPart``), assembled once in the export's dtype.
 
 The published checkpoints store the experts' weights in mxfp4 (``gate_up_proj_blocks`` /
 ``_scales``), which the import reads dequantized (``components/hf_quantization.py``). The
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from torchtitan.components.hf_config import check_computation, hf_rope
+from torchtitan.components.hf_config import FusedPart, check_computation, hf_rope
 from torchtitan.config.errors import ConfigError
 from torchtitan.models.gpt_oss.args import GptOssArgs
 from torchtitan.models.llama3.state_dict_adapter import (
@@ -68,11 +68,9 @@ class GptOssStateDictAdapter(Llama3StateDictAdapter):
     def to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         (hf,) = self.hf_names(name)
         leaf = name.rpartition(".")[2]
-        if leaf in _GATE + _UP:  # into its columns of the fused tensor, zero elsewhere
+        if leaf in _GATE + _UP:  # the even (gate) or odd (up) columns of the fused tensor
             part = tensor.transpose(1, 2) if leaf in ("w1", "w3") else tensor
-            fused = part.new_zeros(*part.shape[:-1], 2 * part.shape[-1])
-            fused[..., 0 if leaf in _GATE else 1 :: 2] = part
-            return {hf: fused}
+            return {hf: FusedPart(part, index=int(leaf in _UP), count=2, interleaved=True)}
         if leaf == "w2":
             return {hf: tensor.transpose(1, 2)}
         heads = self._rotary_heads(name)

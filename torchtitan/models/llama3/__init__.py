@@ -27,6 +27,17 @@ def validate_args(args: Llama3Args, config, parallel_dims) -> None:
         )
     if args.moe is not None:
         check_moe_run(config, parallel_dims, config.model.name)
+    rotate = config.parallelism.context_parallel_rotate_method
+    if parallel_dims.cp > 1 and rotate != "allgather":
+        gathers = {"sinks": args.attention_sinks, "sliding windows": args.sliding_window,
+                   "chunks": args.attention_chunk}  # fmt: skip
+        if why := [name for name, on in gathers.items() if on]:
+            raise ConfigError(
+                f"--parallelism.context_parallel_rotate_method {rotate} with --model.flavor "
+                f"{config.model.flavor} of {config.model.name}: attention with "
+                f"{' and '.join(why)} gathers the whole sequence's keys and values on every "
+                "rank; use allgather"
+            )
     check_parallel_degrees(
         args,
         flavor=config.model.flavor,

@@ -69,6 +69,23 @@ class Llama3Args:
     """With ``> 0`` a block's attention sees only this many latest tokens (itself included),
     except every ``full_attention_every``-th block's (gpt-oss: 128, every 2nd)."""
     full_attention_every: int = 2
+    moe_every: int = 1
+    """With ``moe``: every ``moe_every``-th block (the n-th, 2n-th, ...) has experts, the
+    others the dense SwiGLU of ``ffn_hidden_dim`` (Llama 4 Maverick: 2)."""
+    nope_every: int = 0
+    """With ``> 0`` every ``nope_every``-th block (the n-th, 2n-th, ...) attends without
+    RoPE, over the whole causal sequence (Llama 4's iRoPE: 4); the others rotate, and with
+    ``attention_chunk`` see only their chunk."""
+    attention_chunk: int = 0
+    """With ``> 0`` the blocks with RoPE attend only within chunks of this many tokens, the
+    window cut at multiples of it (Llama 4: 8,192)."""
+    qk_l2_norm: bool = False
+    """The blocks with RoPE RMS-normalize each query and key head after the rotation, without
+    a weight (Llama 4 Scout)."""
+    nope_temperature: tuple[float, float] | None = None
+    """``(floor_scale, attn_scale)``: the blocks without RoPE scale each query at position
+    ``p`` by ``1 + attn_scale * log(1 + floor((p + 1) / floor_scale))`` (Llama 4:
+    ``(8192, 0.1)``), sharpening attention far into long sequences."""
 
     def window(self, layer_id: int) -> int | None:
         """Block ``layer_id``'s sliding window (``None``: the whole causal sequence)."""
@@ -76,9 +93,24 @@ class Llama3Args:
             return None
         return self.sliding_window
 
+    def has_experts(self, layer_id: int) -> bool:
+        """Whether block ``layer_id`` has the mixture of experts (else the dense SwiGLU)."""
+        return self.moe is not None and (layer_id + 1) % self.moe_every == 0
+
+    def uses_rope(self, layer_id: int) -> bool:
+        """Whether block ``layer_id`` rotates its queries and keys (``nope_every``)."""
+        return self.nope_every <= 0 or (layer_id + 1) % self.nope_every != 0
+
+    head_size: int | None = None
+    """Each head's width when given on its own (Qwen3, gpt-oss, Llama 4); ``None``:
+    ``dim / n_heads``."""
+    hidden_dim: int | None = None
+    """The dense SwiGLU's width when given (HF's ``intermediate_size``); ``None``: Llama's
+    rule from ``dim`` (``ffn_hidden_dim``)."""
+
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
 
     @property
     def kv_heads(self) -> int:
@@ -86,16 +118,25 @@ class Llama3Args:
 
     @property
     def ffn_hidden_dim(self) -> int:
-        """Llama's rule: 2/3 of 4*dim, times the multiplier, rounded up to ``multiple_of``."""
+        """``hidden_dim``, else Llama's rule: 2/3 of 4*dim, times the multiplier, rounded up
+        to ``multiple_of``."""
+        if self.hidden_dim is not None:
+            return self.hidden_dim
         hidden = int(2 * (4 * self.dim) / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
-    def ffn_params(self, *, activated: bool) -> int:
+    def ffn_params(self, *, activated: bool, layer_id: int | None = None) -> int:
         """One block's SwiGLU, or its mixture of experts (router, routed experts: ``top_k``
-        of them when ``activated``, shared experts)."""
-        if self.moe is None:
+        of them when ``activated``, shared experts). ``layer_id`` ``None``: the mean over
+        the blocks (they differ with ``moe_every``)."""
+        if layer_id is None:
+            total = sum(
+                self.ffn_params(activated=activated, layer_id=i) for i in range(self.n_layers)
+            )
+            return total // self.n_layers
+        if not self.has_experts(layer_id):
             return 3 * self.dim * self.ffn_hidden_dim
         m = self.moe
         expert = 3 * self.dim * self.moe_hidden_dim
@@ -111,10 +152,10 @@ class Llama3Args:
         attn = self.dim * q_dim * 2 + self.dim * kv_dim * 2 + 2 * self.head_dim * self.qk_norm
         attn += (q_dim + 2 * kv_dim + self.dim) * self.attention_bias
         attn += self.n_heads * self.attention_sinks
-        block = attn + self.ffn_params(activated=activated) + 2 * self.dim
+        ffn = sum(self.ffn_params(activated=activated, layer_id=i) for i in range(self.n_layers))
         embedding = self.vocab_size * self.dim
         output = 0 if self.tie_word_embeddings else self.vocab_size * self.dim
-        total = self.n_layers * block + self.dim + embedding + output
+        total = self.n_layers * (attn + 2 * self.dim) + ffn + self.dim + embedding + output
         return total - embedding if exclude_embedding else total
 
     def flops_per_token(self, seq_len: int) -> int:
@@ -124,9 +165,16 @@ class Llama3Args:
         if self.tie_word_embeddings:
             # The tied output projection is still a matmul per token.
             dense += 6 * self.vocab_size * self.dim
-        keys = sum(min(seq_len, self.window(i) or seq_len) for i in range(self.n_layers))
+        keys = sum(min(seq_len, self.window(i) or self.attention_chunk_of(i) or seq_len)
+                   for i in range(self.n_layers))  # fmt: skip
         attention = 12 * self.n_heads * self.head_dim * keys
         return dense + attention
+
+    def attention_chunk_of(self, layer_id: int) -> int | None:
+        """Block ``layer_id``'s attention chunk (``None``: none)."""
+        if self.attention_chunk <= 0 or not self.uses_rope(layer_id):
+            return None
+        return self.attention_chunk
 
 
 def check_parallel_degrees(
@@ -148,7 +196,7 @@ def check_parallel_degrees(
         "n_kv_heads": args.kv_heads,
         "vocab_size": args.vocab_size,
     }
-    if args.moe is None:
+    if not all(args.has_experts(i) for i in range(args.n_layers)):  # dense blocks
         dims["the FFN hidden size"] = args.ffn_hidden_dim
     for name, value in dims.items():
         if value % tp:

@@ -6,6 +6,7 @@ Shapes: ``bs`` batch, ``seq`` sequence, ``dim`` model width, ``h`` heads, ``hd``
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -71,11 +72,16 @@ def _scale_rope_frequencies(freqs: torch.Tensor, s: RopeScaling) -> torch.Tensor
 class Attention(nn.Module):
     """Causal grouped-query attention: ``n_heads`` query heads share ``n_kv_heads`` K/V heads
     (with ``qk_norm``, each query and key head RMS-normalized before the rotary embedding;
-    with ``attention_sinks``, a learned sink logit per query head; with a ``window``, only the
-    latest ``window`` tokens)."""
+    with ``attention_sinks``, a learned sink logit per query head). Block ``layer_id``'s
+    may see only a window of the latest tokens (``args.window``), or skip RoPE
+    (``args.uses_rope``): then with ``nope_temperature`` it scales its queries by position;
+    else with ``attention_chunk`` it sees only its chunk, and with ``qk_l2_norm`` it
+    normalizes its rotated queries and keys."""
 
-    def __init__(self, args: Llama3Args, window: int | None = None):
+    def __init__(self, args: Llama3Args, layer_id: int = 0):
         super().__init__()
+        self.rope = args.uses_rope(layer_id)
+        self.l2_norm_eps = args.norm_eps if args.qk_l2_norm and self.rope else None
         self.n_heads = args.n_heads
         self.n_kv_heads = args.kv_heads
         self.head_dim = args.head_dim
@@ -89,13 +95,21 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
         self.sinks = nn.Parameter(torch.empty(args.n_heads)) if args.attention_sinks else None
-        self.sdpa = ScaledDotProductAttention(window=window)
+        chunk = args.attention_chunk if self.rope and args.attention_chunk > 0 else None
+        self.sdpa = ScaledDotProductAttention(window=args.window(layer_id), chunk=chunk)
 
     def forward(
-        self, x: torch.Tensor, rope_cis: torch.Tensor, documents: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        rope_cis: torch.Tensor,
+        documents: torch.Tensor | None = None,
+        *,
+        q_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``documents``: ``None`` for causal attention, else each token's document number
-        (block-causal)."""
+        (block-causal). ``q_scale``: the queries' temperature by position, applied by a block
+        without RoPE, as ``rope_cis``: a table ``[>= seq]`` or each token's own ``[bs, seq]``
+        (the sequence this attention sees: whole under sequence parallelism)."""
         bs, seq, _ = x.shape
         # -1 instead of the head counts so a tensor-parallel plan can shard heads.
         xq = self.wq(x).view(bs, seq, -1, self.head_dim)
@@ -103,7 +117,17 @@ class Attention(nn.Module):
         xv = self.wv(x).view(bs, seq, -1, self.head_dim)
         if self.q_norm is not None:
             xq, xk = self.q_norm(xq), self.k_norm(xk)
-        xq, xk = apply_rope(xq, xk, rope_cis)
+        if self.rope:
+            xq, xk = apply_rope(xq, xk, rope_cis)
+        if self.l2_norm_eps is not None:  # no weight, in float32
+            xq, xk = (F.rms_norm(t.float(), (t.shape[-1],), eps=self.l2_norm_eps).type_as(t)
+                      for t in (xq, xk))  # fmt: skip
+        elif q_scale is not None and not self.rope:
+            # The table [>= seq] (token i at position i), or each token's own [bs, seq].
+            scale = (
+                q_scale[:seq].view(1, seq, 1, 1) if q_scale.dim() == 1 else q_scale[..., None, None]
+            )
+            xq = (xq * scale).to(xq.dtype)
         sinks = self.sinks
         if isinstance(sinks, DTensor):  # tensor parallel: this rank's heads'
             sinks = sinks.to_local()
@@ -132,9 +156,9 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: Llama3Args):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args, window=args.window(layer_id))
+        self.attention = Attention(args, layer_id)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.moe_enabled = args.moe is not None
+        self.moe_enabled = args.has_experts(layer_id)
         if self.moe_enabled:
             self.moe = MoE(args.dim, args.moe_hidden_dim, args.moe)
         else:
@@ -143,9 +167,13 @@ class TransformerBlock(nn.Module):
         self.init_std = 0.02 / (2 * depth) ** 0.5
 
     def forward(
-        self, x: torch.Tensor, rope_cis: torch.Tensor, documents: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        rope_cis: torch.Tensor,
+        documents: torch.Tensor | None = None,
+        q_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cis, documents)
+        h = x + self.attention(self.attention_norm(x), rope_cis, documents, q_scale=q_scale)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -221,11 +249,20 @@ class Transformer(nn.Module):
         parallelism)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope_cis if positions is None else self.rope_cis[positions]
-        # FlexAttention's block mask takes neither sinks nor windows (yet): those models take
-        # the document numbers on every device.
-        flex = not (self.args.attention_sinks or self.args.sliding_window)
-        documents = attention_documents(document_ids, positions) if flex else document_ids
-        for layer in self.layers.values():
-            h = layer(h, rope, documents)
+        a = self.args
+        # FlexAttention's block mask takes neither sinks, windows nor chunks (yet): blocks
+        # whose window or chunk cuts the sequence take the document numbers on every device.
+        masked = document_ids if a.attention_sinks else attention_documents(document_ids, positions)
+        whole = document_ids.shape[1] if document_ids is not None else a.max_seq_len
+        q_scale = None
+        if a.nope_temperature is not None:  # like the RoPE table: by position, [seq_len]
+            floor_scale, attn_scale = a.nope_temperature
+            table = torch.arange(a.max_seq_len, device=h.device).float()
+            q_scale = 1 + attn_scale * torch.log1p(torch.floor((table + 1) / floor_scale))
+            q_scale = q_scale if positions is None else q_scale[positions]
+        for i, layer in self.layers.items():
+            cuts = [c for c in (a.window(int(i)), a.attention_chunk_of(int(i))) if c is not None]
+            plain = any(c < whole for c in cuts)
+            h = layer(h, rope, document_ids if plain else masked, q_scale)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

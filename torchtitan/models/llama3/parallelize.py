@@ -76,10 +76,12 @@ def parallelize_llama3(model: nn.Module, context: ParallelizeContext) -> nn.Modu
             dims.mesh("cp"),
             rotate_method=parallelism.context_parallel_rotate_method,
             load_balance=parallelism.context_parallel_load_balance,
-            # Block-causal masks, sinks and windows need the whole sequence's K/V on each rank.
+            # Block-causal masks, sinks, windows and chunks need the whole sequence's K/V on
+            # each rank.
             gather=context.attn_mask == "block_causal"
             or model.args.attention_sinks
-            or model.args.sliding_window > 0,
+            or model.args.sliding_window > 0
+            or model.args.attention_chunk > 0,
         )
     apply_moe_cp_and_ep(model, context)
     lora.add_adapters(model, context.lora)  # placed from the weights TP just placed

@@ -4,7 +4,7 @@ sizes, experts in every block (``args.py``). Importing this package does not imp
 
 import dataclasses
 
-from torchtitan.config.errors import ConfigError
+from torchtitan.models.common.moe_args import check_hf_export_balancing
 from torchtitan.models.llama3 import model_spec as llama3_spec
 from torchtitan.models.llama3 import validate_args
 from torchtitan.models.qwen3 import config_registry
@@ -18,13 +18,8 @@ def validate(config, parallel_dims) -> None:
     """Model-specific checks of a config against its parallel degrees (no torch import)."""
     args = flavors[config.model.flavor]
     validate_args(args, config, parallel_dims)
-    if args.moe is not None and config.checkpoint.last_save_in_hf:
-        if config.moe.load_balance_coeff > 0:
-            raise ConfigError(
-                "--checkpoint.last_save_in_hf with --moe.load_balance_coeff > 0: the routing "
-                "bias it learns has no place in Qwen3MoeForCausalLM (the export would route "
-                "differently); pass --moe.load_balance_coeff 0 (--moe.aux_loss_coeff balances)"
-            )
+    if args.moe is not None:
+        check_hf_export_balancing(config, "Qwen3MoeForCausalLM")
 
 
 # Llama 3's model, plans, pipeline split and FLOP count, with Qwen3's flavors and HF mapping.

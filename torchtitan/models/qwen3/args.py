@@ -24,19 +24,9 @@ class Qwen3Args(Llama3Args):
     max_seq_len: int = 40960
     """RoPE table length (the published ``max_position_embeddings``); runs set it to
     ``--training.seq_len``."""
-    head_size: int = 128
-    """Each head's width (``head_dim``)."""
-    hidden_dim: int = 3072
-    """The SwiGLU hidden width (``ffn_hidden_dim``, HF's ``intermediate_size``; unused by the
-    flavors with experts in every block, kept as published)."""
-
-    @property
-    def head_dim(self) -> int:
-        return self.head_size
-
-    @property
-    def ffn_hidden_dim(self) -> int:
-        return self.hidden_dim
+    head_size: int | None = 128
+    hidden_dim: int | None = 3072
+    """(Unused by the flavors with experts in every block, kept as published.)"""
 
 
 # Qwen3's routing (every MoE size): softmax over the experts, top 8, renormalized.
