@@ -39,6 +39,15 @@ def _dry_run(
     )
 
 
+def _ep_dry_run(tmp_path, module: str, config: str, ranks: int, ep: int) -> str:
+    """A dry run of ``config`` on ``ranks`` simulated ranks with EP ``ep``; its output."""
+    flags = ("--parallelism.expert_parallel_degree", str(ep))
+    result = _dry_run(tmp_path, config, ranks, *flags, MODULE=module)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    return out
+
+
 def _gib(out: str, label: str) -> float:
     match = re.search(rf"{label}\s+([\d.]+) (GiB|MiB)", out)
     assert match, f"no {label!r} line in:\n{out[-3000:]}"
@@ -248,12 +257,7 @@ def test_gpt_oss_120b_with_expert_parallelism_estimates_on_one_cpu_process(tmp_p
     holds 16 of each block's 128 experts (biases too), sharded again over its expert-FSDP
     group of 8, and 1/64 of the rest; the windowed blocks' attention runs as blocks of
     queries, the full ones with the sink's dense mask."""
-    result = _dry_run(
-        tmp_path, "gpt_oss_120b", 64, "--parallelism.expert_parallel_degree", "8",
-        MODULE="gpt_oss",
-    )  # fmt: skip
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out[-3000:]
+    out = _ep_dry_run(tmp_path, "gpt_oss", "gpt_oss_120b", ranks=64, ep=8)
     assert "116,829,156,672 parameters" in out
     assert "dp_shard=64, cp=1, tp=1, pp=1, ep=8" in out
     expected = 116_829_156_672 * 4 / 64 / GiB
@@ -261,3 +265,17 @@ def test_gpt_oss_120b_with_expert_parallelism_estimates_on_one_cpu_process(tmp_p
     assert _gib(out, "optimizer state") == pytest.approx(2 * expected, rel=0.01)
     assert _gib(out, "Activation") > 0.1
     assert "sinks and windows take no FlexAttention block mask" in out
+
+
+def test_llama4_maverick_probes_expert_blocks_only(tmp_path):
+    """Llama 4 Maverick interleaves dense and expert blocks (moe_every=2). The dry run's probes
+    extrapolate from 1 and 2 identical blocks, so they take expert blocks only; a dense block
+    then an expert one counted the expert block's gathered weights as every block's
+    activations (186.6 GiB per rank of 256 under EP 8 instead of about 14)."""
+    out = _ep_dry_run(tmp_path, "llama4", "llama4_17bx128e", ranks=256, ep=8)
+    assert "400,711,848,960 parameters" in out
+    expected = 400_711_848_960 * 4 / 256 / GiB
+    assert _gib(out, "parameters") == pytest.approx(expected, rel=0.01)
+    # 48 blocks of 8,192 tokens at full AC: the saved block inputs (48 x 8,192 x 5,120 x 4
+    # bytes = 7.5 GiB) and one block's recompute, far below the 186.6 GiB of mixed probes.
+    assert 7.5 < _gib(out, "Activation") < 25

@@ -93,6 +93,16 @@ class Llama3Args:
             return None
         return self.sliding_window
 
+    def with_depth(self, n_layers: int) -> "Llama3Args":
+        """A shallow copy for the dry run's memory probes, which extrapolate from 1 and 2
+        identical blocks: with dense and expert blocks interleaved (``moe_every > 1``), expert
+        blocks only (Llama 4 Maverick: a dense block's SwiGLU is as wide as an expert block's
+        activated experts). Else the probes are a dense block and then an expert one, and
+        the expert block's gathered weights, which the last FSDP unit keeps after forward,
+        count as every block's activations (Maverick under EP 8 on 256 ranks: 186.6 GiB
+        instead of 14.1)."""
+        return dataclasses.replace(self, n_layers=n_layers, moe_every=1)
+
     def has_experts(self, layer_id: int) -> bool:
         """Whether block ``layer_id`` has the mixture of experts (else the dense SwiGLU)."""
         return self.moe is not None and (layer_id + 1) % self.moe_every == 0
