@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from torchtitan.models.common.moe import _grouped_mm_experts, _loop_experts  # noqa: E402
+from torchtitan.models.common.experts import _grouped_mm_experts, _loop_experts  # noqa: E402
 
 SHAPES = {
     # name: (dim, hidden, experts, rows)

@@ -11,7 +11,8 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torchtitan.config.job_config import ActivationCheckpoint, Compile
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile_around
-from torchtitan.models.common.moe import GroupedExperts, MoE
+from torchtitan.models.common.experts import GroupedExperts
+from torchtitan.models.common.moe import MoE
 from torchtitan.models.deepseek_v3 import flavors
 from torchtitan.models.deepseek_v3.model import Transformer
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from torchtitan.models.common import experts as routed_experts
 from torchtitan.models.common import moe
 from torchtitan.models.common.moe_args import MoEArgs
 from torchtitan.models.deepseek_v3 import flavors, model_spec
@@ -15,9 +16,11 @@ from torchtitan.models.deepseek_v3 import flavors, model_spec
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
 
-def _experts(impl: str, dtype: torch.dtype, num=4, dim=64, hidden=32) -> moe.GroupedExperts:
+def _experts(
+    impl: str, dtype: torch.dtype, num=4, dim=64, hidden=32
+) -> routed_experts.GroupedExperts:
     torch.manual_seed(0)
-    experts = moe.GroupedExperts(dim, hidden, num, impl).to(dtype)
+    experts = routed_experts.GroupedExperts(dim, hidden, num, impl).to(dtype)
     for w in (experts.w1, experts.w2, experts.w3):
         torch.nn.init.normal_(w, std=0.1)
     return experts
@@ -51,9 +54,9 @@ def test_biased_clamped_experts_agree_on_every_path_and_with_their_formula():
     grouped GEMM and the grouped GEMM without a host sync (a padded buffer longer than the
     groups, whose extra rows hold garbage) give the same outputs and gradients, and an
     expert's rows compute ``(clamp(up) + 1) * gate * sigmoid(1.702 * gate)`` written out."""
-    gating = moe.clamped_swiglu(limit=7.0, alpha=1.702)
+    gating = routed_experts.clamped_swiglu(limit=7.0, alpha=1.702)
     torch.manual_seed(0)
-    experts = moe.GroupedExperts(64, 32, 4, "loop", bias=True, activation=gating)
+    experts = routed_experts.GroupedExperts(64, 32, 4, "loop", bias=True, activation=gating)
     for name, p in experts.named_parameters():  # biases large enough to reach the clamps
         torch.nn.init.normal_(p, std=3.0 if name.endswith("bias") else 0.3)
     counts = torch.tensor([10, 0, 20, 7])
@@ -65,9 +68,11 @@ def test_biased_clamped_experts_agree_on_every_path_and_with_their_formula():
         weights = [experts.w1, experts.w2, experts.w3]
         biases = [experts.w1_bias, experts.w2_bias, experts.w3_bias]
         if path == "loop":
-            out = moe._loop_experts(xi, counts, *weights, biases=biases, activation=gating)
+            out = routed_experts._loop_experts(
+                xi, counts, *weights, biases=biases, activation=gating
+            )
         else:
-            out = moe._grouped_mm_experts(
+            out = routed_experts._grouped_mm_experts(
                 xi, counts, *weights, biases=biases, activation=gating,
                 max_padding=path == "grouped_nosync",
             )  # fmt: skip
@@ -87,10 +92,10 @@ def test_biased_clamped_experts_agree_on_every_path_and_with_their_formula():
 
 
 def test_auto_takes_the_loop_where_the_grouped_gemm_cannot_run():
-    assert moe.GroupedExperts(64, 32, 4, "auto").uses_grouped_mm(torch.float32)
+    assert routed_experts.GroupedExperts(64, 32, 4, "auto").uses_grouped_mm(torch.float32)
     # fp32 rows of 10 values are 40 bytes: not 16-byte aligned.
-    assert not moe.GroupedExperts(10, 32, 4, "auto").uses_grouped_mm(torch.float32)
-    assert not moe.GroupedExperts(64, 32, 4, "auto").uses_grouped_mm(torch.float64)
+    assert not routed_experts.GroupedExperts(10, 32, 4, "auto").uses_grouped_mm(torch.float32)
+    assert not routed_experts.GroupedExperts(64, 32, 4, "auto").uses_grouped_mm(torch.float64)
 
 
 def test_group_limited_routing_picks_experts_only_in_the_best_groups():

@@ -32,7 +32,8 @@ from torchtitan.distributed.tensor_parallel import (
     ReplicatedInputPartialGradient,
     ShardParameters,
 )
-from torchtitan.models.common.moe import GroupedExperts, MoE
+from torchtitan.models.common.experts import GroupedExperts
+from torchtitan.models.common.moe import MoE
 from torchtitan.models.spec import ParallelizeContext
 
 
