@@ -20,12 +20,12 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.dataloader import document_ids
@@ -34,10 +34,12 @@ from torchtitan.distributed import (
     ParallelDims,
     context_parallel,
     local_tensor,
-    pipeline_parallel,
     tensor_parallel,
 )
 from torchtitan.models.spec import ParallelizeContext
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 """``({"input": tokens [bs, seq]}, labels [bs, seq])``, on the host until the runner moves it.
@@ -112,7 +114,7 @@ class BatchRunner:
         model_parts: Sequence[nn.Module],
         context: ParallelizeContext,
         device: torch.device,
-        stages: Sequence[PipelineStage] = (),
+        stages: Sequence["PipelineStage"] = (),
         *,
         document_start: int | None = None,
     ):
@@ -138,6 +140,9 @@ class BatchRunner:
         self.schedule = None
         if stages:
             p = context.parallelism
+            # Imported here: torch.distributed.pipelining loads dynamo (0.6 s of every rank's start).
+            from torchtitan.distributed import pipeline_parallel
+
             self.schedule = pipeline_parallel.build_schedule(
                 list(stages),
                 schedule=p.pipeline_parallel_schedule,

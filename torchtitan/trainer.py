@@ -8,11 +8,10 @@ build steps instead of adding branches here.
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 
 from torchtitan.batch_runner import Batch, BatchRunner, pipeline_dtypes
 from torchtitan.components import checkpoint_hf, float8, lora, preemption
@@ -38,7 +37,6 @@ from torchtitan.distributed import (
     ParallelDims,
     context_parallel,
     local_tensor,
-    pipeline_parallel,
     pipeline_split,
 )
 from torchtitan.distributed import utils as dist_utils
@@ -48,6 +46,9 @@ from torchtitan.tools.gc import gc_every
 from torchtitan.tools.logging import logger
 from torchtitan.tools.memory_estimate import held_mib
 from torchtitan.tools.watchdog import StepWatchdog
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
 
 
 class Trainer:
@@ -199,7 +200,7 @@ class Trainer:
 
     def build_model_parts(
         self, args: Any, context: ParallelizeContext
-    ) -> tuple[list[nn.Module], list[PipelineStage]]:
+    ) -> tuple[list[nn.Module], list["PipelineStage"]]:
         """The model for ``args`` on the meta device, parallelized by the model's plans: one
         part without pipeline parallelism; else this rank's stages, cut by the model's
         pipeline split, each parallelized, and their ``PipelineStage`` wrappers."""
@@ -212,6 +213,9 @@ class Trainer:
         pp_mesh = dims.mesh("pp")
         names = self.model_spec.pipeline(args, layout.num_stages, p)
         hidden_dtype, output_dtype = pipeline_dtypes(dims, t.mixed_precision_param)
+        # Imported here: torch.distributed.pipelining loads dynamo (0.6 s of every rank's start).
+        from torchtitan.distributed import pipeline_parallel
+
         stages, parts = pipeline_parallel.build_stages(
             model,
             names,

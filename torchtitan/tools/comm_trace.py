@@ -13,8 +13,6 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from torch.distributed.tensor.debug import CommDebugMode
-
 from torchtitan.config.job_config import Debug
 from torchtitan.tools.logging import logger
 
@@ -27,6 +25,9 @@ def maybe_trace_collectives(
     if step != config.comm_trace_step:
         yield
         return
+    # Imported here: torch.distributed.tensor.debug loads dynamo, half a second of a start.
+    from torch.distributed.tensor.debug import CommDebugMode
+
     noise_level = config.comm_trace_noise_level
     mode = CommDebugMode()
     with mode:

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 
 from torchtitan.tools.logging import logger
@@ -73,7 +72,7 @@ def peak_by_category(
     """
     forward_backward()
     optimizer_step()
-    tracker = _FrozenAwareTracker()
+    tracker = _frozen_aware_tracker()
     tracker.track_external(*model_parts, *optimizers)
     moments = {}
 
@@ -101,16 +100,22 @@ class _NoHook:
         pass
 
 
-class _FrozenAwareTracker(MemTracker):
+def _frozen_aware_tracker():
     """torch's tracker hooks the gradient of every parameter a module holds when it runs, and
     a frozen one (LoRA's base weights; under FSDP the unsharded copy of one) refuses hooks
-    (torch 2.11-2.13): mark those hooked already, as they never get a gradient to follow."""
+    (torch 2.11-2.13): this one marks those hooked already, as they never get a gradient to
+    follow."""
+    # Imported here: torch's tracker loads dynamo, half a second of every rank's start.
+    from torch.distributed._tools.mem_tracker import MemTracker
 
-    def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
-        for param in module.parameters():
-            if not param.requires_grad and param not in self._param_to_grad_hook_handles:
-                self._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
-        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+    class FrozenAwareTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            for param in module.parameters():
+                if not param.requires_grad and param not in self._param_to_grad_hook_handles:
+                    self._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return FrozenAwareTracker()
 
 
 def fake_tensor_mode() -> contextlib.AbstractContextManager:
