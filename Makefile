@@ -10,6 +10,10 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 ARGS ?=
+# Test files run in this many processes at once (pytest-xdist, a file's tests in one process:
+# module fixtures such as the numerics launches run once). One file alone leaves a third of two
+# cores idle (launcher start-up, one-process reference runs, waits for signals and timeouts).
+TEST_WORKERS ?= 2
 
 .PHONY: setup train test test-torch2.11 lint clean
 
@@ -31,7 +35,7 @@ train: $(STAMP)
 	PYTHON=$(PY) ./run_train.sh --validation.sample_prompt "The " $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check torchtitan tests scripts benchmarks
@@ -48,7 +52,7 @@ $(VENV211)/.installed: pyproject.toml
 	touch $@
 
 test-torch2.11: $(VENV211)/.installed
-	$(VENV211)/bin/python -m pytest -q --durations=15 tests
+	$(VENV211)/bin/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) $(VENV211) outputs .pytest_cache

@@ -1,13 +1,15 @@
 """The two-node Slurm cluster of ``tests/slurm/cluster.sh``, for integration tests.
 
-``require_cluster()`` starts it once per test session (and stops it at exit, unless it was up
-before) or skips the test with the script's one-line reason; ``submit``, ``wait``, ``signal``
-and ``requeue`` drive jobs with sbatch, scontrol and scancel. There is no accounting daemon:
+A test takes the ``slurm_cluster`` fixture: it holds a lock for the test (pytest-xdist workers
+run the Slurm tests one at a time), starts the cluster unless it is up (this process then
+stops it at exit, under the lock) or skips the test with the script's one-line reason;
+``submit``, ``wait``, ``signal`` and ``requeue`` drive jobs with sbatch, scontrol and scancel. There is no accounting daemon:
 job states come from ``scontrol show job``, which keeps finished jobs for a day (MinJobAge).
 """
 
 import atexit
-import functools
+import contextlib
+import fcntl
 import re
 import subprocess
 import time
@@ -30,25 +32,53 @@ def _cluster(command: str) -> subprocess.CompletedProcess:
     )
 
 
-@functools.cache
+LOCK = Path("/tmp/torchtitan-slurm-tests.lock")
+
+
+@contextlib.contextmanager
+def _locked():
+    """One user of the cluster at a time across processes (pytest-xdist workers)."""
+    with LOCK.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+_stops_at_exit = False
+
+
+def _stop() -> None:
+    with _locked():
+        _cluster("down")
+
+
 def _start() -> str | None:
-    """Starts the cluster unless it is up; returns why it cannot run here, or None."""
+    """Starts the cluster unless it is up; returns why it cannot run here, or None. Call it
+    under ``_locked()``."""
+    global _stops_at_exit
     if _cluster("status").returncode == 0:
-        return None  # up already (someone ran cluster.sh up): use it, leave it up
+        return None  # up already (cluster.sh up by hand, or another worker): leave it up
     up = _cluster("up")
     if up.returncode == UNSUPPORTED:
         return up.stderr.strip().splitlines()[-1]
     if up.returncode != 0:
         raise RuntimeError(f"{CLUSTER_SH} up failed:\n{up.stdout}{up.stderr}")
-    atexit.register(_cluster, "down")
+    if not _stops_at_exit:
+        _stops_at_exit = True
+        atexit.register(_stop)
     return None
 
 
-def require_cluster() -> None:
-    """Brings the cluster up (once per session) or skips the calling test, saying why."""
-    reason = _start()
-    if reason is not None:
-        pytest.skip(reason)
+@pytest.fixture
+def slurm_cluster():
+    """The cluster, up and this test's alone until it ends; or the test skipped, saying why."""
+    with _locked():
+        reason = _start()
+        if reason is not None:
+            pytest.skip(reason)
+        yield
 
 
 def submit(

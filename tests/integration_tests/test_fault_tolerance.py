@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from launch import REPO, SMALL, clean_env, records, run_train
-from slurm_cluster import require_cluster, signal_job, state, submit, wait
+from slurm_cluster import signal_job, state, submit, wait
 
 pytestmark = pytest.mark.integration
 
@@ -138,8 +138,8 @@ def test_a_killed_rank_is_restarted_from_the_last_checkpoint(tmp_path, uninterru
     print(f"restart-to-start {restart['time'] - killed_at:.1f} s after the kill")
 
 
+@pytest.mark.usefixtures("slurm_cluster")
 def test_a_two_node_slurm_job_is_preempted_requeues_itself_and_resumes(tmp_path, uninterrupted):
-    require_cluster()
     job = submit(
         REPO / "multinode_trainer.slurm", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1",
         f"--output={tmp_path}/slurm-%j.out",

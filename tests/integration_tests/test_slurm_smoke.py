@@ -6,7 +6,7 @@ import re
 
 import pytest
 from launch import clean_env
-from slurm_cluster import require_cluster, submit, wait
+from slurm_cluster import submit, wait
 
 pytestmark = pytest.mark.integration
 
@@ -44,8 +44,8 @@ srun "$PYTHON" -m torch.distributed.run --nnodes 2 --nproc_per_node 1 \\
 """
 
 
+@pytest.mark.usefixtures("slurm_cluster")
 def test_two_nodes_all_reduce_across_namespaces(tmp_path):
-    require_cluster()
     (tmp_path / "all_reduce.py").write_text(ALL_REDUCE)
     (tmp_path / "job.sh").write_text(JOB)
     result, log = tmp_path / "result.json", tmp_path / "job.out"

@@ -52,6 +52,12 @@ DOCUMENTS = torch.zeros(BS, SEQ, dtype=torch.long)
 DOCUMENTS[0, 10:], DOCUMENTS[0, 30:], DOCUMENTS[1, 20:] = 1, 2, 1
 
 
+# Compiled, the module takes one path for every case (a dense mask of the window, documents
+# and sink): these cases turn each of them on and off. Each compiles forward and backward for
+# three query lengths, 10 s on a cold cache; all 16 took 3 minutes of the suite.
+COMPILED = {(None, False, True), (None, True, False), (10, True, True), (12, False, False)}
+
+
 @pytest.mark.parametrize(
     "window, sink, block_causal",
     list(itertools.product((None, 8, 10, 12), (False, True), (False, True))),
@@ -63,9 +69,11 @@ def test_sinks_and_windows_equal_the_written_out_attention(window, sink, block_c
     want = _reference(q, k, v, documents, window, sinks, HEAD_DIM**-0.5)
     want_grads = torch.autograd.grad((want * weights).sum(), inputs)
     attention = ScaledDotProductAttention(window=window)
-    torch._dynamo.reset()
-    compiled = torch.compile(attention, fullgraph=True, dynamic=False)
-    for run in (attention, compiled):
+    runs = [attention]
+    if (window, sink, block_causal) in COMPILED:
+        torch._dynamo.reset()
+        runs.append(torch.compile(attention, fullgraph=True, dynamic=False))
+    for run in runs:
         out = run(q, k, v, documents, sinks=sinks)
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
         grads = torch.autograd.grad((out * weights).sum(), inputs)
