@@ -140,7 +140,8 @@ class BatchRunner:
         self.schedule = None
         if stages:
             p = context.parallelism
-            # Imported here: torch.distributed.pipelining loads dynamo (0.6 s of every rank's start).
+            # Imported here: torch.distributed.pipelining loads dynamo (0.6 s of a rank's
+            # start), which only pipelined runs need.
             from torchtitan.distributed import pipeline_parallel
 
             self.schedule = pipeline_parallel.build_schedule(

@@ -213,7 +213,8 @@ class Trainer:
         pp_mesh = dims.mesh("pp")
         names = self.model_spec.pipeline(args, layout.num_stages, p)
         hidden_dtype, output_dtype = pipeline_dtypes(dims, t.mixed_precision_param)
-        # Imported here: torch.distributed.pipelining loads dynamo (0.6 s of every rank's start).
+        # Imported here: torch.distributed.pipelining loads dynamo (0.6 s of a rank's
+        # start), which only pipelined runs need.
         from torchtitan.distributed import pipeline_parallel
 
         stages, parts = pipeline_parallel.build_stages(

@@ -3,8 +3,9 @@
 A test takes the ``slurm_cluster`` fixture: it holds a lock for the test (pytest-xdist workers
 run the Slurm tests one at a time), starts the cluster unless it is up (this process then
 stops it at exit, under the lock) or skips the test with the script's one-line reason;
-``submit``, ``wait``, ``signal`` and ``requeue`` drive jobs with sbatch, scontrol and scancel. There is no accounting daemon:
-job states come from ``scontrol show job``, which keeps finished jobs for a day (MinJobAge).
+``submit``, ``wait``, ``signal`` and ``requeue`` drive jobs with sbatch, scontrol and
+scancel. There is no accounting daemon: job states come from ``scontrol show job``, which
+keeps finished jobs for a day (MinJobAge).
 """
 
 import atexit

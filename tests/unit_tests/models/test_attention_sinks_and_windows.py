@@ -1,8 +1,8 @@
 """Attention sinks and sliding windows (gpt-oss's attention) and chunks (Llama 4's) against a
 written-out reference: the scores of every query over its visible keys and the sink logit,
-one softmax, the sink's column dropped. Outputs and gradients (queries, keys, values, sinks) agree on every path the
-module takes: eager CPU (per-document calls, the windowed blocks), compiled (dense masks),
-and a context-parallel rank's queries over the whole sequence's keys."""
+one softmax, the sink's column dropped. Outputs and gradients (queries, keys, values, sinks)
+agree on every path the module takes: eager CPU (per-document calls, the windowed blocks),
+compiled (dense masks), and a context-parallel rank's queries over the whole sequence's keys."""
 
 import itertools
 import unittest.mock
