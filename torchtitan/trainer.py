@@ -122,17 +122,7 @@ class Trainer:
         )
         self.checkpointer = None if on_meta else self.build_checkpointer()
         if self.checkpointer is not None and config.checkpoint.enable:
-            self.checkpointer.load()
-            self.lr_schedulers.reapply(config.optimizer.lr)
-            saved = self.checkpointer.saved_config(config)
-            if (note := resumed_note_for(config, saved, self.step)) is not None:
-                logger.warning(note)
-            if (
-                saved is not None
-                and self.step > 0
-                and (note := changed_settings_note(config.optimizer, saved.optimizer))
-            ):
-                logger.warning(note)
+            self._load_checkpoint()
         self.events = RunEvents(config.job.dump_folder, enabled=self.rank == 0 and not on_meta)
         self.preemption = None if on_meta else preemption.PreemptionWatch(
             agree=torch.distributed.is_initialized() and not dist_utils.fake_collectives()
@@ -330,6 +320,19 @@ class Trainer:
             ),
             chat_template=template,
         )  # fmt: skip
+
+    def _load_checkpoint(self) -> None:
+        """Resume from the newest checkpoint (or start from the initial one), then say which
+        saved settings this run changes."""
+        config = self.config
+        self.checkpointer.load()
+        self.lr_schedulers.reapply(config.optimizer.lr)
+        saved = self.checkpointer.saved_config(config)
+        if (note := resumed_note_for(config, saved, self.step)) is not None:
+            logger.warning(note)
+        if saved is not None and self.step > 0:
+            if (note := changed_settings_note(config.optimizer, saved.optimizer)) is not None:
+                logger.warning(note)
 
     # ---- runs ------------------------------------------------------------------------------
 

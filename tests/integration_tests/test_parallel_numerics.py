@@ -23,7 +23,7 @@ HARNESS = REPO / "tests/integration_tests/numerics_harness.py"
 # mutation tried here needed them to show).
 STEPS = 6
 BASE = (
-    f"--training.seq_len 64 --training.steps {STEPS} --lr_scheduler.warmup_steps 2 "
+    f"--training.seq_len 32 --training.steps {STEPS} --lr_scheduler.warmup_steps 2 "
     "--debug.seed 0 --debug.deterministic --metrics.log_freq 1"
 )
 LOSS_RTOL = 1e-5
@@ -33,8 +33,8 @@ LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 5e-5
 
 REFERENCE = ("ref", 1, "--training.local_batch_size 8")
-# Per-document attention, on windows long enough to hold document starts (about 1 in 4 here).
-BLOCK_CAUSAL = "--model.attn_mask block_causal --training.seq_len 256"
+# Per-document attention, on windows long enough to hold document starts.
+BLOCK_CAUSAL = "--model.attn_mask block_causal --training.seq_len 128"
 BLOCK_CAUSAL_REFERENCE = ("ref_block_causal", 1, f"--training.local_batch_size 8 {BLOCK_CAUSAL}")
 # Mixture of experts (cases named moe_*): DeepSeek-V3's debug flavor with the sequence-wise
 # balance loss on and a bias step large enough to change routing within the steps; optimizer
@@ -87,10 +87,10 @@ SFT = (
 )
 SFT_REFERENCE = ("ref_sft", 1, f"--training.local_batch_size 8 {SFT}")
 # Validation (cases named validation_*) after steps 3 and 6, in global batches of 8 rows read
-# alike by every layout (by_row): the first 24 of the bundled split's 72 full batches;
+# alike by every layout (by_row): the first 8 of the bundled split's full batches;
 # ref_validation_all reads them all once.
 VALIDATION = (
-    "--validation.enable --validation.freq 3 --validation.steps 24 --training.data_sharding by_row"
+    "--validation.enable --validation.freq 3 --validation.steps 8 --training.data_sharding by_row"
 )
 VALIDATION_REFERENCE = ("ref_validation", 1, f"--training.local_batch_size 8 {VALIDATION}")
 WHOLE_SPLIT = (
@@ -554,7 +554,7 @@ def test_layout_matches_one_process(results, case):
 
 def test_reference_actually_trains(results):
     records = _load(results, "ref")["records"]
-    assert records[-1]["loss"] < records[0]["loss"] - 0.5
+    assert records[-1]["loss"] < records[0]["loss"] - 0.3  # 8.12 -> 7.67 measured
 
 
 def _validation_losses(records: list[dict]) -> dict[int, float]:
@@ -580,7 +580,7 @@ def test_validation_leaves_no_trace(results):
 
 def test_validation_loss_is_the_mean_token_loss_of_the_whole_split(results):
     """By hand, from the final weights: the mean cross-entropy over every full batch of the
-    bundled validation split (8 x 64 tokens; the last partial batch left out)."""
+    bundled validation split (8 x 32 tokens; the last partial batch left out)."""
     from torchtitan.components.dataloader import build_dataloader
     from torchtitan.components.tokenizer import build_tokenizer
     from torchtitan.models.llama3.model import Transformer
@@ -588,10 +588,10 @@ def test_validation_loss_is_the_mean_token_loss_of_the_whole_split(results):
 
     run = _load(results, WHOLE_SPLIT[0])
     (record,) = [r for r in run["records"] if "validation_loss" in r]
-    model = Transformer(get_model_spec("llama3").args_for("debugmodel", seq_len=64))
+    model = Transformer(get_model_spec("llama3").args_for("debugmodel", seq_len=32))
     model.load_state_dict(run["weights"])
     loader = build_dataloader(
-        dataset="python_docs_validation", dataset_path=None, seq_len=64, local_batch_size=8,
+        dataset="python_docs_validation", dataset_path=None, seq_len=32, local_batch_size=8,
         tokenizer=build_tokenizer(REPO / "tests/assets/tokenizer"), dp_rank=0, dp_world_size=1,
         infinite=False, drop_last=True,
     )  # fmt: skip
@@ -603,7 +603,7 @@ def test_validation_loss_is_the_mean_token_loss_of_the_whole_split(results):
                 logits.flatten(0, 1).double(), labels.flatten(), reduction="sum"
             ).item()
             tokens += labels.numel()
-    assert tokens == record["validation_tokens"] == 72 * 8 * 64
+    assert tokens == record["validation_tokens"] == 142 * 8 * 32
     assert record["validation_loss"] == pytest.approx(total / tokens, rel=1e-6)
 
 
@@ -638,5 +638,5 @@ def test_float8_tensor_parallel_styles_train_like_float8_fsdp(results):
 def test_float8_trains_close_to_float32(results, case):
     losses = [r["loss"] for r in _load(results, case)["records"]]
     want = [r["loss"] for r in _load(results, "fsdp2")["records"]]
-    assert losses[-1] < losses[0] - 0.5
+    assert losses[-1] < losses[0] - 0.3
     assert losses == pytest.approx(want, rel=0.02)
