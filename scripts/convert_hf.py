@@ -173,6 +173,14 @@ def main(argv: list[str] | None = None) -> int:
         help="tokenizer: the longest sequence tokenizer_config.json states",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if not args.source.exists():
+        what = {"to_hf": "a step-N checkpoint folder", "from_hf": "a Hugging Face model folder"}
+        print(
+            f"error: {args.source} does not exist (the source: "
+            f"{what.get(args.direction, 'a tokenizer file or folder')})",
+            file=sys.stderr,
+        )
+        return 2
     try:
         if args.direction == "to_hf":
             to_hf(args.source, args.out, args.module, args.flavor, args.dtype, args.tokenizer)

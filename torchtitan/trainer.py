@@ -33,6 +33,7 @@ from torchtitan.components.train_state import NonFiniteError, StepResult, TrainS
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import save_resolved, to_toml
+from torchtitan.config.validation import ignored_settings
 from torchtitan.distributed import (
     ParallelDims,
     context_parallel,
@@ -107,8 +108,6 @@ class Trainer:
             self.optimizers, config.lr_scheduler, training_steps=config.training.steps
         )
         self.metrics = self.build_metrics()
-        if self.rank == 0 and (saved := save_resolved(config)) is not None:
-            logger.info(f"Resolved config written to {saved}")
         self.train_state = TrainState()
         self.skipped_steps = 0
         self._last_step = config.training.steps  # of the current train() call
@@ -123,17 +122,16 @@ class Trainer:
         self.checkpointer = None if on_meta else self.build_checkpointer()
         if self.checkpointer is not None and config.checkpoint.enable:
             self._load_checkpoint()
+        # After the load: a resume refused there leaves the previous run's config in place.
+        if self.rank == 0 and (saved := save_resolved(config)) is not None:
+            logger.info(f"Resolved config written to {saved}")
         self.events = RunEvents(config.job.dump_folder, enabled=self.rank == 0 and not on_meta)
         self.preemption = None if on_meta else preemption.PreemptionWatch(
             agree=torch.distributed.is_initialized() and not dist_utils.fake_collectives()
         )  # fmt: skip
         self.preempted: preemption.Preempted | None = None  # what stopped the run, if a signal
-        if config.lr_scheduler.warmup_steps > config.training.steps:
-            logger.warning(
-                f"--lr_scheduler.warmup_steps {config.lr_scheduler.warmup_steps} is longer than "
-                f"the run (--training.steps {config.training.steps}): the LR never reaches "
-                f"--optimizer.lr {config.optimizer.lr}"
-            )
+        for note in ignored_settings(config):
+            logger.warning(note)
 
     # ---- build steps -----------------------------------------------------------------------
 
@@ -356,8 +354,9 @@ class Trainer:
         t = self.config.training
         stop = t.steps if until is None else min(until, t.steps)
         self._last_step = stop
+        span = f"{t.steps} steps" if stop == t.steps else f"up to step {stop} of {t.steps}"
         logger.info(
-            f"Training {t.steps} steps: global batch {self.global_batch_size} x {t.seq_len} tokens "
+            f"Training {span}: global batch {self.global_batch_size} x {t.seq_len} tokens "
             f"({self.grad_accum_steps} accumulation batch(es) of {t.local_batch_size} per rank)"
         )
         data_iter = iter(self.dataloader)

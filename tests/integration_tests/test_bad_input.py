@@ -47,6 +47,14 @@ PREFLIGHT = [
     (["--job.dump_folder", "{a_file}"], "is a file, not a folder"),
     (["--checkpoint.enable", "--checkpoint.folder", "{a_file}/ckpt"], "is a file, not a folder"),
     (["--model.tokenizer_path", "{tmp}/missing"], "missing does not exist; download the model's tokenizer"),
+    (
+        ["--training.dataset", "c4", "--training.dataset_path", "{tmp}/c4"],
+        "c4: nothing there; give a file, glob or folder",
+    ),
+    (
+        ["--training.dataset", "files", "--training.dataset_path", "{tmp}/shards/*.jsonl"],
+        "*.jsonl: nothing there; give a file, glob or folder",
+    ),
     (["--training.stepz", "3"], "unknown flag --training.stepz (did you mean --training.steps?)"),
     (["--parallelism.data_parallel_replicate_degree", "3"], "world size 2 is not divisible"),
     (

@@ -110,8 +110,11 @@ def test_explicit_load_step_that_is_missing_or_torn_is_an_error(tmp_path, capfd)
 def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path, uninterrupted, capfd):
     _copy_step(uninterrupted, 5, tmp_path)
     assert (tmp_path / "checkpoint/step-5/config.toml").is_file()  # the writer's config
+    (tmp_path / "config.toml").write_text("the run's own record")
     capfd.readouterr()
     assert _train(tmp_path, "--training.steps", "6", "--model.flavor", "debug_100m") == 2
+    # The refused run leaves the folder's record of the run that saved it as it was.
+    assert (tmp_path / "config.toml").read_text() == "the run's own record"
     errors = [line for line in capfd.readouterr().err.splitlines() if "does not fit" in line]
     assert len(errors) == 1, errors
     assert "layers.0.attention.wk.weight is [128, 256] there and [256, 768] here" in errors[0]

@@ -19,6 +19,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from torchtitan.distributed import local_tensor
 from torchtitan.tools.logging import logger
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -82,12 +83,14 @@ class Preempted:
     signal: signal.Signals
     step: int
     checkpoint: str | None
+    unsaved_because: str = "checkpointing is off (--checkpoint.enable)"
+    """Why nothing was saved, where ``checkpoint`` is None."""
 
     def message(self) -> str:
         if self.checkpoint is None:
             return (
-                f"Preempted by {self.signal.name} after step {self.step} with checkpointing off "
-                f"(--checkpoint.enable): nothing was saved, a new run starts from scratch"
+                f"Preempted by {self.signal.name} after step {self.step}: nothing was saved "
+                f"({self.unsaved_because}), a new run starts from scratch"
             )
         return (
             f"Preempted by {self.signal.name} after step {self.step}: saved {self.checkpoint}; "
@@ -104,10 +107,21 @@ def can_save(checkpointer, step: int) -> bool:
 def stop(signum: signal.Signals, step: int, checkpointer) -> Preempted:
     """End a preempted run: wait for the checkpoint of ``step`` (saved by the caller) to be
     complete on disk, since the job may be killed soon after this process ends."""
-    path = None
     if can_save(checkpointer, step):
         checkpointer.finish_pending()
-        path = str(checkpointer.folder / f"step-{step}")
-    preempted = Preempted(signum, step, path)
+        preempted = Preempted(signum, step, str(checkpointer.folder / f"step-{step}"))
+    else:
+        preempted = Preempted(signum, step, None, _unsaved_because(checkpointer))
     logger.warning(preempted.message())
     return preempted
+
+
+def _unsaved_because(checkpointer) -> str:
+    config = checkpointer.config if checkpointer is not None else None
+    if config is None or not config.enable:
+        return "checkpointing is off (--checkpoint.enable)"
+    if config.load_only:
+        return "--checkpoint.load_only"
+    if local_tensor.is_simulating():
+        return "COMM_MODE=local_tensor never saves checkpoints"
+    return "checkpointing is off (--checkpoint.enable)"

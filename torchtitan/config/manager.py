@@ -103,7 +103,10 @@ def apply_toml(config: JobConfig, path: str | os.PathLike) -> None:
     """Overwrite fields of ``config`` with the values of a TOML file, checking every key."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"--job.config_file {path} does not exist; pass an existing TOML file")
+        where = "" if path.is_absolute() else f" (relative to {Path.cwd()}, where the run starts)"
+        raise ConfigError(
+            f"--job.config_file {path} does not exist{where}; pass an existing TOML file"
+        )
     try:
         with path.open("rb") as f:
             data = tomli.load(f)
@@ -138,7 +141,7 @@ def apply_toml(config: JobConfig, path: str | os.PathLike) -> None:
 def check_cli_flags(args: Sequence[str]) -> None:
     """Reject unknown ``--section.field`` flags with a one-line did-you-mean error, and a value
     outside a field's choices (a ``Literal``) with a one-line list of them."""
-    known, choices = _known_flags(), _literal_choices()
+    known, choices, numbers = _known_flags(), _literal_choices(), _number_fields()
     for i, arg in enumerate(args):
         if not arg.startswith("--") or arg in ("--help",):
             continue
@@ -148,16 +151,22 @@ def check_cli_flags(args: Sequence[str]) -> None:
             canonical = sorted(k for k in known if ".no_" not in k)
             hint = did_you_mean(normalized, canonical)
             raise ConfigError(f"unknown flag {flag}{hint}; see --help for all flags")
+        # --flag=value, or the words up to the next flag (several for a list field).
+        values = [value] if has_value else list(itertools.takewhile(_not_a_flag, args[i + 1 :]))
+        if normalized in numbers:
+            kind, optional = numbers[normalized]
+            for value in values:
+                _check_number(normalized, value, kind, optional)
         allowed = choices.get(normalized)
         if allowed is None:
             continue
-        # --flag=value, or the words up to the next flag (several for a list field).
-        values = [value] if has_value else list(itertools.takewhile(_not_a_flag, args[i + 1 :]))
         for value in values:
             if value not in allowed:
+                # A choice in other letter case (adamw) before the closest spelling (Adam).
+                same = [a for a in allowed if a.lower() == value.lower()]
+                hint = f" (did you mean {same[0]}?)" if same else did_you_mean(value, allowed)
                 raise ConfigError(
-                    f"{normalized}={value} is not a choice: use one of {', '.join(allowed)}"
-                    f"{did_you_mean(value, allowed)}"
+                    f"{normalized}={value} is not a choice: use one of {', '.join(allowed)}{hint}"
                 )
 
 
@@ -269,6 +278,35 @@ def _literal_choices() -> dict[str, tuple[str, ...]]:
             if typing.get_origin(hint) is Literal:
                 choices[f"--{section.name}.{f.name}"] = tuple(map(str, typing.get_args(hint)))
     return choices
+
+
+def _number_fields() -> dict[str, tuple[type, bool]]:
+    """``--section.field`` -> (int or float, whether ``None`` is allowed), for fields typed
+    ``int``, ``float``, their ``| None`` forms and lists of them."""
+    numbers = {}
+    for section in dataclasses.fields(JobConfig):
+        hints = typing.get_type_hints(section.type)
+        for f in dataclasses.fields(section.type):
+            hint, optional = hints[f.name], False
+            if typing.get_origin(hint) is list:
+                (hint,) = typing.get_args(hint)
+            if typing.get_origin(hint) in (types.UnionType, typing.Union):
+                options = [a for a in typing.get_args(hint) if a is not type(None)]
+                optional = len(options) < len(typing.get_args(hint))
+                hint = options[0] if len(options) == 1 else None
+            if hint in (int, float):
+                numbers[f"--{section.name}.{f.name}"] = (hint, optional)
+    return numbers
+
+
+def _check_number(flag: str, value: str, kind: type, optional: bool) -> None:
+    if optional and value == "None":
+        return
+    try:
+        kind(value)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise ConfigError(f"{flag}={value} is not {what}") from None
 
 
 def _not_a_flag(arg: str) -> bool:

@@ -8,6 +8,7 @@ it parses its config. The few rules that need torch (the device) are in
 A new technique adds its rules here, next to the ones of the techniques it composes with.
 """
 
+import glob
 import math
 import os
 from pathlib import Path
@@ -245,6 +246,23 @@ def validate_launch(config: JobConfig) -> None:
         from torchtitan.components.chat_template import find_template
 
         find_template(str(tokenizer), config.training.chat_template)
+    datasets = [("--training.dataset_path", config.training.dataset_path)]
+    if config.validation.enable:
+        datasets.append(("--validation.dataset_path", config.validation.dataset_path))
+    for flag, path in datasets:
+        if path is not None and _local_path_missing(path):
+            raise ConfigError(f"{flag} {path}: nothing there; give a file, glob or folder")
+
+
+def _local_path_missing(path: str) -> bool:
+    """A path that names a local place (absolute, ``./``, ``../``, ``~``) where nothing is;
+    other values may be dataset ids on the Hugging Face hub."""
+    if not path.startswith(("/", "./", "../", "~")):
+        return False
+    resolved = resolve_path(path)
+    if any(c in path for c in "*?["):
+        return not glob.glob(str(resolved), recursive=True)
+    return not _exists(resolved)
 
 
 def _float8_checks(config: JobConfig) -> list[tuple[bool, str]]:
@@ -270,6 +288,11 @@ def _lora_checks(config: JobConfig) -> list[tuple[bool, str]]:
         (
             lo.rank > 0 or not lo.target_modules,
             "--lora.target_modules does nothing without --lora.rank; add e.g. --lora.rank 8",
+        ),
+        (
+            lo.rank > 0 or lo.alpha == type(lo)().alpha,
+            f"--lora.alpha {lo.alpha} does nothing without --lora.rank (without it every weight "
+            "trains); add e.g. --lora.rank 8",
         ),
         (
             all(not t.startswith(".") and not t.endswith(".") for t in lo.targets()),
@@ -351,13 +374,49 @@ def _validation_checks(config: JobConfig) -> list[tuple[bool, str]]:
     ]
 
 
+def ignored_settings(config: JobConfig) -> list[str]:
+    """Settings given a value that nothing reads in this run (their feature is off), and a
+    warm-up longer than the run: one warning line each. Not refused: a TOML file may keep a
+    feature's settings with the feature turned off."""
+    defaults = JobConfig()
+    notes = []
+    for section, fields, switch, on in (
+        ("checkpoint", ("interval", "async_mode"), "--checkpoint.enable", config.checkpoint.enable),
+        ("float8", ("recipe_name",), "--float8.enable", config.float8.enable),
+        (
+            "validation",
+            ("freq", "steps", "dataset"),
+            "--validation.enable",
+            config.validation.enable,
+        ),
+        (
+            "activation_checkpoint",
+            ("selective_ac_option",),
+            "--activation_checkpoint.mode selective",
+            config.activation_checkpoint.mode == "selective",
+        ),
+    ):
+        given = getattr(config, section)
+        for name in fields:
+            value = getattr(given, name)
+            if not on and value != getattr(getattr(defaults, section), name):
+                notes.append(f"--{section}.{name} {value} is ignored without {switch}")
+    warmup, steps = config.lr_scheduler.warmup_steps, config.training.steps
+    if warmup > steps:
+        notes.append(
+            f"--lr_scheduler.warmup_steps {warmup} is longer than the run (--training.steps "
+            f"{steps}): the LR never reaches --optimizer.lr {config.optimizer.lr}"
+        )
+    return notes
+
+
 def _activation_checkpoint_checks(config: JobConfig) -> list[tuple[bool, str]]:
     ac = config.activation_checkpoint
     option = ac.selective_ac_option
     valid = option == "op" or (option.isdigit() and int(option) >= 1)
     return [
         (
-            ac.mode != "selective" or valid,
+            valid,
             f"--activation_checkpoint.selective_ac_option={option!r} must be 'op' or a "
             "positive integer N (checkpoint every N-th block)",
         )
@@ -480,7 +539,7 @@ def validate_parallelism(config: JobConfig, spec: ModelSpec, world_size: int) ->
         raise ConfigError(
             f"--parallelism.expert_parallel_degree={parallel_dims.ep}: {what} has no experts; "
             "use 1, or a mixture-of-experts model (--module deepseek_v3, or --module qwen3 "
-            "--config qwen3_30b_a3b)"
+            "--config qwen3_moe_debugmodel, the small one; qwen3_30b_a3b at full size)"
         )
     if spec.validate is not None:
         spec.validate(config, parallel_dims)

@@ -113,7 +113,7 @@ def test_a_model_of_other_shapes_is_refused_in_one_line(tmp_path):
     assert "\n" not in str(error.value)
 
 
-def test_convert_script_round_trips_through_a_dcp_checkpoint(tmp_path):
+def test_convert_script_round_trips_through_a_dcp_checkpoint(tmp_path, capsys):
     """HF folder -> DCP step-0 (flavor found by shapes) -> HF folder (flavor from the saved
     config): the same bits."""
     import importlib.util
@@ -154,6 +154,12 @@ def test_convert_script_round_trips_through_a_dcp_checkpoint(tmp_path):
         out = tmp_path / f"wrong_{flags[-1]}"
         assert convert.main(["to_hf", str(tmp_path / "ckpt/step-0"), str(out), *flags]) == 2
         assert not out.exists()
+    # A source that is not there is named as such, whatever else is passed.
+    for direction in ("to_hf", "from_hf"):
+        argv = [direction, str(tmp_path / "missing"), str(tmp_path / "x"), "--module", "llama3"]
+        assert convert.main(argv) == 2
+        assert f"{tmp_path / 'missing'} does not exist" in capsys.readouterr().err
+        assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize(

@@ -52,3 +52,25 @@ def test_a_preempted_message_says_what_was_saved():
     saved = preemption.Preempted(signal.SIGTERM, 12, "out/checkpoint/step-12")
     assert "saved out/checkpoint/step-12" in saved.message()
     assert "nothing was saved" in preemption.Preempted(signal.SIGUSR1, 3, None).message()
+
+
+def test_a_preempted_run_that_saved_nothing_says_why(monkeypatch):
+    from types import SimpleNamespace
+
+    def checkpointer(**config):
+        return SimpleNamespace(
+            config=SimpleNamespace(**{"enable": True, "load_only": False} | config)
+        )
+
+    monkeypatch.setattr(preemption, "can_save", lambda *_: False)
+    assert (
+        "(checkpointing is off (--checkpoint.enable))"
+        in preemption.stop(signal.SIGTERM, 4, None).message()
+    )
+    assert (
+        "(--checkpoint.load_only)"
+        in preemption.stop(signal.SIGTERM, 4, checkpointer(load_only=True)).message()
+    )
+    monkeypatch.setattr(preemption.local_tensor, "is_simulating", lambda: True)
+    message = preemption.stop(signal.SIGTERM, 4, checkpointer()).message()
+    assert "nothing was saved (COMM_MODE=local_tensor never saves checkpoints)" in message

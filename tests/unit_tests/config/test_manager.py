@@ -166,13 +166,6 @@ def test_unknown_cli_flag_without_close_match_has_no_suggestion() -> None:
     assert "unknown flag --zzzz.qqqq" in message and "did you mean" not in message
 
 
-def test_bad_cli_value_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as info:
-        parse("--training.steps", "abc")
-    assert info.value.code == 2
-    assert "--training.steps" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -751,6 +744,25 @@ def test_whole_block_checkpointing_of_compiled_tensor_parallel_blocks_is_refused
             "--lora.target_modules wq",
             "--lora.target_modules does nothing without --lora.rank; add e.g. --lora.rank 8",
         ),
+        (None, "--training.steps abc", "--training.steps=abc is not an integer"),
+        (None, "--training.steps=1.5", "--training.steps=1.5 is not an integer"),
+        (None, "--optimizer.lr fast", "--optimizer.lr=fast is not a number"),
+        (
+            None,
+            "--training.global_batch_size x",
+            "--training.global_batch_size=x is not an integer",
+        ),
+        (
+            None,
+            "--lora.alpha 32",
+            "--lora.alpha 32.0 does nothing without --lora.rank (without it every weight trains)",
+        ),
+        (
+            None,
+            "--optimizer.name adamw",
+            "--optimizer.name=adamw is not a choice: use one of AdamW, Adam, Muon (did you mean "
+            "AdamW?)",
+        ),
         (
             None,
             "--lora.rank 8 --lora.save_adapters_only --checkpoint.enable",
@@ -792,3 +804,29 @@ def test_pre_flight_imports_no_torch() -> None:
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]"
+
+
+def test_settings_of_a_feature_that_is_off_are_named_as_ignored() -> None:
+    from torchtitan.config.validation import ignored_settings
+
+    config = parse(
+        "--checkpoint.interval", "5", "--float8.recipe_name", "rowwise", "--validation.freq", "3",
+        "--activation_checkpoint.selective_ac_option", "op", "--lr_scheduler.warmup_steps", "20",
+        "--training.steps", "10",
+    )  # fmt: skip
+    assert ignored_settings(config) == [
+        "--checkpoint.interval 5 is ignored without --checkpoint.enable",
+        "--float8.recipe_name rowwise is ignored without --float8.enable",
+        "--validation.freq 3 is ignored without --validation.enable",
+        "--activation_checkpoint.selective_ac_option op is ignored without "
+        "--activation_checkpoint.mode selective",
+        "--lr_scheduler.warmup_steps 20 is longer than the run (--training.steps 10): the LR "
+        "never reaches --optimizer.lr 0.002",
+    ]
+    on = parse(
+        "--checkpoint.enable", "--checkpoint.interval", "5", "--validation.enable",
+        "--validation.freq", "3", "--training.steps", "10",
+    )  # fmt: skip
+    assert ignored_settings(on) == []
+    # The named configs set nothing they leave off.
+    assert ignored_settings(parse("--module", "llama3", "--config", "llama3_8b")) == []
