@@ -58,10 +58,17 @@ def load_files(path: str) -> datasets.Dataset:
             f"--training.dataset_path {path}: no .json/.jsonl/.parquet/.txt files found there"
         )
     formats = {_file_format(f) for f in files}
-    if len(formats) != 1 or None in formats:
+    if None in formats:
+        unknown = [f for f in files if _file_format(f) is None]
         raise ConfigError(
-            f"--training.dataset_path {path} mixes or has unknown file types "
-            f"({sorted(str(f) for f in formats)}); use one of {sorted(_FORMATS)}"
+            f"--training.dataset_path {path}: {unknown[0]}"
+            f"{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''} has an unknown "
+            f"type; use files ending in one of {', '.join(sorted(_FORMATS))}"
+        )
+    if len(formats) != 1:
+        raise ConfigError(
+            f"--training.dataset_path {path} mixes file types ({', '.join(sorted(formats))}); "
+            "point it at files of one type"
         )
     fmt = formats.pop()
     # A .txt file becomes one document per paragraph (blank-line separated).

@@ -15,6 +15,7 @@ has no allocator history, so there the profiler's memory timeline is written ins
 
 import contextlib
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -132,7 +133,11 @@ class MemorySnapshots:
             path = out / f"rank{self.rank}_memory_timeline.json"
             self._profiler.__exit__(None, None, None)
             try:
-                self._profiler.export_memory_timeline(str(path), device="cpu")
+                with warnings.catch_warnings():
+                    # Deprecated in favour of the CUDA allocator's snapshots, which is what a
+                    # CPU process lacks: the timeline is the only memory record it has.
+                    warnings.filterwarnings("ignore", "`export_memory_timeline`", FutureWarning)
+                    self._profiler.export_memory_timeline(str(path), device="cpu")
             except Exception as e:
                 # torch's memory categorizer asserts on some graphs (FSDP on CPU, torch
                 # 2.13: "version mismatch"); the raw allocation events still tell the peak.

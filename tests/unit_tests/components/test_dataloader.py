@@ -646,8 +646,11 @@ def test_files_loader_errors(tmp_path: Path) -> None:
         load_files(str(tmp_path / "nothing-*.jsonl"))
     _write_jsonl(tmp_path / "mixed" / "a.jsonl", ["doc 0"])
     (tmp_path / "mixed" / "b.txt").write_text("doc 1")
-    with pytest.raises(ValueError, match="--training.dataset_path"):
+    with pytest.raises(ValueError, match=r"mixes file types \(json, text\); point it at files"):
         load_files(str(tmp_path / "mixed"))
+    (tmp_path / "rows.csv").write_text("text\ndoc 0\n")
+    with pytest.raises(ValueError, match=r"rows.csv has an unknown type; use files ending in one"):
+        load_files(str(tmp_path / "rows.csv"))
 
 
 def test_open_dataset_errors() -> None:
