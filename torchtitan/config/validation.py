@@ -5,24 +5,22 @@ torchtitan.config.manager --check``) before any rank starts, and every rank runs
 it parses its config. The few rules that need torch (the device) are in
 :func:`validate_environment`, which the entry point runs before building anything.
 
-A new technique adds its rules here, next to the ones of the techniques it composes with.
+A new technique adds its rules next to the ones of the techniques it composes with: here for
+value ranges and degrees, ``sequence_rules.py`` for PP and CP, ``feature_rules.py`` for a
+single feature's flags.
 """
 
 import glob
 import math
 import os
-from pathlib import Path
 
-from torchtitan.config import sequence_rules
+from torchtitan.config import feature_rules, sequence_rules
 from torchtitan.config.errors import ConfigError, did_you_mean
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed import pipeline_split
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.spec import ModelSpec, get_model_spec
 from torchtitan.tools.paths import resolve_path
-
-CHECKPOINT_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
-"""What a checkpoint holds (``--checkpoint.exclude_from_loading`` names some of them)."""
 
 
 def validate(config: JobConfig) -> None:
@@ -126,16 +124,16 @@ def validate(config: JobConfig) -> None:
         checks.append(
             (not given or c.enable, f"{flag} does nothing without --checkpoint.enable; add it")
         )
-    checks += _checkpoint_checks(config)
-    checks += _path_checks(config)
-    checks += _float8_checks(config)
-    checks += _lora_checks(config)
-    checks += _data_format_checks(config)
-    checks += _activation_checkpoint_checks(config)
-    checks += _compile_checks(config)
-    checks += _local_tensor_checks(config)
+    checks += feature_rules.checkpoint_checks(config)
+    checks += feature_rules.path_checks(config)
+    checks += feature_rules.float8_checks(config)
+    checks += feature_rules.lora_checks(config)
+    checks += feature_rules.data_format_checks(config)
+    checks += feature_rules.activation_checkpoint_checks(config)
+    checks += feature_rules.compile_checks(config)
+    checks += feature_rules.local_tensor_checks(config)
     if config.validation.enable:
-        checks += _validation_checks(config)
+        checks += feature_rules.validation_checks(config)
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
@@ -187,50 +185,6 @@ def validate_environment(config: JobConfig, device_type: str) -> None:
         )
 
 
-def _checkpoint_checks(config: JobConfig) -> list[tuple[bool, str]]:
-    c = config.checkpoint
-    unknown = [name for name in c.exclude_from_loading if name not in CHECKPOINT_STATES]
-    hint = did_you_mean(unknown[0], CHECKPOINT_STATES) if unknown else ""
-    return [
-        (c.interval >= 1, f"--checkpoint.interval={c.interval} must be >= 1 (steps between saves)"),
-        (c.keep_latest_k >= 0, f"--checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0"),
-        (
-            not unknown,
-            f"--checkpoint.exclude_from_loading {' '.join(unknown)}: not a checkpoint part"
-            f"{hint}; choose from {', '.join(CHECKPOINT_STATES)}",
-        ),
-    ]
-
-
-def _path_checks(config: JobConfig) -> list[tuple[bool, str]]:
-    """Folders the run writes into and files it reads, checked before anything starts (a
-    folder that is a file would otherwise be found at the first save, after the training)."""
-    dump = config.job.dump_folder
-    checks = [
-        (dump.strip() != "", "--job.dump_folder is empty; give a folder for logs and checkpoints")
-    ]
-    c = config.checkpoint
-    folders = [("--job.dump_folder", Path(os.path.normpath(dump)))] if dump.strip() else []
-    if dump.strip() and (c.enable or c.create_seed_checkpoint):
-        folders.append(("--checkpoint.folder", Path(os.path.normpath(Path(dump) / c.folder))))
-    for flag, folder in folders:
-        blocker = next((p for p in (folder, *folder.parents) if _exists(p)), None)
-        checks.append(
-            (
-                blocker is None or blocker.is_dir(),
-                f"{flag}: {blocker} is a file, not a folder; choose another path",
-            )
-        )
-    return checks
-
-
-def _exists(path: Path) -> bool:
-    try:
-        return path.exists()
-    except OSError:  # a folder on the way that cannot be searched: found at write time
-        return False
-
-
 def validate_launch(config: JobConfig) -> None:
     """What a launch needs that printing or dry-running a config does not: the tokenizer file
     (a 405B config can be inspected, or dry-run on fake tensors, without one). The launchers'
@@ -262,116 +216,7 @@ def _local_path_missing(path: str) -> bool:
     resolved = resolve_path(path)
     if any(c in path for c in "*?["):
         return not glob.glob(str(resolved), recursive=True)
-    return not _exists(resolved)
-
-
-def _float8_checks(config: JobConfig) -> list[tuple[bool, str]]:
-    f = config.float8
-    return [
-        (
-            not f.enable_fsdp_float8_all_gather or f.recipe_name == "tensorwise",
-            f"--float8.enable_fsdp_float8_all_gather with --float8.recipe_name "
-            f"{f.recipe_name}: torchao gathers float8 weights for tensorwise scaling only",
-        ),
-        (
-            f.enable or not f.enable_fsdp_float8_all_gather,
-            "--float8.enable_fsdp_float8_all_gather does nothing without --float8.enable; add it",
-        ),
-    ]
-
-
-def _lora_checks(config: JobConfig) -> list[tuple[bool, str]]:
-    lo = config.lora
-    return [
-        (lo.rank >= 0, f"--lora.rank={lo.rank} must be >= 0 (0 turns LoRA off)"),
-        (lo.rank == 0 or lo.alpha > 0, f"--lora.alpha={lo.alpha} must be > 0"),
-        (
-            lo.rank > 0 or not lo.target_modules,
-            "--lora.target_modules does nothing without --lora.rank; add e.g. --lora.rank 8",
-        ),
-        (
-            lo.rank > 0 or lo.alpha == type(lo)().alpha,
-            f"--lora.alpha {lo.alpha} does nothing without --lora.rank (without it every weight "
-            "trains); add e.g. --lora.rank 8",
-        ),
-        (
-            all(not t.startswith(".") and not t.endswith(".") for t in lo.targets()),
-            f"--lora.target_modules {' '.join(lo.target_modules)}: each entry is a module name "
-            "or a dotted name suffix, like wq or attention.wo",
-        ),
-        (
-            not lo.save_adapters_only
-            or (lo.rank > 0 and config.checkpoint.enable and config.checkpoint.initial_load_path),
-            "--lora.save_adapters_only needs --lora.rank, --checkpoint.enable and "
-            "--checkpoint.initial_load_path (where every resume reads the frozen weights)",
-        ),
-    ]
-
-
-def _data_format_checks(config: JobConfig) -> list[tuple[bool, str]]:
-    t = config.training
-    return [
-        (
-            t.chat_template is None or t.data_format == "chat",
-            f"--training.chat_template does nothing with --training.data_format "
-            f"{t.data_format}; add --training.data_format chat",
-        ),
-        (
-            not t.train_on_prompt or t.data_format != "text",
-            "--training.train_on_prompt does nothing with --training.data_format text (every "
-            "token trains); it is for chat and prompt_completion",
-        ),
-        (t.packing_bins >= 1, f"--training.packing_bins={t.packing_bins} must be >= 1"),
-        (
-            t.shuffle_seed is None or t.shuffle_seed >= 0,
-            f"--training.shuffle_seed={t.shuffle_seed} must be >= 0",
-        ),
-        (
-            t.packing_bins == 1
-            or (t.data_format != "text" and config.model.attn_mask == "block_causal"),
-            f"--training.packing_bins {t.packing_bins} does nothing: it packs fine-tuning "
-            "samples (--training.data_format chat or prompt_completion) under "
-            "--model.attn_mask block_causal",
-        ),
-        (
-            not (t.dataset_mix and t.dataset_path),
-            "--training.dataset_path does nothing with --training.dataset_mix (each entry "
-            "names its own: NAME=PATH:WEIGHT); drop one",
-        ),
-    ]
-
-
-def _validation_checks(config: JobConfig) -> list[tuple[bool, str]]:
-    """Validation batches the training layout can run (-1: the training's)."""
-    v, t, p = config.validation, config.training, config.parallelism
-    batch = t.local_batch_size if v.local_batch_size == -1 else v.local_batch_size
-    seq = t.seq_len if v.seq_len == -1 else v.seq_len
-    cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
-    chunks = (2 * cp if p.context_parallel_load_balance else cp) if cp > 1 else 1
-    sequence_split = tp if tp > 1 and p.enable_sequence_parallel else 1
-    pipelined = p.pipeline_parallel_degree > 1
-    return [
-        (v.freq >= 1, f"--validation.freq={v.freq} must be >= 1 (steps between validations)"),
-        (v.steps == -1 or v.steps >= 1, f"--validation.steps={v.steps} must be -1 (all) or >= 1"),
-        (batch >= 1, f"--validation.local_batch_size={batch} must be >= 1 (or -1)"),
-        (
-            1 <= seq <= t.seq_len,
-            f"--validation.seq_len={seq} must be in [1, --training.seq_len={t.seq_len}] (the "
-            "model's RoPE table is sized for the training length)",
-        ),
-        (
-            seq % chunks == 0 and (seq // cp) % sequence_split == 0,
-            f"--validation.seq_len={seq} must split over context parallelism ({chunks} chunks) "
-            f"and then over the {sequence_split} sequence-parallel ranks; use a multiple of "
-            f"{chunks * sequence_split}",
-        ),
-        (
-            not pipelined or (batch, seq) == (t.local_batch_size, t.seq_len),
-            f"--validation.local_batch_size={batch} and --validation.seq_len={seq} must equal "
-            f"the training's ({t.local_batch_size}, {t.seq_len}) under pipeline parallelism "
-            "(the schedule's micro-batches are fixed); leave them at -1",
-        ),
-    ]
+    return not feature_rules.exists(resolved)
 
 
 def ignored_settings(config: JobConfig) -> list[str]:
@@ -410,124 +255,6 @@ def ignored_settings(config: JobConfig) -> list[str]:
     return notes
 
 
-def _activation_checkpoint_checks(config: JobConfig) -> list[tuple[bool, str]]:
-    ac = config.activation_checkpoint
-    option = ac.selective_ac_option
-    valid = option == "op" or (option.isdigit() and int(option) >= 1)
-    return [
-        (
-            valid,
-            f"--activation_checkpoint.selective_ac_option={option!r} must be 'op' or a "
-            "positive integer N (checkpoint every N-th block)",
-        )
-    ]
-
-
-def _compile_checks(config: JobConfig) -> list[tuple[bool, str]]:
-    p, c = config.parallelism, config.compile
-    compiled_blocks = c.enable and "model" in c.components
-    ac = config.activation_checkpoint
-    whole_blocks = ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option != "op")
-    checkpointing = f"--activation_checkpoint.mode {ac.mode}"
-    if ac.mode == "selective":
-        checkpointing += f" --activation_checkpoint.selective_ac_option {ac.selective_ac_option}"
-    return [
-        (
-            not (compiled_blocks and p.tensor_parallel_degree > 1 and whole_blocks),
-            f"{checkpointing} (whole blocks) with --compile.enable and "
-            "--parallelism.tensor_parallel_degree > 1 fails on torch 2.13; use "
-            "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option "
-            "op (per op), or drop --compile.enable",
-        ),
-        (
-            not p.enable_async_tensor_parallel
-            or (compiled_blocks and p.tensor_parallel_degree > 1),
-            "--parallelism.enable_async_tensor_parallel needs --parallelism.tensor_parallel_degree"
-            " > 1 and --compile.enable (inductor performs the overlap): add both or remove it",
-        ),
-    ]
-
-
-def _local_tensor_checks(config: JobConfig) -> list[tuple[bool, str]]:
-    """What cannot run with every rank simulated in one process (``COMM_MODE=local_tensor``),
-    then what DTensor-parametrized sharding (``fsdp_impl simple``) cannot do anywhere."""
-    p = config.parallelism
-    checks = []
-    if config.comm.mode == "local_tensor":
-        why = "cannot run under COMM_MODE=local_tensor"
-        checks = [
-            (
-                p.fsdp_impl != "fsdp2",
-                f"--parallelism.fsdp_impl fsdp2 {why} (FSDP2 frees parameter storage with "
-                "resize_, which LocalTensor lacks); use auto or simple",
-            ),
-            (not config.compile.enable, f"--compile.enable {why}; drop the flag"),
-            (
-                config.training.num_workers == 0,
-                f"--training.num_workers {config.training.num_workers} {why} (the simulated "
-                "ranks' batches cannot cross from worker processes); use 0",
-            ),
-            (
-                not config.checkpoint.create_seed_checkpoint,
-                f"--checkpoint.create_seed_checkpoint {why}: write it with NGPU=1 and no "
-                "COMM_MODE; the simulation then loads it with --checkpoint.enable",
-            ),
-            (
-                not config.training.enable_cpu_offload,
-                f"--training.enable_cpu_offload {why}; drop the flag",
-            ),
-            (
-                not (
-                    p.pipeline_parallel_degree > 1
-                    and (
-                        config.profiling.enable_profiling or config.profiling.enable_memory_snapshot
-                    )
-                ),
-                "--profiling.enable_profiling / enable_memory_snapshot with "
-                f"--parallelism.pipeline_parallel_degree > 1 {why} (the simulated pipeline ranks "
-                "are threads and torch's profiler is one per process); profile real ranks",
-            ),
-            (
-                config.checkpoint.async_mode == "disabled",
-                f"--checkpoint.async_mode {config.checkpoint.async_mode} {why} (the simulation "
-                "only reads checkpoints); drop the flag",
-            ),
-            (
-                not config.validation.sample_prompt,
-                f"--validation.sample_prompt {why} (sampling reads each token on the host, "
-                "which simulated ranks hold apart); sample from the checkpoint of a real run "
-                "(python -m torchtitan.generate)",
-            ),
-        ]
-    simple = _fsdp_impl(config) == "simple"
-    return checks + [
-        (
-            not (simple and config.training.enable_cpu_offload),
-            "--training.enable_cpu_offload needs --parallelism.fsdp_impl fsdp2",
-        ),
-        (
-            not (simple and p.fsdp_reshard_after_forward == "always"),
-            "--parallelism.fsdp_reshard_after_forward always needs --parallelism.fsdp_impl "
-            "fsdp2 (simple keeps gathered parameters until backward)",
-        ),
-        (
-            p.fsdp_prefetch >= 0,
-            f"--parallelism.fsdp_prefetch={p.fsdp_prefetch} must be >= 0 (blocks gathered "
-            "ahead; 0 keeps FSDP2's own order)",
-        ),
-        (
-            not (simple and p.fsdp_prefetch > 0),
-            "--parallelism.fsdp_prefetch needs --parallelism.fsdp_impl fsdp2 (simple gathers "
-            "each parameter when a module reads it)",
-        ),
-        (
-            not (simple and config.float8.enable_fsdp_float8_all_gather),
-            "--float8.enable_fsdp_float8_all_gather needs --parallelism.fsdp_impl fsdp2 (simple "
-            "FSDP, which COMM_MODE=local_tensor uses, gathers in high precision)",
-        ),
-    ]
-
-
 def validate_parallelism(config: JobConfig, spec: ModelSpec, world_size: int) -> ParallelDims:
     """Degrees against the world size (``ParallelDimsError``), the global batch against the
     data-parallel degree, then the degrees against the model's dims."""
@@ -550,7 +277,7 @@ def resolve_auto(config: JobConfig) -> None:
     """Replace ``auto`` choices by what they mean for this run, so the resolved config (printed
     and saved) says what actually ran."""
     p = config.parallelism
-    p.fsdp_impl = _fsdp_impl(config)
+    p.fsdp_impl = feature_rules.fsdp_impl(config)
     v, t = config.validation, config.training
     v.local_batch_size = t.local_batch_size if v.local_batch_size == -1 else v.local_batch_size
     v.seq_len = t.seq_len if v.seq_len == -1 else v.seq_len
@@ -562,10 +289,3 @@ def resolve_auto(config: JobConfig) -> None:
     if pp > 1 and split_backward and p.fsdp_reshard_after_forward == "default":
         # Resharding after forward gives these schedules wrong gradients (torch 2.13).
         p.fsdp_reshard_after_forward = "never"
-
-
-def _fsdp_impl(config: JobConfig) -> str:
-    impl = config.parallelism.fsdp_impl
-    if impl != "auto":
-        return impl
-    return "simple" if config.comm.mode == "local_tensor" else "fsdp2"

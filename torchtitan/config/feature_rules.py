@@ -1,0 +1,292 @@
+"""The pre-flight rules of single features (checkpointing, paths, float8, LoRA, data formats,
+validation, activation checkpointing, compile, and what ``COMM_MODE=local_tensor`` or
+DTensor-parametrized FSDP cannot run): each function returns ``(ok, message)`` pairs that
+``config/validation.py`` checks in its one pass. No torch.
+"""
+
+import os
+from pathlib import Path
+
+from torchtitan.config.errors import did_you_mean
+from torchtitan.config.job_config import JobConfig
+
+CHECKPOINT_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+"""What a checkpoint holds (``--checkpoint.exclude_from_loading`` names some of them)."""
+
+
+def checkpoint_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    c = config.checkpoint
+    unknown = [name for name in c.exclude_from_loading if name not in CHECKPOINT_STATES]
+    hint = did_you_mean(unknown[0], CHECKPOINT_STATES) if unknown else ""
+    return [
+        (c.interval >= 1, f"--checkpoint.interval={c.interval} must be >= 1 (steps between saves)"),
+        (c.keep_latest_k >= 0, f"--checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0"),
+        (
+            not unknown,
+            f"--checkpoint.exclude_from_loading {' '.join(unknown)}: not a checkpoint part"
+            f"{hint}; choose from {', '.join(CHECKPOINT_STATES)}",
+        ),
+    ]
+
+
+def path_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    """Folders the run writes into and files it reads, checked before anything starts (a
+    folder that is a file would otherwise be found at the first save, after the training)."""
+    dump = config.job.dump_folder
+    checks = [
+        (dump.strip() != "", "--job.dump_folder is empty; give a folder for logs and checkpoints")
+    ]
+    c = config.checkpoint
+    folders = [("--job.dump_folder", Path(os.path.normpath(dump)))] if dump.strip() else []
+    if dump.strip() and (c.enable or c.create_seed_checkpoint):
+        folders.append(("--checkpoint.folder", Path(os.path.normpath(Path(dump) / c.folder))))
+    for flag, folder in folders:
+        blocker = next((p for p in (folder, *folder.parents) if exists(p)), None)
+        checks.append(
+            (
+                blocker is None or blocker.is_dir(),
+                f"{flag}: {blocker} is a file, not a folder; choose another path",
+            )
+        )
+    return checks
+
+
+def exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a folder on the way that cannot be searched: found at write time
+        return False
+
+
+def float8_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    f = config.float8
+    return [
+        (
+            not f.enable_fsdp_float8_all_gather or f.recipe_name == "tensorwise",
+            f"--float8.enable_fsdp_float8_all_gather with --float8.recipe_name "
+            f"{f.recipe_name}: torchao gathers float8 weights for tensorwise scaling only",
+        ),
+        (
+            f.enable or not f.enable_fsdp_float8_all_gather,
+            "--float8.enable_fsdp_float8_all_gather does nothing without --float8.enable; add it",
+        ),
+    ]
+
+
+def lora_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    lo = config.lora
+    return [
+        (lo.rank >= 0, f"--lora.rank={lo.rank} must be >= 0 (0 turns LoRA off)"),
+        (lo.rank == 0 or lo.alpha > 0, f"--lora.alpha={lo.alpha} must be > 0"),
+        (
+            lo.rank > 0 or not lo.target_modules,
+            "--lora.target_modules does nothing without --lora.rank; add e.g. --lora.rank 8",
+        ),
+        (
+            lo.rank > 0 or lo.alpha == type(lo)().alpha,
+            f"--lora.alpha {lo.alpha} does nothing without --lora.rank (without it every weight "
+            "trains); add e.g. --lora.rank 8",
+        ),
+        (
+            all(not t.startswith(".") and not t.endswith(".") for t in lo.targets()),
+            f"--lora.target_modules {' '.join(lo.target_modules)}: each entry is a module name "
+            "or a dotted name suffix, like wq or attention.wo",
+        ),
+        (
+            not lo.save_adapters_only
+            or (lo.rank > 0 and config.checkpoint.enable and config.checkpoint.initial_load_path),
+            "--lora.save_adapters_only needs --lora.rank, --checkpoint.enable and "
+            "--checkpoint.initial_load_path (where every resume reads the frozen weights)",
+        ),
+    ]
+
+
+def data_format_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    t = config.training
+    return [
+        (
+            t.chat_template is None or t.data_format == "chat",
+            f"--training.chat_template does nothing with --training.data_format "
+            f"{t.data_format}; add --training.data_format chat",
+        ),
+        (
+            not t.train_on_prompt or t.data_format != "text",
+            "--training.train_on_prompt does nothing with --training.data_format text (every "
+            "token trains); it is for chat and prompt_completion",
+        ),
+        (t.packing_bins >= 1, f"--training.packing_bins={t.packing_bins} must be >= 1"),
+        (
+            t.shuffle_seed is None or t.shuffle_seed >= 0,
+            f"--training.shuffle_seed={t.shuffle_seed} must be >= 0",
+        ),
+        (
+            t.packing_bins == 1
+            or (t.data_format != "text" and config.model.attn_mask == "block_causal"),
+            f"--training.packing_bins {t.packing_bins} does nothing: it packs fine-tuning "
+            "samples (--training.data_format chat or prompt_completion) under "
+            "--model.attn_mask block_causal",
+        ),
+        (
+            not (t.dataset_mix and t.dataset_path),
+            "--training.dataset_path does nothing with --training.dataset_mix (each entry "
+            "names its own: NAME=PATH:WEIGHT); drop one",
+        ),
+    ]
+
+
+def validation_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    """Validation batches the training layout can run (-1: the training's)."""
+    v, t, p = config.validation, config.training, config.parallelism
+    batch = t.local_batch_size if v.local_batch_size == -1 else v.local_batch_size
+    seq = t.seq_len if v.seq_len == -1 else v.seq_len
+    cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
+    chunks = (2 * cp if p.context_parallel_load_balance else cp) if cp > 1 else 1
+    sequence_split = tp if tp > 1 and p.enable_sequence_parallel else 1
+    pipelined = p.pipeline_parallel_degree > 1
+    return [
+        (v.freq >= 1, f"--validation.freq={v.freq} must be >= 1 (steps between validations)"),
+        (v.steps == -1 or v.steps >= 1, f"--validation.steps={v.steps} must be -1 (all) or >= 1"),
+        (batch >= 1, f"--validation.local_batch_size={batch} must be >= 1 (or -1)"),
+        (
+            1 <= seq <= t.seq_len,
+            f"--validation.seq_len={seq} must be in [1, --training.seq_len={t.seq_len}] (the "
+            "model's RoPE table is sized for the training length)",
+        ),
+        (
+            seq % chunks == 0 and (seq // cp) % sequence_split == 0,
+            f"--validation.seq_len={seq} must split over context parallelism ({chunks} chunks) "
+            f"and then over the {sequence_split} sequence-parallel ranks; use a multiple of "
+            f"{chunks * sequence_split}",
+        ),
+        (
+            not pipelined or (batch, seq) == (t.local_batch_size, t.seq_len),
+            f"--validation.local_batch_size={batch} and --validation.seq_len={seq} must equal "
+            f"the training's ({t.local_batch_size}, {t.seq_len}) under pipeline parallelism "
+            "(the schedule's micro-batches are fixed); leave them at -1",
+        ),
+    ]
+
+
+def activation_checkpoint_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    ac = config.activation_checkpoint
+    option = ac.selective_ac_option
+    valid = option == "op" or (option.isdigit() and int(option) >= 1)
+    return [
+        (
+            valid,
+            f"--activation_checkpoint.selective_ac_option={option!r} must be 'op' or a "
+            "positive integer N (checkpoint every N-th block)",
+        )
+    ]
+
+
+def compile_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    p, c = config.parallelism, config.compile
+    compiled_blocks = c.enable and "model" in c.components
+    ac = config.activation_checkpoint
+    whole_blocks = ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option != "op")
+    checkpointing = f"--activation_checkpoint.mode {ac.mode}"
+    if ac.mode == "selective":
+        checkpointing += f" --activation_checkpoint.selective_ac_option {ac.selective_ac_option}"
+    return [
+        (
+            not (compiled_blocks and p.tensor_parallel_degree > 1 and whole_blocks),
+            f"{checkpointing} (whole blocks) with --compile.enable and "
+            "--parallelism.tensor_parallel_degree > 1 fails on torch 2.13; use "
+            "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option "
+            "op (per op), or drop --compile.enable",
+        ),
+        (
+            not p.enable_async_tensor_parallel
+            or (compiled_blocks and p.tensor_parallel_degree > 1),
+            "--parallelism.enable_async_tensor_parallel needs --parallelism.tensor_parallel_degree"
+            " > 1 and --compile.enable (inductor performs the overlap): add both or remove it",
+        ),
+    ]
+
+
+def local_tensor_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    """What cannot run with every rank simulated in one process (``COMM_MODE=local_tensor``),
+    then what DTensor-parametrized sharding (``fsdp_impl simple``) cannot do anywhere."""
+    p = config.parallelism
+    checks = []
+    if config.comm.mode == "local_tensor":
+        why = "cannot run under COMM_MODE=local_tensor"
+        checks = [
+            (
+                p.fsdp_impl != "fsdp2",
+                f"--parallelism.fsdp_impl fsdp2 {why} (FSDP2 frees parameter storage with "
+                "resize_, which LocalTensor lacks); use auto or simple",
+            ),
+            (not config.compile.enable, f"--compile.enable {why}; drop the flag"),
+            (
+                config.training.num_workers == 0,
+                f"--training.num_workers {config.training.num_workers} {why} (the simulated "
+                "ranks' batches cannot cross from worker processes); use 0",
+            ),
+            (
+                not config.checkpoint.create_seed_checkpoint,
+                f"--checkpoint.create_seed_checkpoint {why}: write it with NGPU=1 and no "
+                "COMM_MODE; the simulation then loads it with --checkpoint.enable",
+            ),
+            (
+                not config.training.enable_cpu_offload,
+                f"--training.enable_cpu_offload {why}; drop the flag",
+            ),
+            (
+                not (
+                    p.pipeline_parallel_degree > 1
+                    and (
+                        config.profiling.enable_profiling or config.profiling.enable_memory_snapshot
+                    )
+                ),
+                "--profiling.enable_profiling / enable_memory_snapshot with "
+                f"--parallelism.pipeline_parallel_degree > 1 {why} (the simulated pipeline ranks "
+                "are threads and torch's profiler is one per process); profile real ranks",
+            ),
+            (
+                config.checkpoint.async_mode == "disabled",
+                f"--checkpoint.async_mode {config.checkpoint.async_mode} {why} (the simulation "
+                "only reads checkpoints); drop the flag",
+            ),
+            (
+                not config.validation.sample_prompt,
+                f"--validation.sample_prompt {why} (sampling reads each token on the host, "
+                "which simulated ranks hold apart); sample from the checkpoint of a real run "
+                "(python -m torchtitan.generate)",
+            ),
+        ]
+    simple = fsdp_impl(config) == "simple"
+    return checks + [
+        (
+            not (simple and config.training.enable_cpu_offload),
+            "--training.enable_cpu_offload needs --parallelism.fsdp_impl fsdp2",
+        ),
+        (
+            not (simple and p.fsdp_reshard_after_forward == "always"),
+            "--parallelism.fsdp_reshard_after_forward always needs --parallelism.fsdp_impl "
+            "fsdp2 (simple keeps gathered parameters until backward)",
+        ),
+        (
+            p.fsdp_prefetch >= 0,
+            f"--parallelism.fsdp_prefetch={p.fsdp_prefetch} must be >= 0 (blocks gathered "
+            "ahead; 0 keeps FSDP2's own order)",
+        ),
+        (
+            not (simple and p.fsdp_prefetch > 0),
+            "--parallelism.fsdp_prefetch needs --parallelism.fsdp_impl fsdp2 (simple gathers "
+            "each parameter when a module reads it)",
+        ),
+        (
+            not (simple and config.float8.enable_fsdp_float8_all_gather),
+            "--float8.enable_fsdp_float8_all_gather needs --parallelism.fsdp_impl fsdp2 (simple "
+            "FSDP, which COMM_MODE=local_tensor uses, gathers in high precision)",
+        ),
+    ]
+
+
+def fsdp_impl(config: JobConfig) -> str:
+    impl = config.parallelism.fsdp_impl
+    if impl != "auto":
+        return impl
+    return "simple" if config.comm.mode == "local_tensor" else "fsdp2"
