@@ -118,10 +118,9 @@ def stop(signum: signal.Signals, step: int, checkpointer) -> Preempted:
 
 def _unsaved_because(checkpointer) -> str:
     config = checkpointer.config if checkpointer is not None else None
-    if config is None or not config.enable:
-        return "checkpointing is off (--checkpoint.enable)"
-    if config.load_only:
-        return "--checkpoint.load_only"
-    if local_tensor.is_simulating():
-        return "COMM_MODE=local_tensor never saves checkpoints"
-    return "checkpointing is off (--checkpoint.enable)"
+    if config is not None and config.enable:
+        if config.load_only:
+            return "--checkpoint.load_only"
+        if local_tensor.is_simulating():
+            return "COMM_MODE=local_tensor never saves checkpoints"
+    return Preempted.unsaved_because

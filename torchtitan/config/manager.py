@@ -16,7 +16,7 @@ import os
 import sys
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -265,37 +265,39 @@ def _known_flags() -> set[str]:
     return flags
 
 
-def _literal_choices() -> dict[str, tuple[str, ...]]:
-    """``--section.field`` -> its allowed values, for fields typed ``Literal[...]`` or
-    ``list[Literal[...]]``."""
-    choices = {}
+def _item_types() -> Iterator[tuple[str, Any]]:
+    """``(--section.field, type)`` of every field; a list field gives its items' type."""
     for section in dataclasses.fields(JobConfig):
         hints = typing.get_type_hints(section.type)
         for f in dataclasses.fields(section.type):
             hint = hints[f.name]
             if typing.get_origin(hint) is list:
                 (hint,) = typing.get_args(hint)
-            if typing.get_origin(hint) is Literal:
-                choices[f"--{section.name}.{f.name}"] = tuple(map(str, typing.get_args(hint)))
-    return choices
+            yield f"--{section.name}.{f.name}", hint
+
+
+def _literal_choices() -> dict[str, tuple[str, ...]]:
+    """``--section.field`` -> its allowed values, for fields typed ``Literal[...]`` or
+    ``list[Literal[...]]``."""
+    return {
+        flag: tuple(map(str, typing.get_args(hint)))
+        for flag, hint in _item_types()
+        if typing.get_origin(hint) is Literal
+    }
 
 
 def _number_fields() -> dict[str, tuple[type, bool]]:
     """``--section.field`` -> (int or float, whether ``None`` is allowed), for fields typed
     ``int``, ``float``, their ``| None`` forms and lists of them."""
     numbers = {}
-    for section in dataclasses.fields(JobConfig):
-        hints = typing.get_type_hints(section.type)
-        for f in dataclasses.fields(section.type):
-            hint, optional = hints[f.name], False
-            if typing.get_origin(hint) is list:
-                (hint,) = typing.get_args(hint)
-            if typing.get_origin(hint) in (types.UnionType, typing.Union):
-                options = [a for a in typing.get_args(hint) if a is not type(None)]
-                optional = len(options) < len(typing.get_args(hint))
-                hint = options[0] if len(options) == 1 else None
-            if hint in (int, float):
-                numbers[f"--{section.name}.{f.name}"] = (hint, optional)
+    for flag, hint in _item_types():
+        optional = False
+        if typing.get_origin(hint) in (types.UnionType, typing.Union):
+            options = [a for a in typing.get_args(hint) if a is not type(None)]
+            optional = len(options) < len(typing.get_args(hint))
+            hint = options[0] if len(options) == 1 else None
+        if hint in (int, float):
+            numbers[flag] = (hint, optional)
     return numbers
 
 
