@@ -511,9 +511,12 @@ def results(tmp_path_factory) -> Path:
     references += (VALIDATION_REFERENCE, LORA_REFERENCE, SFT_REFERENCE)
     references += (WHOLE_SPLIT,)
     _launch(out, 1, [(name, flags) for name, _, flags in references])
-    cases = CASES | FLOAT8_CASES
-    for world in sorted({ranks for ranks, _ in cases.values()}):
-        _launch(out, world, [(n, f) for n, (r, f) in cases.items() if r == world])
+    # Compiled cases first in each launch: on a cold compile cache, torch 2.13's partitioner
+    # failed moe_fsdp2_tp2_compile_ac_ops ("Node tangents_2 was invalid, but is output") after
+    # eight eager cases had run in the same processes; first, or alone, it compiles and passes.
+    cases = sorted((CASES | FLOAT8_CASES).items(), key=lambda case: "compile" not in case[0])
+    for world in sorted({ranks for _, (ranks, _) in cases}):
+        _launch(out, world, [(n, f) for n, (r, f) in cases if r == world])
     return out
 
 
