@@ -4,8 +4,9 @@
 # Environment:
 #   NGPU       ranks to start (default: number of visible GPUs, else 1)
 #   LOG_RANK   ranks whose console output is shown, e.g. 0 or 0,1 (default 0)
-#   MODULE     model module (default llama3)
-#   CONFIG     named config of that module's config_registry (default llama3_debugmodel)
+#   MODULE     model module (default llama3; or --module on the command line)
+#   CONFIG     named config of that module's config_registry (default <module>_debugmodel,
+#              e.g. llama3_debugmodel; or --config on the command line)
 #   COMM_MODE  empty for real collectives; fake_backend / local_tensor are debugging modes
 #   MAX_RESTARTS  restarts of every rank after one dies, each resuming from the last complete
 #              checkpoint (default 0; see docs/fault_tolerance.md)
@@ -47,13 +48,16 @@ for r in ${LOG_RANK//,/ }; do
     exit 2
   fi
 done
-MODULE=${MODULE:-llama3}
-CONFIG=${CONFIG:-llama3_debugmodel}
+# Only what is set: the config manager picks llama3, and <module>_debugmodel for a module
+# without a --config (MODULE=qwen3 or --module qwen3 alone trains qwen3_debugmodel).
+SELECT=()
+if [ -n "${MODULE:-}" ]; then SELECT+=(--module "$MODULE"); fi
+if [ -n "${CONFIG:-}" ]; then SELECT+=(--config "$CONFIG"); fi
 COMM_MODE=${COMM_MODE:-}
 
 for arg in "$@"; do
   if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then
-    exec "$PYTHON" -m torchtitan.config.manager --module "$MODULE" --config "$CONFIG" --help
+    TITAN_HELP_PROG=./run_train.sh exec "$PYTHON" -m torchtitan.config.manager "${SELECT[@]}" "$@"
   fi
 done
 
@@ -67,14 +71,13 @@ esac
 
 # Resolve and validate the config in one light process (no torch import) before starting ranks,
 # so a typo gives one clear line instead of one error per rank.
-WORLD_SIZE=$NGPU "$PYTHON" -m torchtitan.config.manager --check --module "$MODULE" \
-  --config "$CONFIG" "${MODE_ARGS[@]}" "$@"
+WORLD_SIZE=$NGPU "$PYTHON" -m torchtitan.config.manager --check "${SELECT[@]}" "${MODE_ARGS[@]}" "$@"
 
 if [ -n "$COMM_MODE" ]; then
   # One process, no torchrun: fake_backend plays rank $RANK of $NGPU; local_tensor
   # simulates all $NGPU ranks. See docs/debugging.md.
   WORLD_SIZE=$NGPU RANK=${RANK:-0} LOCAL_RANK=0 exec "$PYTHON" -m torchtitan.train \
-    --module "$MODULE" --config "$CONFIG" "${MODE_ARGS[@]}" "$@"
+    "${SELECT[@]}" "${MODE_ARGS[@]}" "$@"
 fi
 
 # torchrun through torchtitan.launcher: a rank's refusal comes back as its one line and exit
@@ -83,4 +86,4 @@ exec "$PYTHON" -m torchtitan.launcher \
   --nproc_per_node="$NGPU" --max-restarts "$MAX_RESTARTS" \
   --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  -m torchtitan.train --module "$MODULE" --config "$CONFIG" "$@"
+  -m torchtitan.train "${SELECT[@]}" "$@"

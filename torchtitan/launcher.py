@@ -37,6 +37,8 @@ from pathlib import Path
 
 FAILURE_DIR_ENV = "TITAN_FAILURE_DIR"
 PREEMPTED_EXIT_CODE = 75  # components/preemption.EXIT_CODE (this module imports no torch)
+LOST_PEER_EXIT_CODE = 4  # a rank whose collective lost another rank (train.py)
+_SIGTERM = 15
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
@@ -148,6 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         records = refusals(folder)
         if not records:
             print(e.format_msg(), file=sys.stderr)
+            # torchrun's "Root Cause" is the earliest failure it saw, and a rank that lost
+            # contact with a dead one can be seen first; this line orders them by what they say.
+            print(f"[launcher] the job failed: {_causes(e.failures)}", file=sys.stderr)
             return 1
         first, others = records[0], records[1:]
         same = sorted(r["rank"] for r in others if r["message"] == first["message"])
@@ -189,7 +194,7 @@ def _report_restarts(folder: str) -> None:
         elif left > 0:
             spec = worker_group.spec
             done = spec.max_restarts - left + 1
-            causes = "; ".join(_cause(rank, f) for rank, f in sorted(result.failures.items()))
+            causes = _causes(result.failures)
             print(
                 f"[launcher] restart {done} of {spec.max_restarts}: {causes}; restarting every "
                 f"rank from the last complete checkpoint",
@@ -202,11 +207,37 @@ def _report_restarts(folder: str) -> None:
     LocalElasticAgent._monitor_workers = monitor_and_report
 
 
+def _causes(failures: dict) -> str:
+    """The ranks' failures, those that started it first: ``rank 1 was killed by SIGKILL (then
+    rank 0 lost contact and stopped)``. A rank that stopped because a collective lost a peer
+    (``LOST_PEER_EXIT_CODE``), or that torchrun ended with SIGTERM once another had failed,
+    follows; when every failure is of that kind (a network fault), they are all listed."""
+
+    def follows(failure) -> bool:
+        return failure.exitcode in (LOST_PEER_EXIT_CODE, -_SIGTERM)
+
+    first = {r: f for r, f in failures.items() if not follows(f)} or failures
+    lost = [r for r, f in failures.items() if r not in first and f.exitcode > 0]
+    stopped = [r for r, f in failures.items() if r not in first and f.exitcode < 0]
+    then = [f"{_ranks(lost)} lost contact and stopped"] if lost else []
+    then += [f"{_ranks(stopped)} stopped by torchrun"] if stopped else []
+    line = "; ".join(_cause(rank, f) for rank, f in sorted(first.items()))
+    return line + (f" (then {'; '.join(then)})" if then else "")
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
+
+
 def _cause(rank: int, failure) -> str:
     """``rank 1 was killed by SIGKILL`` / ``rank 0 exited with code 124 (the hang watchdog)``."""
     if failure.exitcode < 0:
         return f"rank {rank} was killed by {failure.signal_name()}"
-    known = {124: " (the hang watchdog)", 1: " (an exception; its traceback is above)"}
+    known = {
+        124: " (the hang watchdog)",
+        1: " (an exception; its traceback is above)",
+        LOST_PEER_EXIT_CODE: " (a collective lost another rank)",
+    }
     return f"rank {rank} exited with code {failure.exitcode}{known.get(failure.exitcode, '')}"
 
 

@@ -2,7 +2,10 @@
 
 Parses the config, checks what needs torch, chooses the run (train | seed checkpoint | dry run)
 and maps its outcome to an exit code: 0 done, 2 bad input (one line, no traceback per rank),
-3 a non-finite step, 75 preempted with a checkpoint saved (``components/preemption.py``).
+3 a non-finite step, 4 another rank went away mid-collective (one line: the launcher reports
+that rank's failure as the cause), 75 preempted with a checkpoint saved
+(``components/preemption.py``). Any other exception propagates with its traceback, which the
+rank's log file also keeps.
 Launch several ranks with ``./run_train.sh``. The ``Trainer`` itself is in
 ``torchtitan.trainer``; nothing imports this module.
 """
@@ -12,6 +15,7 @@ import logging
 import os
 import sys
 import textwrap
+import traceback
 from collections.abc import Callable, Sequence
 
 import torch
@@ -22,8 +26,8 @@ from torchtitan.components.preemption import Preempted
 from torchtitan.components.train_state import NonFiniteError
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
-from torchtitan.config.manager import parse_args
-from torchtitan.config.validation import validate_environment
+from torchtitan.config.manager import named_config, parse_args
+from torchtitan.config.validation import ignored_settings, validate_environment
 from torchtitan.distributed import local_tensor
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import (
@@ -39,11 +43,14 @@ from torchtitan.trainer import Trainer
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, run, shut down; return the exit code."""
     init_logger()
+    log_file = None
     try:
         config = parse_args(argv)
-        quiet_known_torch_notices()
-        log_to_file(config.job.dump_folder)
+        quiet_known_torch_notices(cuda=dist_utils.device_type() == "cuda")
+        log_file = log_to_file(config.job.dump_folder)
         validate_environment(config, dist_utils.device_type())
+        for note in ignored_settings(config, named_config(argv)):
+            logger.warning(note)
         if config.comm.mode == "local_tensor" and config.debug.seed is None:
             # Simulated pipeline ranks run in threads that cannot share a drawn seed.
             config.debug.seed = int(torch.randint(0, 2**31 - 1, ()))
@@ -63,6 +70,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _stop(2, str(e))
     except NonFiniteError as e:
         return _stop(3, str(e))
+    except Exception as e:
+        log_to_files_only(logging.ERROR, "".join(traceback.format_exception(e)).rstrip())
+        if (words := dist_utils.lost_peer(e)) is None:
+            raise
+        # A consequence, not a cause: the rank that died is the story, and torchrun reports
+        # it. Thirty lines of this rank's stack inside a collective would bury it.
+        where = f"; traceback in {log_file}" if log_file else ""
+        logger.error(f"Stopping: another rank went away during a collective ({words}){where}")
+        return launcher.LOST_PEER_EXIT_CODE
     finally:
         dist_utils.shutdown()
 

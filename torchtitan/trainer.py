@@ -33,7 +33,6 @@ from torchtitan.components.train_state import NonFiniteError, StepResult, TrainS
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import save_resolved, to_toml
-from torchtitan.config.validation import ignored_settings
 from torchtitan.distributed import (
     ParallelDims,
     context_parallel,
@@ -130,8 +129,6 @@ class Trainer:
             agree=torch.distributed.is_initialized() and not dist_utils.fake_collectives()
         )  # fmt: skip
         self.preempted: preemption.Preempted | None = None  # what stopped the run, if a signal
-        for note in ignored_settings(config):
-            logger.warning(note)
 
     # ---- build steps -----------------------------------------------------------------------
 

@@ -127,7 +127,10 @@ def test_a_killed_rank_is_restarted_from_the_last_checkpoint(tmp_path, uninterru
     os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)
     out = _finish(proc)
     assert proc.returncode == 0, out[-3000:]
-    assert "[launcher] restart 1 of 1: " in out and "rank 1 was killed by SIGKILL" in out
+    assert "[launcher] restart 1 of 1: rank 1 was killed by SIGKILL" in out, out[-3000:]
+    # Rank 0, whose collective lost rank 1, says so in a line (the cause comes first in the
+    # launcher's), or was stopped by torchrun before it noticed: no traceback either way.
+    assert "Traceback" not in out, out[-3000:]
     assert _losses(tmp_path) == uninterrupted
     restart = next(e for e in _events(tmp_path) if e["event"] == "start" and e["restart"])
     assert restart["step"] == 5  # the last complete checkpoint before the kill

@@ -74,13 +74,31 @@ def parse_args(
         default=config,
         use_underscores=True,
         console_outputs=console_outputs,
-        # What users type (run_train.sh passes --help through to this parser).
-        prog="./run_train.sh",
+        prog=_prog(),
         description=_DESCRIPTION,
     )
     validate(config)
     resolve_auto(config)
     return config
+
+
+def named_config(argv: Sequence[str] | None = None) -> JobConfig:
+    """The named config that ``--module`` / ``--config`` in ``argv`` pick, before any TOML
+    file or flag is applied."""
+    selection = _select(list(sys.argv[1:] if argv is None else argv))
+    return load_registry_config(selection.module, selection.config)
+
+
+def _prog() -> str:
+    """What the user typed, for ``--help``'s usage line: ``./run_train.sh`` (which passes
+    ``--help`` to this module and says so in ``TITAN_HELP_PROG``) or the ``python -m`` module."""
+    if prog := os.environ.get("TITAN_HELP_PROG"):
+        return prog
+    entry = Path(sys.argv[0]).with_suffix("").as_posix()
+    for module in ("torchtitan.config.manager", "torchtitan.train"):
+        if entry.endswith("/" + module.replace(".", "/")):
+            return f"python -m {module}"
+    return "./run_train.sh"
 
 
 def load_registry_config(module_name: str, config_name: str) -> JobConfig:
@@ -150,6 +168,10 @@ def check_cli_flags(args: Sequence[str]) -> None:
         if normalized not in known:
             canonical = sorted(k for k in known if ".no_" not in k)
             hint = did_you_mean(normalized, canonical)
+            section, _, field = normalized.removeprefix("--no_").partition(".")
+            if normalized.startswith("--no_") and f"--{section}.no_{field}" in known:
+                # --no-metrics.report, as other tools spell it: here no_ follows the section.
+                hint = f" (a flag turns off with no_ after its section: --{section}.no_{field})"
             raise ConfigError(f"unknown flag {flag}{hint}; see --help for all flags")
         # --flag=value, or the words up to the next flag (several for a list field).
         values = [value] if has_value else list(itertools.takewhile(_not_a_flag, args[i + 1 :]))
@@ -405,4 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # --help | head: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)

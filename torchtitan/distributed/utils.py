@@ -275,6 +275,37 @@ def set_pg_timeouts(seconds: float) -> None:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
+# What a collective or the store raises on a rank whose peer died (gloo: the peer's socket
+# closed or reset; NCCL: the communicator aborted, the remote rank gone).
+_LOST_PEER_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "ncclRemoteError",
+)
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """The backend's own words when ``error`` (or what it was raised from) says that another
+    rank went away mid-collective, e.g. ``Connection closed by peer [127.0.0.1]:42693``;
+    ``None`` for any other error."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error)
+        for marker in _LOST_PEER_MARKERS:
+            if marker in text:
+                # "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [addr]:port.
+                # This is typically caused by ..." -> the middle sentence.
+                line = text.strip().splitlines()[0]
+                if line.startswith("[") and "] " in line:
+                    line = line.split("] ", 1)[1]
+                return line.split(". ")[0].rstrip(".")
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def shutdown() -> None:
     """Destroy the process group once every rank is done."""
     if dist.is_available() and dist.is_initialized():

@@ -63,17 +63,26 @@ class _DropMessages(logging.Filter):
         return not str(record.msg).startswith(self.starts)
 
 
-def quiet_known_torch_notices() -> None:
+def quiet_known_torch_notices(*, cuda: bool) -> None:
     """Torch notices that mean nothing to a user of a normal run (each checked to be benign
     here): DTensor's random-op support note on CPU meshes (our CPU init does not use DTensor
-    random ops), and the note on two sequential all-reduces when the gradient norm is reduced
-    over FSDP x TP (the norm is layout-invariant: tests/integration_tests/test_loss_compare.py)."""
+    random ops); the note on two sequential all-reduces when the gradient norm is reduced
+    over FSDP x TP (the norm is layout-invariant: tests/integration_tests/test_loss_compare.py);
+    inductor's note that it leaves complex operators to eager (RoPE's rotation, a few
+    elementwise ops per block; compiled blocks still equal eager ones in the numerics tests);
+    and, without CUDA, torchao's failure to load its CUDA kernels (mxfp8, CUTLASS), which
+    float8 training does not use."""
     warnings.filterwarnings(
         "ignore", message="DTensor random operators may not have complete support"
+    )
+    warnings.filterwarnings(
+        "ignore", message="Torchinductor does not support code generation for complex operators"
     )
     logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
         _DropMessages("While redistributing from")
     )
+    if not cuda:
+        logging.getLogger("torchao").addFilter(_DropMessages("Failed to load"))
 
 
 def log_to_files_only(level: int, message: str) -> None:

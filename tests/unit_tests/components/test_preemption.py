@@ -74,3 +74,32 @@ def test_a_preempted_run_that_saved_nothing_says_why(monkeypatch):
     monkeypatch.setattr(preemption.local_tensor, "is_simulating", lambda: True)
     message = preemption.stop(signal.SIGTERM, 4, checkpointer()).message()
     assert "nothing was saved (COMM_MODE=local_tensor never saves checkpoints)" in message
+
+
+class _Failure:
+    """What torchrun's ``ProcessFailure`` offers the launcher."""
+
+    def __init__(self, exitcode: int):
+        self.exitcode = exitcode
+
+    def signal_name(self) -> str:
+        return signal.Signals(-self.exitcode).name
+
+
+@pytest.mark.parametrize(
+    "codes, line",
+    [
+        ({1: -9, 0: 4}, "rank 1 was killed by SIGKILL (then rank 0 lost contact and stopped)"),
+        (
+            {0: 4, 1: 1, 2: -15, 3: 4},
+            "rank 1 exited with code 1 (an exception; its traceback is above) "
+            "(then ranks 0, 3 lost contact and stopped; rank 2 stopped by torchrun)",
+        ),
+        ({0: 124, 1: -15}, "rank 0 exited with code 124 (the hang watchdog) (then rank 1 stopped"),
+        # Nothing but consequences (a network fault): every rank is listed as it ended.
+        ({0: 4, 1: 4}, "rank 0 exited with code 4 (a collective lost another rank); rank 1 "),
+        ({0: -15, 1: -15}, "rank 0 was killed by SIGTERM; rank 1 was killed by SIGTERM"),
+    ],
+)
+def test_the_launcher_names_the_failure_that_started_it_first(codes, line):
+    assert launcher._causes({r: _Failure(c) for r, c in codes.items()}).startswith(line)

@@ -161,6 +161,12 @@ def test_unknown_cli_flag_names_it_and_suggests(argv: str) -> None:
     assert expected in config_error(*argv.split())
 
 
+@pytest.mark.parametrize("flag", ["--no-metrics.report", "--no_metrics.report"])
+def test_a_boolean_turned_off_before_its_section_is_shown_the_spelling(flag: str) -> None:
+    expected = f"unknown flag {flag} (a flag turns off with no_ after its section: "
+    assert expected + "--metrics.no_report)" in config_error(flag)
+
+
 def test_unknown_cli_flag_without_close_match_has_no_suggestion() -> None:
     message = config_error("--zzzz.qqqq", "1")
     assert "unknown flag --zzzz.qqqq" in message and "did you mean" not in message
@@ -523,6 +529,8 @@ def test_cli_help_lists_flags_and_docstrings(cli_runs) -> None:
         assert text in run.stdout
     # Field docstrings become help, with the registry's value shown as the default.
     assert re.search(r"Tokens per training sequence\.\s*\(default: 512\)", run.stdout)
+    # The usage line names what was run (./run_train.sh --help says ./run_train.sh).
+    assert run.stdout.startswith("usage: python -m torchtitan.config.manager [-h]"), run.stdout
 
 
 def test_cli_bad_value_exits_2_naming_the_flag(cli_runs) -> None:
@@ -828,5 +836,39 @@ def test_settings_of_a_feature_that_is_off_are_named_as_ignored() -> None:
         "--validation.freq", "3", "--training.steps", "10",
     )  # fmt: skip
     assert ignored_settings(on) == []
-    # The named configs set nothing they leave off.
     assert ignored_settings(parse("--module", "llama3", "--config", "llama3_8b")) == []
+
+
+def test_what_the_named_config_sets_for_a_feature_it_leaves_off_is_not_reported() -> None:
+    from torchtitan.config.manager import named_config
+    from torchtitan.config.validation import ignored_settings
+
+    # llama3_debugmodel sets an interval for when checkpointing is turned on.
+    plain = named_config(["--training.steps", "20"])
+    assert plain.checkpoint.interval != JobConfig().checkpoint.interval
+    assert not plain.checkpoint.enable
+    assert ignored_settings(parse("--training.steps", "20"), plain) == []
+    argv = ["--training.steps", "20", "--checkpoint.interval", "5"]
+    assert ignored_settings(parse(*argv), named_config(argv)) == [
+        "--checkpoint.interval 5 is ignored without --checkpoint.enable"
+    ]
+
+
+# --- ./run_train.sh picks the named config ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "module"),
+    [({"MODULE": "deepseek_v3"}, [], "deepseek_v3"), ({}, ["--module", "qwen3"], "qwen3")],
+)
+def test_run_train_sh_takes_the_modules_debug_config_without_a_config(env, argv, module) -> None:
+    """``MODULE=x`` or ``--module x`` alone means ``x_debugmodel`` (it used to pass
+    ``llama3_debugmodel`` along and be refused); ``--help`` shows that config's values."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("MODULE", "CONFIG", "RANK")}
+    run = subprocess.run(
+        ["./run_train.sh", *argv, "--help"], cwd=REPO_ROOT, capture_output=True, text=True,
+        env=clean | env | {"COLUMNS": "80"}, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("usage: ./run_train.sh [-h]"), run.stdout[:200]
+    assert re.search(rf"--model.name STR\s.*?\(default: {module}\)", run.stdout, re.S)

@@ -1,0 +1,47 @@
+"""A rank whose collective lost another rank is told apart from one that failed by itself
+(``train.py`` then says so in one line and exits ``launcher.LOST_PEER_EXIT_CODE``)."""
+
+import pytest
+
+from torchtitan.distributed.utils import lost_peer
+
+# Raised in rank 0 by torch 2.13's gloo when rank 1 was killed mid-step (seen both ways).
+CLOSED = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+    "by peer [127.0.0.1]:42693. This is typically caused by a remote worker crashing. Check the "
+    "logs of the remote worker."
+)
+RESET = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+    "[127.0.0.1]:61077: Connection reset by peer. This is typically caused by a remote worker "
+    "hanging or bugs in the application."
+)
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        (CLOSED, "Connection closed by peer [127.0.0.1]:42693"),
+        (RESET, "Read error [127.0.0.1]:61077: Connection reset by peer"),
+    ],
+)
+def test_the_backends_words_are_kept_without_the_source_path(text, words):
+    assert lost_peer(RuntimeError(text)) == words
+
+
+def test_a_lost_peer_is_found_under_the_error_raised_from_it():
+    try:
+        try:
+            raise RuntimeError(CLOSED)
+        except RuntimeError as e:
+            raise ValueError("checkpoint save failed on rank 0") from e
+    except ValueError as wrapped:
+        assert lost_peer(wrapped) == "Connection closed by peer [127.0.0.1]:42693"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"), KeyError("peer")],
+)
+def test_other_errors_are_not_a_lost_peer(error):
+    assert lost_peer(error) is None
