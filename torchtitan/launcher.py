@@ -6,8 +6,11 @@ line to a file in a folder this launcher makes (``TITAN_FAILURE_DIR``) instead o
 When the job fails, the launcher prints the line of the rank that failed first, prefixed by the
 rank, whatever ``LOG_RANK`` shows, and exits with that rank's code. torchrun's own report (a
 ``ChildFailedError`` traceback naming only an exit code) is printed only for failures that are
-not refusals: crashes, kills and unexpected exceptions, whose traceback is what a user needs.
-``run_train.sh`` and ``multinode_trainer.slurm`` start ranks through it.
+not refusals: crashes, kills and unexpected exceptions, whose traceback is what a user needs,
+followed by one line that names the failure that started it before the ranks that only followed
+(a rank whose collective lost the dead one exits with ``LOST_PEER_EXIT_CODE`` after one line of
+its own; torchrun ends the others with SIGTERM). ``run_train.sh`` and
+``multinode_trainer.slurm`` start ranks through it.
 
 Two more things a long job needs:
 

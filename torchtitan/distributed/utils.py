@@ -293,7 +293,9 @@ def lost_peer(error: BaseException) -> str | None:
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        text = str(error)
+        # torch's backends raise RuntimeError (DistBackendError, DistNetworkError); an OSError
+        # such as BrokenPipeError is this process's own pipe (a dataloader worker that died).
+        text = str(error) if isinstance(error, RuntimeError) else ""
         for marker in _LOST_PEER_MARKERS:
             if marker in text:
                 # "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [addr]:port.

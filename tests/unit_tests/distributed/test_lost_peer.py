@@ -41,7 +41,13 @@ def test_a_lost_peer_is_found_under_the_error_raised_from_it():
 
 @pytest.mark.parametrize(
     "error",
-    [RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"), KeyError("peer")],
+    [
+        RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"),
+        KeyError("peer"),
+        # This process's own pipe (a dataloader worker that died), not another rank.
+        BrokenPipeError(32, "Broken pipe"),
+        ConnectionResetError(104, "Connection reset by peer"),
+    ],
 )
 def test_other_errors_are_not_a_lost_peer(error):
     assert lost_peer(error) is None
