@@ -41,7 +41,7 @@ from torchtitan.distributed import (
 )
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.models.spec import ParallelizeContext, get_model_spec
-from torchtitan.tools import comm_trace, profiling
+from torchtitan.tools import comm_trace, memory_estimate, profiling
 from torchtitan.tools.gc import gc_every
 from torchtitan.tools.logging import logger
 from torchtitan.tools.memory_estimate import held_mib
@@ -79,6 +79,10 @@ class Trainer:
             lora.check_added(part, config.lora, config.model.name)
         self._log_parameters()
         if not on_meta:
+            if self.device.type == "cpu":  # on a GPU the state lives in the device's memory
+                memory_estimate.check_host_memory(
+                    self.model_parts, config, builds_whole=self.parallel_dims.meshes_built
+                )
             self.init_weights()
         self.runner = BatchRunner(
             self.model_parts,

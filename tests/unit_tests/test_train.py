@@ -136,6 +136,40 @@ def test_missing_tokenizer_is_one_clear_line(tmp_path, capfd):
     assert "--model.tokenizer_path" in err
 
 
+def test_a_model_too_large_for_this_machine_is_refused_before_its_weights_are_made(
+    tmp_path, capfd, monkeypatch
+):
+    """The debug model's 5,770,496 float32 weights, their gradients and AdamW's two states:
+    88.1 MiB, refused on a machine of 60 MiB (8B on this 24 GiB one: 119.66 GiB)."""
+    from torchtitan.tools import memory_estimate
+
+    monkeypatch.setattr(memory_estimate, "host_memory_bytes", lambda: 60 * 2**20)
+    flags = [*SMALL, "--training.steps", "1", "--job.dump_folder", str(tmp_path)]
+    err = _main_error(capfd, *flags)
+    assert (
+        "--model.flavor debugmodel of llama3 needs at least 88.1 MiB of memory on this machine "
+        "(1 rank: weights, gradients and optimizer state), more than its 60.0 MiB" in err
+    )
+    assert not (tmp_path / "metrics.jsonl").exists()
+    monkeypatch.setattr(memory_estimate, "host_memory_bytes", lambda: 89 * 2**20)
+    assert main(flags) == 0
+
+
+@pytest.mark.parametrize(
+    ("trainable", "builds_whole", "per_rank"),
+    [(10, False, 40), (10, True, 40), (1, True, 30), (1, False, 13)],
+)
+def test_the_host_need_is_the_larger_of_the_state_and_the_start_up_build(
+    trainable, builds_whole, per_rank
+):
+    """A rank's 10 bytes of a 20-byte model: steady state 10 + trainable x (gradient + 2
+    AdamW states); building the whole model at start-up holds 20 + 10 (LoRA: few trainable)."""
+    from torchtitan.tools.memory_estimate import HostNeed
+
+    need = HostNeed(10, trainable, 20, optimizer_states=2, builds_whole=builds_whole, ranks=3)
+    assert (need.per_rank, need.total) == (per_rank, 3 * per_rank)
+
+
 def test_missing_dataset_path_is_one_clear_line(tmp_path, capfd):
     err = _main_error(
         capfd,

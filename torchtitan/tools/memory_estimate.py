@@ -9,6 +9,7 @@ optimizer-state bytes are also counted exactly on the full-depth (meta) model.
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -16,6 +17,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
+from torchtitan.config import JobConfig
+from torchtitan.config.errors import ConfigError
 from torchtitan.tools.logging import logger
 
 GiB = 2**30
@@ -204,3 +207,92 @@ def extrapolate_peak(
         if k != "Total"
     }
     return peak | {"Total": sum(peak.values())}
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's memory (``MemTotal``); ``None`` where ``/proc/meminfo`` is not there."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class HostNeed:
+    """A lower bound of what the ranks of one machine hold at once, for a CPU run: each rank's
+    parameters, and for its trainable ones a gradient and ``optimizer_states`` states (AdamW
+    2, Muon at least 1); at start-up each rank also builds the whole model once (the
+    one-process initialisation that multi-rank CPU runs cut their shards from)."""
+
+    local: int
+    trainable: int
+    whole: int
+    optimizer_states: int
+    builds_whole: bool
+    ranks: int
+
+    @property
+    def per_rank(self) -> int:
+        steady = self.local + self.trainable * (1 + self.optimizer_states)
+        return max(steady, self.whole + self.local if self.builds_whole else 0)
+
+    @property
+    def total(self) -> int:
+        return self.per_rank * self.ranks
+
+
+def host_need(
+    model_parts: Sequence[nn.Module], *, optimizer_states: int, builds_whole: bool, ranks: int
+) -> HostNeed:
+    """:class:`HostNeed` of parallelized model parts (on meta, before they are materialised).
+    ``whole`` counts the parts' parameters at their full size (a DTensor's global shape): the
+    whole model without pipeline parallelism, this rank's stages with it (a lower bound)."""
+    params = [p for part in model_parts for p in part.parameters()]
+    return HostNeed(
+        local=local_bytes(params),
+        trainable=local_bytes(p for p in params if p.requires_grad),
+        whole=sum(p.numel() * p.element_size() for p in params),
+        optimizer_states=optimizer_states,
+        builds_whole=builds_whole,
+        ranks=ranks,
+    )
+
+
+def host_shortfall(need: HostNeed, available: int | None) -> str | None:
+    """Why ``need`` cannot fit a machine of ``available`` bytes, or ``None`` when it may."""
+    if available is None or need.total <= available:
+        return None
+    size = lambda n: format_bytes(n).strip()  # noqa: E731
+    ranks = f"{need.ranks} ranks x {size(need.per_rank)}" if need.ranks > 1 else "1 rank"
+    return (
+        f"needs at least {size(need.total)} of memory on this machine ({ranks}: weights, "
+        f"gradients and optimizer state"
+        f"{', and the whole model once at start-up' if need.builds_whole else ''}), more than "
+        f"its {size(available)}"
+    )
+
+
+def check_host_memory(
+    model_parts: Sequence[nn.Module], config: JobConfig, *, builds_whole: bool
+) -> None:
+    """Refuse a CPU run whose weights, gradients and optimizer state cannot fit this machine,
+    before they are made (parts parallelized on meta): the kernel would kill a rank without
+    a word of why. ``builds_whole``: the ranks build the one-process initialisation."""
+    if config.comm.mode != "default":  # simulations hold no real state
+        return
+    need = host_need(
+        model_parts,
+        optimizer_states=1 if config.optimizer.name == "Muon" else 2,
+        builds_whole=builds_whole,
+        ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+    )
+    if (why := host_shortfall(need, host_memory_bytes())) is not None:
+        raise ConfigError(
+            f"--model.flavor {config.model.flavor} of {config.model.name} {why}: train a "
+            f"smaller flavor, or spread the ranks over more machines; COMM_MODE=fake_backend "
+            f"estimates any layout's memory without the weights (docs/debugging.md)"
+        )
