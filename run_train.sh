@@ -54,10 +54,11 @@ SELECT=()
 if [ -n "${MODULE:-}" ]; then SELECT+=(--module "$MODULE"); fi
 if [ -n "${CONFIG:-}" ]; then SELECT+=(--config "$CONFIG"); fi
 COMM_MODE=${COMM_MODE:-}
+export TITAN_HELP_PROG=./run_train.sh  # what usage lines (--help, a bad value) name
 
 for arg in "$@"; do
   if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then
-    TITAN_HELP_PROG=./run_train.sh exec "$PYTHON" -m torchtitan.config.manager "${SELECT[@]}" "$@"
+    exec "$PYTHON" -m torchtitan.config.manager ${SELECT[@]+"${SELECT[@]}"} "$@"
   fi
 done
 
@@ -71,13 +72,14 @@ esac
 
 # Resolve and validate the config in one light process (no torch import) before starting ranks,
 # so a typo gives one clear line instead of one error per rank.
-WORLD_SIZE=$NGPU "$PYTHON" -m torchtitan.config.manager --check "${SELECT[@]}" "${MODE_ARGS[@]}" "$@"
+WORLD_SIZE=$NGPU "$PYTHON" -m torchtitan.config.manager --check \
+  ${SELECT[@]+"${SELECT[@]}"} ${MODE_ARGS[@]+"${MODE_ARGS[@]}"} "$@"
 
 if [ -n "$COMM_MODE" ]; then
   # One process, no torchrun: fake_backend plays rank $RANK of $NGPU; local_tensor
   # simulates all $NGPU ranks. See docs/debugging.md.
   WORLD_SIZE=$NGPU RANK=${RANK:-0} LOCAL_RANK=0 exec "$PYTHON" -m torchtitan.train \
-    "${SELECT[@]}" "${MODE_ARGS[@]}" "$@"
+    ${SELECT[@]+"${SELECT[@]}"} ${MODE_ARGS[@]+"${MODE_ARGS[@]}"} "$@"
 fi
 
 # torchrun through torchtitan.launcher: a rank's refusal comes back as its one line and exit
@@ -86,4 +88,4 @@ exec "$PYTHON" -m torchtitan.launcher \
   --nproc_per_node="$NGPU" --max-restarts "$MAX_RESTARTS" \
   --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  -m torchtitan.train "${SELECT[@]}" "$@"
+  -m torchtitan.train ${SELECT[@]+"${SELECT[@]}"} "$@"

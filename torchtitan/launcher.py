@@ -9,7 +9,7 @@ rank, whatever ``LOG_RANK`` shows, and exits with that rank's code. torchrun's o
 not refusals: crashes, kills and unexpected exceptions, whose traceback is what a user needs,
 followed by one line that names the failure that started it before the ranks that only followed
 (a rank whose collective lost the dead one exits with ``LOST_PEER_EXIT_CODE`` after one line of
-its own; torchrun ends the others with SIGTERM). ``run_train.sh`` and
+its own; torchrun ends the others). ``run_train.sh`` and
 ``multinode_trainer.slurm`` start ranks through it.
 
 Two more things a long job needs:
@@ -212,16 +212,21 @@ def _report_restarts(folder: str) -> None:
 
 def _causes(failures: dict) -> str:
     """The ranks' failures, those that started it first: ``rank 1 was killed by SIGKILL (then
-    rank 0 lost contact and stopped)``. A rank that stopped because a collective lost a peer
-    (``LOST_PEER_EXIT_CODE``), or that torchrun ended with SIGTERM once another had failed,
-    follows; when every failure is of that kind (a network fault), they are all listed."""
+    rank 0 lost contact and stopped)``. Following are a rank that stopped because a collective
+    lost a peer (``LOST_PEER_EXIT_CODE``), one ended by SIGTERM, and one that ended after the
+    first failures torchrun saw (its ``timestamp``, in seconds, is later: torchrun stops the
+    other ranks then, with SIGTERM and after a while SIGKILL, and a rank hung on a dead peer
+    under NCCL ends that way or by its own watchdog). When every failure is of that kind (a
+    network fault), they are all listed."""
+    earliest = min(f.timestamp for f in failures.values())
 
     def follows(failure) -> bool:
-        return failure.exitcode in (LOST_PEER_EXIT_CODE, -_SIGTERM)
+        late = failure.timestamp > earliest
+        return late or failure.exitcode in (LOST_PEER_EXIT_CODE, -_SIGTERM)
 
     first = {r: f for r, f in failures.items() if not follows(f)} or failures
-    lost = [r for r, f in failures.items() if r not in first and f.exitcode > 0]
-    stopped = [r for r, f in failures.items() if r not in first and f.exitcode < 0]
+    lost = [r for r, f in failures.items() if r not in first and f.exitcode == LOST_PEER_EXIT_CODE]
+    stopped = [r for r, f in failures.items() if r not in first and r not in lost]
     then = [f"{_ranks(lost)} lost contact and stopped"] if lost else []
     then += [f"{_ranks(stopped)} stopped by torchrun"] if stopped else []
     line = "; ".join(_cause(rank, f) for rank, f in sorted(first.items()))

@@ -147,7 +147,7 @@ def test_a_model_too_large_for_this_machine_is_refused_before_its_weights_are_ma
     flags = [*SMALL, "--training.steps", "1", "--job.dump_folder", str(tmp_path)]
     err = _main_error(capfd, *flags)
     assert (
-        "--model.flavor debugmodel of llama3 needs at least 88.1 MiB of memory on this machine "
+        "--model.flavor debugmodel of llama3 needs at least 88.1 MiB of memory and swap on this machine "
         "(1 rank: weights, gradients and optimizer state), more than its 60.0 MiB" in err
     )
     assert not (tmp_path / "metrics.jsonl").exists()
@@ -156,18 +156,29 @@ def test_a_model_too_large_for_this_machine_is_refused_before_its_weights_are_ma
 
 
 @pytest.mark.parametrize(
-    ("trainable", "builds_whole", "per_rank"),
-    [(10, False, 40), (10, True, 40), (1, True, 30), (1, False, 13)],
+    ("lora", "builds_whole", "trains", "per_rank"),
+    [
+        (False, False, True, 4),  # weights, gradients, AdamW's two states
+        (False, True, True, 4),  # the whole model (1) at start-up, beside the weights (1)
+        (True, True, True, 2),  # LoRA: next to nothing trains; the start-up build is the most
+        (True, False, True, 1),
+        (False, False, False, 1),  # a seed checkpoint: no gradient, no optimizer state
+    ],
 )
 def test_the_host_need_is_the_larger_of_the_state_and_the_start_up_build(
-    trainable, builds_whole, per_rank
+    tmp_path, lora, builds_whole, trains, per_rank
 ):
-    """A rank's 10 bytes of a 20-byte model: steady state 10 + trainable x (gradient + 2
-    AdamW states); building the whole model at start-up holds 20 + 10 (LoRA: few trainable)."""
-    from torchtitan.tools.memory_estimate import HostNeed
+    """In units of the debug model's weights (one process: its share is the whole model)."""
+    from torchtitan.tools.memory_estimate import host_need
 
-    need = HostNeed(10, trainable, 20, optimizer_states=2, builds_whole=builds_whole, ranks=3)
-    assert (need.per_rank, need.total) == (per_rank, 3 * per_rank)
+    flags = ["--training.steps", "1", "--job.dump_folder", str(tmp_path)]
+    trainer = Trainer(parse_args([*flags, *(["--lora.rank", "2"] if lora else [])]), on_meta=True)
+    weights = sum(p.numel() * 4 for p in trainer.model_parts[0].parameters())
+    need = host_need(
+        trainer.model_parts, optimizer_states=2, trains=trains, builds_whole=builds_whole, ranks=3
+    )
+    assert need.per_rank == pytest.approx(per_rank * weights, rel=0.05)  # LoRA's 1% trains
+    assert need.total == 3 * need.per_rank
 
 
 def test_missing_dataset_path_is_one_clear_line(tmp_path, capfd):

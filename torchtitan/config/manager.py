@@ -94,6 +94,8 @@ def _prog() -> str:
     ``--help`` to this module and says so in ``TITAN_HELP_PROG``) or the ``python -m`` module."""
     if prog := os.environ.get("TITAN_HELP_PROG"):
         return prog
+    if not sys.argv or not sys.argv[0]:  # an interpreter's prompt
+        return "./run_train.sh"
     entry = Path(sys.argv[0]).with_suffix("").as_posix()
     for module in ("torchtitan.config.manager", "torchtitan.train"):
         if entry.endswith("/" + module.replace(".", "/")):

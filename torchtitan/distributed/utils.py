@@ -275,35 +275,40 @@ def set_pg_timeouts(seconds: float) -> None:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
-# What a collective or the store raises on a rank whose peer died (gloo: the peer's socket
-# closed or reset; NCCL: the communicator aborted, the remote rank gone).
+# What a collective or the store raises on a rank whose peer died: gloo, the peer's socket
+# closed or reset; NCCL, ncclRemoteError ("remote process exited or there was a network error").
 _LOST_PEER_MARKERS = (
     "Connection closed by peer",
     "Connection reset by peer",
     "Broken pipe",
-    "NCCL communicator was aborted",
-    "ncclRemoteError",
+    "remote process exited",
 )
 
 
 def lost_peer(error: BaseException) -> str | None:
     """The backend's own words when ``error`` (or what it was raised from) says that another
     rank went away mid-collective, e.g. ``Connection closed by peer [127.0.0.1]:42693``;
-    ``None`` for any other error."""
+    ``None`` for any other error.
+
+    Only errors of the backends count: torch's ``DistError`` family (NCCL, the store) and gloo's
+    (a plain ``RuntimeError`` whose first line names its source under ``gloo/``), read on their
+    first line. A dataloader worker's network error re-raised as a ``RuntimeError`` holds the
+    same words deeper in its text, and an ``OSError`` (``BrokenPipeError``) is this process's
+    own pipe: both keep their tracebacks."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        # torch's backends raise RuntimeError (DistBackendError, DistNetworkError); an OSError
-        # such as BrokenPipeError is this process's own pipe (a dataloader worker that died).
-        text = str(error) if isinstance(error, RuntimeError) else ""
-        for marker in _LOST_PEER_MARKERS:
-            if marker in text:
-                # "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [addr]:port.
-                # This is typically caused by ..." -> the middle sentence.
-                line = text.strip().splitlines()[0]
-                if line.startswith("[") and "] " in line:
-                    line = line.split("] ", 1)[1]
-                return line.split(". ")[0].rstrip(".")
+        text = str(error).strip()
+        first = text.splitlines()[0] if text else ""
+        backend = isinstance(error, dist.DistError) or (
+            isinstance(error, RuntimeError) and first.startswith("[") and "/gloo/" in first
+        )
+        if backend and any(marker in first for marker in _LOST_PEER_MARKERS):
+            # "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [addr]:port.
+            # This is typically caused by ..." -> the middle sentence.
+            if first.startswith("[") and "] " in first:
+                first = first.split("] ", 1)[1]
+            return first.split(". ")[0].rstrip(".")
         error = error.__cause__ or error.__context__
     return None
 

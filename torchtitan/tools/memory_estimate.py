@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
@@ -210,35 +211,32 @@ def extrapolate_peak(
 
 
 def host_memory_bytes() -> int | None:
-    """This machine's memory (``MemTotal``); ``None`` where ``/proc/meminfo`` is not there."""
+    """This machine's memory and swap (``MemTotal + SwapTotal``: the kernel kills a process
+    only when both are full); ``None`` where ``/proc/meminfo`` is not there."""
+    sizes = {}
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
+                name, _, value = line.partition(":")
+                if name in ("MemTotal", "SwapTotal"):
+                    sizes[name] = int(value.split()[0]) * 1024
     except (OSError, ValueError, IndexError):
         return None
-    return None
+    return sum(sizes.values()) if "MemTotal" in sizes else None
 
 
 @dataclasses.dataclass(frozen=True)
 class HostNeed:
-    """A lower bound of what the ranks of one machine hold at once, for a CPU run: each rank's
-    parameters, and for its trainable ones a gradient and ``optimizer_states`` states (AdamW
-    2, Muon at least 1); at start-up each rank also builds the whole model once (the
-    one-process initialisation that multi-rank CPU runs cut their shards from)."""
+    """A lower bound of what the ranks of one machine hold at once in a CPU run.
 
-    local: int
-    trainable: int
-    whole: int
-    optimizer_states: int
-    builds_whole: bool
+    ``per_rank``: what the rank holding least holds (``host_need``: its parameters, and for
+    the trainable ones a gradient and the optimizer's states (AdamW 2, Muon at least 1) when
+    the run trains; at start-up also the whole model once, the one-process initialisation
+    that multi-rank CPU runs cut their shards from), times the ``ranks`` of the machine."""
+
+    per_rank: int
     ranks: int
-
-    @property
-    def per_rank(self) -> int:
-        steady = self.local + self.trainable * (1 + self.optimizer_states)
-        return max(steady, self.whole + self.local if self.builds_whole else 0)
+    builds_whole: bool
 
     @property
     def total(self) -> int:
@@ -246,20 +244,24 @@ class HostNeed:
 
 
 def host_need(
-    model_parts: Sequence[nn.Module], *, optimizer_states: int, builds_whole: bool, ranks: int
+    model_parts: Sequence[nn.Module],
+    *,
+    optimizer_states: int,
+    trains: bool,
+    builds_whole: bool,
+    ranks: int,
 ) -> HostNeed:
-    """:class:`HostNeed` of parallelized model parts (on meta, before they are materialised).
-    ``whole`` counts the parts' parameters at their full size (a DTensor's global shape): the
-    whole model without pipeline parallelism, this rank's stages with it (a lower bound)."""
+    """:class:`HostNeed` of this rank's parallelized model parts (on meta, before they are
+    materialised). The whole model is counted from the parts' parameters at their full size (a
+    DTensor's global shape): all of it without pipeline parallelism, this rank's stages with
+    it (less than the whole: still a lower bound)."""
     params = [p for part in model_parts for p in part.parameters()]
-    return HostNeed(
-        local=local_bytes(params),
-        trainable=local_bytes(p for p in params if p.requires_grad),
-        whole=sum(p.numel() * p.element_size() for p in params),
-        optimizer_states=optimizer_states,
-        builds_whole=builds_whole,
-        ranks=ranks,
-    )
+    local = local_bytes(params)
+    trainable = local_bytes(p for p in params if p.requires_grad) if trains else 0
+    steady = local + trainable * (1 + optimizer_states)
+    whole = sum(p.numel() * p.element_size() for p in params)
+    start = whole + local if builds_whole else 0
+    return HostNeed(max(steady, start), ranks, builds_whole)
 
 
 def host_shortfall(need: HostNeed, available: int | None) -> str | None:
@@ -269,8 +271,8 @@ def host_shortfall(need: HostNeed, available: int | None) -> str | None:
     size = lambda n: format_bytes(n).strip()  # noqa: E731
     ranks = f"{need.ranks} ranks x {size(need.per_rank)}" if need.ranks > 1 else "1 rank"
     return (
-        f"needs at least {size(need.total)} of memory on this machine ({ranks}: weights, "
-        f"gradients and optimizer state"
+        f"needs at least {size(need.total)} of memory and swap on this machine ({ranks}: "
+        f"weights, gradients and optimizer state"
         f"{', and the whole model once at start-up' if need.builds_whole else ''}), more than "
         f"its {size(available)}"
     )
@@ -281,15 +283,22 @@ def check_host_memory(
 ) -> None:
     """Refuse a CPU run whose weights, gradients and optimizer state cannot fit this machine,
     before they are made (parts parallelized on meta): the kernel would kill a rank without
-    a word of why. ``builds_whole``: the ranks build the one-process initialisation."""
+    a word of why. ``builds_whole``: the ranks build the one-process initialisation. Ranks
+    hold different shares (pipeline stages, uneven shards): the bound takes the least any
+    rank holds, times the ranks of a machine, so that every rank gives the same answer."""
     if config.comm.mode != "default":  # simulations hold no real state
         return
     need = host_need(
         model_parts,
         optimizer_states=1 if config.optimizer.name == "Muon" else 2,
+        trains=not config.checkpoint.create_seed_checkpoint,
         builds_whole=builds_whole,
         ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
     )
+    if dist.is_initialized():
+        least = torch.tensor([need.per_rank], dtype=torch.int64)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)
+        need = dataclasses.replace(need, per_rank=int(least.item()))
     if (why := host_shortfall(need, host_memory_bytes())) is not None:
         raise ConfigError(
             f"--model.flavor {config.model.flavor} of {config.model.name} {why}: train a "

@@ -79,8 +79,8 @@ def test_a_preempted_run_that_saved_nothing_says_why(monkeypatch):
 class _Failure:
     """What torchrun's ``ProcessFailure`` offers the launcher."""
 
-    def __init__(self, exitcode: int):
-        self.exitcode = exitcode
+    def __init__(self, exitcode: int, timestamp: int = 100):
+        self.exitcode, self.timestamp = exitcode, timestamp
 
     def signal_name(self) -> str:
         return signal.Signals(-self.exitcode).name
@@ -103,3 +103,15 @@ class _Failure:
 )
 def test_the_launcher_names_the_failure_that_started_it_first(codes, line):
     assert launcher._causes({r: _Failure(c) for r, c in codes.items()}).startswith(line)
+
+
+def test_a_rank_that_ended_after_the_first_failures_follows_them_whatever_its_code():
+    """Under NCCL a rank hung on the dead one ends when torchrun kills it (SIGKILL, after
+    SIGTERM's grace) or its own watchdog aborts it: later than the failure it follows."""
+    failures = {0: _Failure(-9, timestamp=131), 1: _Failure(1, timestamp=100)}
+    assert launcher._causes(failures) == (
+        "rank 1 exited with code 1 (an exception; its traceback is above) "
+        "(then rank 0 stopped by torchrun)"
+    )
+    failures[2] = _Failure(-6, timestamp=140)  # NCCL's watchdog: SIGABRT
+    assert launcher._causes(failures).endswith("(then ranks 0, 2 stopped by torchrun)")

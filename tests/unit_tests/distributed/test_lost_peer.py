@@ -2,6 +2,7 @@
 (``train.py`` then says so in one line and exits ``launcher.LOST_PEER_EXIT_CODE``)."""
 
 import pytest
+import torch
 
 from torchtitan.distributed.utils import lost_peer
 
@@ -39,9 +40,28 @@ def test_a_lost_peer_is_found_under_the_error_raised_from_it():
         assert lost_peer(wrapped) == "Connection closed by peer [127.0.0.1]:42693"
 
 
+def test_the_store_and_nccl_report_through_torchs_distributed_errors():
+    store = torch.distributed.DistNetworkError("Broken pipe")
+    assert lost_peer(store) == "Broken pipe"
+    # NCCL's wording for ncclRemoteError (the error name itself is on the second line).
+    nccl = torch.distributed.DistBackendError(
+        "NCCL error in: ProcessGroupNCCL.cpp:2073, remote process exited or there was a network "
+        "error, NCCL version 2.27.5\nncclRemoteError: A call failed possibly due to a network "
+        "error or a remote process exiting prematurely."
+    )
+    assert lost_peer(nccl) is not None
+
+
 @pytest.mark.parametrize(
     "error",
     [
+        # A dataloader worker's exception, re-raised with the worker's traceback as its text.
+        RuntimeError(
+            "Caught ClientConnectorError in DataLoader worker process 0.\nOriginal Traceback "
+            "(most recent call last):\n  ...\nConnection reset by peer"
+        ),
+        # The words on the first line, but not from a backend.
+        RuntimeError("Connection reset by peer while reading https://example.com/c4.json.gz"),
         RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"),
         KeyError("peer"),
         # This process's own pipe (a dataloader worker that died), not another rank.
