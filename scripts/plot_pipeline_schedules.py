@@ -2,6 +2,9 @@
 
     python scripts/plot_pipeline_schedules.py                      # P=2 ranks, m=4, figures
     python scripts/plot_pipeline_schedules.py --pp 4 --microbatches 8 16 --no-plot
+    python scripts/plot_pipeline_schedules.py --out docs/images    # redraw docs/pipeline.md's
+
+Figures go to ``outputs/pipeline_schedules/pipeline_<schedule>.png`` unless ``--out`` says.
 
 The per-rank action lists come from torch (``torch.distributed.pipelining``'s schedule
 lowering, through its ``_schedule_visualizer.get_schedule_ops``) for the multi-stage schedules;
@@ -16,7 +19,6 @@ from pathlib import Path
 
 from torchtitan.distributed.pipeline_timeline import action_lists, bubble, simulate
 
-REPO = Path(__file__).resolve().parents[1]
 COLOURS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
 SCHEDULES = {  # name: stages per rank
     "GPipe": 1,
@@ -76,7 +78,7 @@ def main() -> None:
     )
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "images")
+    parser.add_argument("--out", type=Path, default=Path("outputs") / "pipeline_schedules")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args()
     print(f"ideal bubble, {args.pp} ranks (1F1B-style formula (P-1)/(m+P-1) for reference)")

@@ -80,9 +80,11 @@ def print_sample(trainer, validation) -> None:
 
     dims = trainer.parallel_dims
     if dims.tp_enabled or dims.cp_enabled or dims.pp_enabled or trainer.tokenizer is None:
+        saved = trainer.config.checkpoint.enable
+        after = "on the last checkpoint" if saved else "on a checkpoint (--checkpoint.enable)"
         logger.info(
             "--validation.sample_prompt: no sample under tensor, context or pipeline "
-            "parallelism; run python -m torchtitan.generate on the checkpoint"
+            f"parallelism; run python -m torchtitan.generate {after}"
         )
         return
     (model,) = trainer.model_parts
@@ -187,7 +189,9 @@ def load_model(
         for name, buffer in persistent_buffers(model):  # e.g. an MoE routing bias: it routes
             if name in state:
                 buffer.copy_(state[name].to(device, buffer.dtype))
-    print(f"Loaded {spec.name} {flavor} from {path}", file=sys.stderr)
+    # One line, not one per tensor-parallel rank.
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f"Loaded {spec.name} {flavor} from {path}", file=sys.stderr)
     return model.eval(), args, tokenizer
 
 
@@ -249,8 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     from torchtitan.components.sft_data import load_chat_template
     from torchtitan.components.tokenizer import build_tokenizer
     from torchtitan.distributed import utils as dist_utils
+    from torchtitan.tools.logging import quiet_known_torch_notices
 
     device = dist_utils.local_device()
+    quiet_known_torch_notices(cuda=device.type == "cuda")
     try:
         model, args, tokenizer_path = load_model(a.checkpoint, a.module, a.flavor, device, a.tp)
         tokenizer = build_tokenizer(a.tokenizer or tokenizer_path)

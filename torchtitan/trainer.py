@@ -241,6 +241,12 @@ class Trainer:
         n_params = sum(p.numel() for _, p in named)
         c = self.config
         line = f"Model {c.model.name} {c.model.flavor}: {n_params:,} parameters"
+        if self.parallel_dims.pp_enabled:  # this rank holds its stages: count the whole too
+            with torch.device("meta"):
+                whole = lora.add_adapters(self.model_spec.build_model(self.model_args), c.lora)
+            total = sum(p.numel() for p in whole.parameters())
+            line = f"Model {c.model.name} {c.model.flavor}: {total:,} parameters ({n_params:,} "
+            line += "in this rank's pipeline stages)"
         if c.lora.rank > 0:
             adapters = lora.adapter_count(named)
             layers = sum(

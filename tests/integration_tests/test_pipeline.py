@@ -31,6 +31,10 @@ def _resume(tmp_path, source, name, *flags, ngpu):
 def _run(dump, *flags, ngpu):
     result = run_train(dump, *COMMON, *flags, ngpu=ngpu)
     assert result.returncode == 0, result.stderr[-3000:]
+    # The whole model's size, whichever stages the rank holds (rank 0: 2 of Interleaved1F1B's 4).
+    expected = "Model llama3 debugmodel: 5,770,496 parameters"
+    expected += " (3,672,064 in this rank's pipeline stages)" if "pp" in dump.name else ""
+    assert expected in result.stdout + result.stderr, result.stderr[-3000:]
     return [r["loss"] for r in records(dump)]
 
 

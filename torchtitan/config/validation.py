@@ -200,18 +200,21 @@ def validate_launch(config: JobConfig) -> None:
         from torchtitan.components.chat_template import find_template
 
         find_template(str(tokenizer), config.training.chat_template)
-    datasets = [("--training.dataset_path", config.training.dataset_path)]
-    if config.validation.enable:
-        datasets.append(("--validation.dataset_path", config.validation.dataset_path))
-    for flag, path in datasets:
-        if path is not None and _local_path_missing(path):
-            raise ConfigError(f"{flag} {path}: nothing there; give a file, glob or folder")
+    t, v = config.training, config.validation
+    datasets = [("--training.dataset_path", t.dataset_path, t.dataset == "files")]
+    if v.enable:
+        datasets.append(("--validation.dataset_path", v.dataset_path, v.dataset == "files"))
+    for flag, path, files in datasets:
+        if path is not None and _local_path_missing(path, files=files):
+            where = "" if os.path.isabs(path) else f" (looked in {os.getcwd()} and the repository)"
+            raise ConfigError(f"{flag} {path}: nothing there{where}; give a file, glob or folder")
 
 
-def _local_path_missing(path: str) -> bool:
-    """A path that names a local place (absolute, ``./``, ``../``, ``~``) where nothing is;
-    other values may be dataset ids on the Hugging Face hub."""
-    if not path.startswith(("/", "./", "../", "~")):
+def _local_path_missing(path: str, *, files: bool) -> bool:
+    """A path that names a local place where nothing is: any path of the ``files`` dataset,
+    else one that looks local (absolute, ``./``, ``../``, ``~``); other values may be dataset
+    ids on the Hugging Face hub."""
+    if not files and not path.startswith(("/", "./", "../", "~")):
         return False
     resolved = resolve_path(path)
     if any(c in path for c in "*?["):

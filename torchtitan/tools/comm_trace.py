@@ -10,6 +10,8 @@ and the logging rank prints the module-level table (noise level 0) to the consol
 """
 
 import contextlib
+import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,15 +32,25 @@ def maybe_trace_collectives(
 
     noise_level = config.comm_trace_noise_level
     mode = CommDebugMode()
-    with mode:
-        yield
+    with warnings.catch_warnings():
+        # What the tracer's module hooks make torch say (the traced step is otherwise the same
+        # step: its collectives are the untraced step's, tests/integration_tests/test_debugging).
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        with mode:
+            yield
     folder = Path(dump_folder) / "comm_trace"
     folder.mkdir(parents=True, exist_ok=True)
     stem = folder / f"rank{rank}_step{step}"
-    Path(f"{stem}.txt").write_text(mode.generate_comm_debug_tracing_table(noise_level))
+    Path(f"{stem}.txt").write_text(_plain(mode.generate_comm_debug_tracing_table(noise_level)))
     mode.generate_json_dump(file_name=f"{stem}.json", noise_level=noise_level)
     counts = {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
     logger.info(
         f"Collectives of step {step} ({mode.get_total_counts()} in all: {counts}), per module; "
-        f"details in {stem}.txt / .json\n{mode.generate_comm_debug_tracing_table(0)}"
+        f"details in {stem}.txt / .json\n{_plain(mode.generate_comm_debug_tracing_table(0))}"
     )
+
+
+def _plain(table: str) -> str:
+    """The table without its terminal colours (they end up in files and log files)."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", table)

@@ -70,6 +70,7 @@ def quiet_known_torch_notices(*, cuda: bool) -> None:
     over FSDP x TP (the norm is layout-invariant: tests/integration_tests/test_loss_compare.py);
     inductor's note that it leaves complex operators to eager (RoPE's rotation, a few
     elementwise ops per block; compiled blocks still equal eager ones in the numerics tests);
+    the profiler's note that it clears its events each cycle (each cycle's trace is written);
     and, without CUDA, torchao's failure to load its CUDA kernels (mxfp8, CUTLASS), which
     float8 training does not use."""
     warnings.filterwarnings(
@@ -78,6 +79,8 @@ def quiet_known_torch_notices(*, cuda: bool) -> None:
     warnings.filterwarnings(
         "ignore", message="Torchinductor does not support code generation for complex operators"
     )
+    # The profiler's trace is written at the end of each cycle, so clearing it then is right.
+    warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end")
     logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
         _DropMessages("While redistributing from")
     )

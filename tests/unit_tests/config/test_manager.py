@@ -872,3 +872,17 @@ def test_run_train_sh_takes_the_modules_debug_config_without_a_config(env, argv,
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("usage: ./run_train.sh [-h]"), run.stdout[:200]
     assert re.search(rf"--model.name STR\s.*?\(default: {module}\)", run.stdout, re.S)
+
+
+def test_a_missing_file_of_the_files_dataset_is_refused_before_launch(tmp_path, monkeypatch):
+    """``files`` reads only local files: a bare relative name where nothing is, refused by the
+    pre-flight; another dataset's path may be a hub id (``c4``'s ``allenai/c4``) and is not."""
+    from torchtitan.config.validation import validate_launch
+
+    monkeypatch.chdir(tmp_path)
+    files = ["--training.dataset", "files", "--training.dataset_path", "my_pairs.jsonl"]
+    with pytest.raises(ConfigError, match=r"my_pairs.jsonl: nothing there \(looked in "):
+        validate_launch(parse(*files))
+    (tmp_path / "my_pairs.jsonl").write_text('{"text": "a"}\n')
+    validate_launch(parse(*files))
+    validate_launch(parse("--training.dataset", "c4", "--training.dataset_path", "allenai/c4"))
