@@ -17,6 +17,7 @@ from torchtitan.components import checkpoint_hf
 from torchtitan.models.llama3.args import flavors
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+from torchtitan.tools.logging import quiet_known_torch_notices
 
 
 def _model(args) -> Transformer:
@@ -28,6 +29,7 @@ def _model(args) -> Transformer:
 
 
 def main() -> None:
+    quiet_known_torch_notices(cuda=torch.cuda.is_available())
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--flavors", nargs="+", default=["debugmodel", "debug_100m"])
     args = parser.parse_args()
@@ -55,6 +57,7 @@ def main() -> None:
             try:
                 import transformers
 
+                transformers.utils.logging.disable_progress_bar()
                 start = time.perf_counter()
                 transformers.LlamaForCausalLM.from_pretrained(folder)
                 hf_load = time.perf_counter() - start

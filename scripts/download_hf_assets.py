@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -90,6 +91,30 @@ def _download_file(repo_id: str, filename: str, local_dir: Path, token: str | No
         raise DownloadError(f"downloading {repo_id}/{filename} failed: {e}") from None
 
 
+def _check_hub_reachable() -> None:
+    """Fail at once where the hub's host name does not resolve (no network, no DNS): the hub
+    client would retry each file five times, about 23 s, before saying so. Skipped behind a
+    proxy, which resolves names itself."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        raise DownloadError("HF_HUB_OFFLINE is set: unset it to download from the hub")
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as e:
+        raise DownloadError(
+            f"could not reach the Hugging Face hub ({host}: {e.strerror or e}); check the "
+            "network, or copy the files by hand and pass their folder as --model.tokenizer_path "
+            "(tokenizer) or --checkpoint.initial_load_path (weights)"
+        ) from None
+
+
 def download_assets(
     repo_id: str, assets: list[str], local_dir: Path, token: str | None
 ) -> list[Path]:
@@ -132,6 +157,13 @@ def _download_shards(repo_id: str, local_dir: Path, token: str | None) -> list[P
         print(f"  {filename} -> {path}")
         paths.append(path)
     return paths
+
+
+def _has_files(folder: Path) -> bool:
+    """Whether ``folder`` holds a downloaded file (the hub client's ``.cache`` aside)."""
+    return any(
+        p.is_file() for p in folder.rglob("*") if ".cache" not in p.relative_to(folder).parts
+    )
 
 
 def _display_path(path: Path) -> str:
@@ -177,9 +209,13 @@ def main(argv: list[str] | None = None) -> None:
     local_dir = args.local_dir or REPO_ROOT / "assets" / "hf" / args.repo_id.split("/")[-1]
     token = args.hf_token or os.environ.get("HF_TOKEN") or None
     print(f"downloading {', '.join(args.assets)} of {args.repo_id} into {local_dir}")
+    existed = local_dir.exists()
     try:
+        _check_hub_reachable()
         download_assets(args.repo_id, args.assets, local_dir, token)
     except DownloadError as e:
+        if not existed and local_dir.exists() and not _has_files(local_dir):
+            shutil.rmtree(local_dir)  # only what this run made, and nothing came
         sys.exit(f"error: {e}")
     flags = []
     if "tokenizer" in args.assets:

@@ -84,17 +84,28 @@ def estimate_memory(trainer: Trainer) -> memory_estimate.MemoryEstimate:
     outweigh its activations peaks, Qwen3 30B-A3B under EP; the probes peak at the loss, before
     any gradient)."""
     n_layers = trainer.model_args.n_layers
-    (one, _), (two, ratio) = _probe_step(trainer, 1), _probe_step(trainer, 2)
+    one, two = _probe_step(trainer, 1), _probe_step(trainer, 2)
     parameters = [p for part in trainer.model_parts for p in part.parameters()]
     params = memory_estimate.local_bytes(parameters)
     grads = memory_estimate.local_bytes(p for p in parameters if p.requires_grad)
-    optimizer = int(grads * ratio)
-    forward = memory_estimate.extrapolate(one["forward"], two["forward"], n_layers)
+    # The probes' optimizer state, extrapolated, then scaled by how far their extrapolated
+    # gradients are from the exact ones: exact for AdamW (2 moments per trainable byte) and
+    # for models of identical blocks (also under Muon, whose states differ by parameter).
+    state = memory_estimate.extrapolate(one["state"], two["state"], n_layers)
+    optimizer = round(state["Optstate"] * grads / max(state["Gradient"], 1))
+    exact = {"Parameter": params, "Optstate": optimizer}
+    forward, stepped = (
+        memory_estimate.with_exact_state(moment, one["state"], two["state"], exact, n_layers)
+        for moment in (
+            memory_estimate.extrapolate(one["forward"], two["forward"], n_layers),
+            memory_estimate.extrapolate_peak(one, two, n_layers),
+        )
+    )
     held = {"Parameter": params, "Gradient": grads, "Optstate": optimizer}
     held["Buffer"] = forward.get("Buffer", 0)
     peak = max(
         forward,
-        memory_estimate.extrapolate_peak(one, two, n_layers),
+        stepped,
         held | {"Total": sum(held.values())},
         key=lambda categories: categories["Total"],
     )
@@ -103,11 +114,12 @@ def estimate_memory(trainer: Trainer) -> memory_estimate.MemoryEstimate:
     )
 
 
-def _probe_step(trainer: Trainer, depth: int | None) -> tuple[dict[str, dict[str, int]], float]:
+def _probe_step(trainer: Trainer, depth: int | None) -> dict[str, dict[str, int]]:
     """Build the model with ``depth`` blocks (all of them for ``None``), parallelized like the
     real one, and measure a step on fake tensors. Returns the bytes by category at the peak
-    and at the end of forward (``memory_estimate.peak_by_category``) and the optimizer's state
-    bytes per parameter byte.
+    and at the end of forward (``memory_estimate.peak_by_category``), and as ``"state"`` what
+    the copy holds all step long: its ``Parameter`` bytes, trainable ones (``Gradient``) and
+    optimizer state (``Optstate``).
 
     Under pipeline parallelism the probe is one micro-batch through the whole shallow model,
     unsplit but parallelized as each stage is (TP, AC, FSDP): what a stage holds per block
@@ -175,10 +187,13 @@ def _probe_step(trainer: Trainer, depth: int | None) -> tuple[dict[str, dict[str
             forward_backward=forward_backward,
             optimizer_step=optimizer_step,
         )
-        # Per trainable byte: frozen parameters (LoRA's base weights) have no state.
-        trainable = memory_estimate.local_bytes(p for p in parameters if p.requires_grad)
-        ratio = memory_estimate.local_bytes(optimizers.state_tensors()) / max(trainable, 1)
-    return moments, ratio
+        # Frozen parameters (LoRA's base weights) have no gradient and no state.
+        moments["state"] = {
+            "Parameter": memory_estimate.local_bytes(parameters),
+            "Gradient": memory_estimate.local_bytes(p for p in parameters if p.requires_grad),
+            "Optstate": memory_estimate.local_bytes(optimizers.state_tensors()),
+        }
+    return moments
 
 
 def estimate_pipeline_memory(trainer: Trainer) -> memory_estimate.MemoryEstimate:
@@ -193,7 +208,8 @@ def estimate_pipeline_memory(trainer: Trainer) -> memory_estimate.MemoryEstimate
     along (they accumulate over the micro-batches), unlike without a pipeline.
     """
     p, t = trainer.config.parallelism, trainer.config.training
-    (one, _), (two, ratio) = _probe_step(trainer, 1), _probe_step(trainer, 2)
+    one, two = _probe_step(trainer, 1), _probe_step(trainer, 2)
+    ratio = two["state"]["Optstate"] / max(two["state"]["Gradient"], 1)  # per trainable byte
     # What a block holds for its backward, measured at the same moment in both probes (their
     # peaks can fall at different moments: memory_estimate.extrapolate_peak).
     per_block = max(0, two["forward"].get("Activation", 0) - one["forward"].get("Activation", 0))

@@ -5,11 +5,12 @@ A rank that refuses its input (exit code 2) or stops on a non-finite step (3) wr
 line to a file in a folder this launcher makes (``TITAN_FAILURE_DIR``) instead of the console.
 When the job fails, the launcher prints the line of the rank that failed first, prefixed by the
 rank, whatever ``LOG_RANK`` shows, and exits with that rank's code. torchrun's own report (a
-``ChildFailedError`` traceback naming only an exit code) is printed only for failures that are
-not refusals: crashes, kills and unexpected exceptions, whose traceback is what a user needs,
-followed by one line that names the failure that started it before the ranks that only followed
-(a rank whose collective lost the dead one exits with ``LOST_PEER_EXIT_CODE`` after one line of
-its own; torchrun ends the others). ``run_train.sh`` and
+``ChildFailedError`` traceback naming only an exit code) is printed only for crashes, kills
+and unexpected exceptions, whose traceback is what a user needs, followed by one line that
+names the failure that started it before the ranks that only followed (a rank whose collective
+lost the dead one exits with ``LOST_PEER_EXIT_CODE`` after one line of its own; torchrun ends
+the others). When the hang watchdog ended ranks, the launcher reads their flight-recorder dumps
+together and says who waited for whom (``tools/hang_report.py``). ``run_train.sh`` and
 ``multinode_trainer.slurm`` start ranks through it.
 
 Two more things a long job needs:
@@ -41,7 +42,9 @@ from pathlib import Path
 FAILURE_DIR_ENV = "TITAN_FAILURE_DIR"
 PREEMPTED_EXIT_CODE = 75  # components/preemption.EXIT_CODE (this module imports no torch)
 LOST_PEER_EXIT_CODE = 4  # a rank whose collective lost another rank (train.py)
+HANG_EXIT_CODE = 124  # a rank its hang watchdog ended (tools/watchdog.py)
 _SIGTERM = 15
+_FINAL_HANG: list[str] = []  # the last attempt's hang report, for after torchrun's
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
@@ -57,6 +60,37 @@ def note_preempted(signal_name: str, step: int, checkpoint: str | None) -> bool:
     torchrun does not count it as a failure to restart from."""
     record = {"signal": signal_name, "step": step, "checkpoint": checkpoint}
     return _write_record("preempted-rank", record)
+
+
+def note_hung(step: int, traces: str) -> bool:
+    """Record that this rank's hang watchdog ended it in ``step``, having written its dumps to
+    ``traces``: the launcher reads them together (``tools/hang_report.py``)."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    record = {"step": step, "traces": traces, "attempt": attempt, "time": time.time()}
+    return _write_record("hung-rank", record)
+
+
+def hang_lines(folder: str | Path, world_size: int | None) -> list[str]:
+    """Who the ranks waited for, when the hang watchdog ended some (their records in
+    ``folder``): ``[launcher] the hang: ...`` lines; the records are then removed, so that a
+    restarted attempt's hang is read alone."""
+    records = _read_records(folder, "hung-rank")
+    for path in Path(folder).glob("hung-rank*.json"):
+        path.unlink(missing_ok=True)
+    if not records:
+        return []
+    from torchtitan.tools import hang_report
+
+    attempt = max(r.get("attempt", 0) for r in records)
+    run = os.environ.get("TITAN_RUN_ID")
+    dumps: dict = {}
+    for traces in sorted({r["traces"] for r in records}):
+        dumps |= hang_report.load(traces, run=run, attempt=attempt)
+    try:
+        lines = hang_report.diagnose(dumps, world_size)
+    except Exception as e:  # a report must never hide the failure itself
+        lines = [f"could not read the dumps ({type(e).__name__}: {e})"]
+    return [f"[launcher] the hang: {line}" for line in lines]
 
 
 def _write_record(name: str, record: dict) -> bool:
@@ -152,10 +186,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ChildFailedError as e:
         records = refusals(folder)
         if not records:
-            print(e.format_msg(), file=sys.stderr)
+            # A rank ended by its watchdog, or stopped on losing a peer, said why in its own
+            # line: torchrun's report (exit codes, no traceback) adds nothing then.
+            if not all(
+                f.exitcode in (HANG_EXIT_CODE, LOST_PEER_EXIT_CODE) for f in e.failures.values()
+            ):
+                print(e.format_msg(), file=sys.stderr)
             # torchrun's "Root Cause" is the earliest failure it saw, and a rank that lost
             # contact with a dead one can be seen first; this line orders them by what they say.
             print(f"[launcher] the job failed: {_causes(e.failures)}", file=sys.stderr)
+            for line in _FINAL_HANG:
+                print(line, file=sys.stderr)
             return 1
         first, others = records[0], records[1:]
         same = sorted(r["rank"] for r in others if r["message"] == first["message"])
@@ -192,6 +233,8 @@ def _report_restarts(folder: str) -> None:
         if not result.is_failed():
             return result
         left = getattr(agent, "_remaining_restarts", 0)
+        workers = worker_group.workers
+        hang = hang_lines(folder, workers[0].world_size if workers else None)
         if refusals(folder):
             agent._remaining_restarts = 0  # the launcher prints the refusal
         elif left > 0:
@@ -201,9 +244,13 @@ def _report_restarts(folder: str) -> None:
             print(
                 f"[launcher] restart {done} of {spec.max_restarts}: {causes}; restarting every "
                 f"rank from the last complete checkpoint",
+                *hang,
+                sep="\n",
                 file=sys.stderr,
                 flush=True,
             )
+        else:
+            _FINAL_HANG[:] = hang  # printed after torchrun's report of the failure
         return result
 
     monitor_and_report.reports_restarts = True
@@ -242,7 +289,7 @@ def _cause(rank: int, failure) -> str:
     if failure.exitcode < 0:
         return f"rank {rank} was killed by {failure.signal_name()}"
     known = {
-        124: " (the hang watchdog)",
+        HANG_EXIT_CODE: " (the hang watchdog)",
         1: " (an exception; its traceback is above)",
         LOST_PEER_EXIT_CODE: " (a collective lost another rank)",
     }

@@ -26,7 +26,7 @@ def _run_train(dump: Path, *flags: str, ngpu: int = 1, log_rank: str = "0"):
 def test_a_hung_rank_ends_the_job_with_flight_recorder_and_stacks(tmp_path):
     start = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+        [sys.executable, "-m", "torchtitan.launcher", "--nproc_per_node", "2"]
         + ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
         + ["tests/integration_tests/hang_harness.py", *SMALL, "--training.steps", "6"]
         + ["--comm.train_timeout_seconds", "5", "--job.dump_folder", str(tmp_path)],
@@ -49,6 +49,15 @@ def test_a_hung_rank_ends_the_job_with_flight_recorder_and_stacks(tmp_path):
     # The sleeping rank's stack dump shows where it is.
     assert "hang_harness.py" in (traces / "rank1_stacks.txt").read_text()
     assert (traces / "rank0_stacks.txt").exists()
+    # The launcher reads both dumps together: who waited for whom, the one behind first.
+    report = [line for line in out.splitlines() if line.startswith("[launcher] the hang: ")]
+    assert report[0].startswith(
+        "[launcher] the hang: rank 1 was outside any collective, at "
+        "tests/integration_tests/hang_harness.py:"
+    ), out[-3000:]
+    assert report[1].startswith("[launcher] the hang: rank 0 waited in gloo:"), report
+    assert report[1].endswith("which rank 1 never reached"), report
+    assert "ChildFailedError" not in out and "Root Cause" not in out  # nothing torchrun adds
 
 
 # A constant LR after warm-up: a 2-step run's schedule is the first 2 steps of a 4-step one.

@@ -60,7 +60,7 @@ class _DropMessages(logging.Filter):
         self.starts = starts
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.starts)
+        return not record.getMessage().startswith(self.starts)
 
 
 def quiet_known_torch_notices(*, cuda: bool) -> None:
@@ -71,8 +71,10 @@ def quiet_known_torch_notices(*, cuda: bool) -> None:
     inductor's note that it leaves complex operators to eager (RoPE's rotation, a few
     elementwise ops per block; compiled blocks still equal eager ones in the numerics tests);
     the profiler's note that it clears its events each cycle (each cycle's trace is written);
-    and, without CUDA, torchao's failure to load its CUDA kernels (mxfp8, CUTLASS), which
-    float8 training does not use."""
+    torch 2.13's deprecation note on torchao registering its enums as pytree constants (seen
+    where ``transformers`` or ``peft`` import torchao's quantization); and, without CUDA,
+    torchao's failure to load its CUDA kernels (mxfp8, CUTLASS), which float8 training does
+    not use."""
     warnings.filterwarnings(
         "ignore", message="DTensor random operators may not have complete support"
     )
@@ -84,6 +86,7 @@ def quiet_known_torch_notices(*, cuda: bool) -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
         _DropMessages("While redistributing from")
     )
+    logging.getLogger("torch.utils._pytree").addFilter(_DropMessages("<enum "))
     if not cuda:
         logging.getLogger("torchao").addFilter(_DropMessages("Failed to load"))
 

@@ -19,20 +19,37 @@ import threading
 import time
 from pathlib import Path
 
+from torchtitan.launcher import HANG_EXIT_CODE, note_hung
 from torchtitan.tools.logging import logger
 
-EXIT_CODE = 124
-"""Exit status of a rank the watchdog ended (as ``timeout(1)`` uses)."""
+EXIT_CODE = HANG_EXIT_CODE
+"""Exit status of a rank the watchdog ended (124, as ``timeout(1)`` uses)."""
 
 
-def dump_flight_recorder(path: Path) -> int:
-    """Write this rank's flight-recorder entries as JSON; return how many were recorded."""
+def dump_flight_recorder(path: Path, about: dict | None = None) -> int:
+    """Write this rank's flight-recorder entries as JSON, with ``about`` (this run, rank and
+    step) and the members of each of its process groups under ``"titan"``
+    (``tools/hang_report.py`` reads them together); return how many entries were recorded."""
     import torch._C._distributed_c10d as c10d
 
     raw = c10d._dump_fr_trace_json(includeCollectives=True, onlyActive=False)
     trace = json.loads(raw)
+    trace["titan"] = dict(about or {}) | {"groups": _process_groups()}
     path.write_text(json.dumps(trace, indent=1, default=str))
     return len(trace.get("entries", []))
+
+
+def _process_groups() -> dict[str, list[int]]:
+    """Each process group of this rank by the name the flight recorder gives it, with its
+    global ranks (gloo's dump has no membership; NCCL's ``pg_config`` has)."""
+    try:
+        from torch.distributed.distributed_c10d import _world
+
+        return {
+            str(name): sorted(_world.pg_group_ranks[pg]) for pg, name in _world.pg_names.items()
+        }
+    except Exception:  # private state: the report then infers members from the entries
+        return {}
 
 
 class StepWatchdog:
@@ -74,8 +91,15 @@ class StepWatchdog:
         self.folder.mkdir(parents=True, exist_ok=True)
         trace = self.folder / f"rank{self.rank}_flight_recorder.json"
         stacks = self.folder / f"rank{self.rank}_stacks.txt"
+        about = {
+            "run": os.environ.get("TITAN_RUN_ID"),
+            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "rank": self.rank,
+            "step": step,
+            "time": time.time(),
+        }
         try:
-            entries = dump_flight_recorder(trace)
+            entries = dump_flight_recorder(trace, about)
             recorded = f"{entries} flight-recorder entries in {trace}"
         except Exception as e:  # the stack dump below still gets written
             recorded = f"no flight-recorder dump ({type(e).__name__}: {e})"
@@ -89,4 +113,5 @@ class StepWatchdog:
         )
         for handler in logger.handlers:
             handler.flush()
+        note_hung(step, str(self.folder))
         os._exit(EXIT_CODE)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -234,3 +235,27 @@ def test_download_fetches_the_weights_and_every_shard_the_index_names(
     else:
         with pytest.raises(script.DownloadError, match=error):
             script.download_assets("owner/name", ["weights"], tmp_path, None)
+
+
+def test_download_without_the_hub_says_so_at_once_and_leaves_no_empty_folder(tmp_path) -> None:
+    """A host that cannot resolve (``.invalid`` never does): one line, no five retries per
+    file, and no folder left behind that the run made; a folder that was there stays."""
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    env |= {"HF_ENDPOINT": "https://hub.example.invalid", "HF_HUB_OFFLINE": "0"}
+    script = str(REPO_ROOT / "scripts" / "download_hf_assets.py")
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    for local_dir in (tmp_path / "new" / "Llama", kept):
+        result = subprocess.run(
+            [sys.executable, script, "--local_dir", str(local_dir)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert result.returncode == 1
+        assert "error: could not reach the Hugging Face hub (hub.example.invalid" in result.stderr
+        assert "Retrying" not in result.stderr + result.stdout
+    assert not (tmp_path / "new" / "Llama").exists()
+    assert (kept / "notes.txt").read_text() == "mine"

@@ -3,7 +3,7 @@ tensors, measured 2026-11-24): 1- and 2-block copies against the full 61-block s
 
 import pytest
 
-from torchtitan.tools.memory_estimate import extrapolate, extrapolate_peak
+from torchtitan.tools.memory_estimate import extrapolate, extrapolate_peak, with_exact_state
 
 MiB = 2**20
 
@@ -49,3 +49,23 @@ def test_peak_grows_by_what_a_block_holds_not_by_its_temporaries(one, two, full_
     # A line through the two peaks, per category, is far off at this depth.
     line = extrapolate(one["peak"], two["peak"], 61)["Total"] / 2**30
     assert abs(line / full_gib - 1) > 0.4
+
+
+def test_held_state_is_the_models_where_its_blocks_differ_from_the_probes():
+    """EP 8's probes hold 0.389 and 0.724 GiB of optimizer state: 20.49 GiB over 61 MoE
+    blocks, where the model (3 dense blocks, then 58 MoE) holds 19.53."""
+    one, two = EP8[0], EP8[1]
+    state_one = _mib(Parameter=0.195, Optstate=0.389)
+    state_two = _mib(Parameter=0.362, Optstate=0.724)
+    peak = extrapolate_peak(one, two, 61)
+    exact = {"Parameter": int(9.77 * 2**30), "Optstate": int(19.53 * 2**30)}
+    held = with_exact_state(peak, state_one, state_two, exact, 61)
+    assert held["Optstate"] == exact["Optstate"]
+    # What the step gathers on top of the shards stays.
+    gathered = peak["Parameter"] - extrapolate(state_one, state_two, 61)["Parameter"]
+    assert held["Parameter"] == exact["Parameter"] + gathered
+    assert held["Total"] == sum(v for k, v in held.items() if k != "Total")
+    assert held["Activation"] == peak["Activation"]
+    # Identical blocks: the extrapolation is the model; nothing moves.
+    same = extrapolate(state_one, state_two, 61)
+    assert with_exact_state(peak, state_one, state_two, same, 61) == peak

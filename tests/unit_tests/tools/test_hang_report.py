@@ -1,0 +1,142 @@
+"""The hang report on written dumps: who waited for whom (the real two-rank hang, through the
+launcher, is in tests/integration_tests/test_debugging.py)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from torchtitan.tools import hang_report
+
+STACK = """Current thread 0x01 (most recent call first):
+  File "/x/torchtitan/tools/watchdog.py", line 83 in _fire
+  File "/usr/lib/python3.11/threading.py", line 982 in run
+
+Thread 0x02 (most recent call first):
+  File "/v/lib/python3.11/site-packages/torch/utils/data/dataloader.py", line 1250 in _get_data
+  File "/x/torchtitan/components/dataloader.py", line 301 in __next__
+  File "/x/torchtitan/trainer.py", line 388 in train
+  File "/x/torchtitan/train.py", line 61 in <module>
+"""
+
+
+def _entry(group: str, seq: int, op: str = "gloo:all_reduce", *, done: bool = True, size=(1,)):
+    return {
+        "collective_seq_id": seq,
+        "process_group": [group, {"0": "default_pg", "3": "mesh_tp"}.get(group, "mesh")],
+        "profiling_name": op,
+        "input_sizes": [list(size)],
+        "input_dtypes": ["Float"],
+        "is_p2p": False,
+        "retired": done,
+        "state": "scheduled",
+    }
+
+
+def _dump(folder: Path, rank: int, entries, groups, *, run="r1", attempt=0, stack=None):
+    folder.mkdir(parents=True, exist_ok=True)
+    titan = {"run": run, "attempt": attempt, "rank": rank, "step": 3, "time": 1.0 + attempt}
+    titan["groups"] = groups
+    raw = {"entries": entries, "pg_config": {}, "titan": titan}
+    (folder / f"rank{rank}_flight_recorder.json").write_text(json.dumps(raw))
+    if stack is not None:
+        (folder / f"rank{rank}_stacks.txt").write_text(stack)
+
+
+def _history(group: str, upto: int):
+    return [_entry(group, s) for s in range(1, upto + 1)]
+
+
+def test_the_rank_behind_is_named_first_with_where_it_was(tmp_path):
+    """Rank 3 stopped in its data; rank 1 waits for it in the dp group, rank 0 for rank 1 in
+    the TP group (4 ranks: TP pairs 0-1 and 2-3, dp pairs 0-2 and 1-3)."""
+    groups = {"0": [0, 1, 2, 3], "3": [0, 1], "4": [2, 3], "5": [0, 2], "6": [1, 3]}
+    tp = {0: "3", 1: "3", 2: "4", 3: "4"}
+    dp = {0: "5", 1: "6", 2: "5", 3: "6"}
+    for rank in range(4):
+        entries = _history(tp[rank], 9) + _history(dp[rank], 4)
+        if rank in (0, 2):
+            entries.append(_entry(tp[rank], 10, done=False))  # waits for its TP partner
+        if rank == 1:
+            entries += _history(tp[rank], 10)[9:]  # finished TP 10
+            entries.append(_entry(dp[rank], 5, done=False))  # waits for rank 3 in dp
+        _dump(tmp_path, rank, entries, groups, stack=STACK if rank == 3 else None)
+    lines = hang_report.diagnose(hang_report.load(tmp_path), world_size=4)
+    # The innermost frame, in a library, and the innermost of our code.
+    assert lines[0] == (
+        "rank 3 was outside any collective, at torch/utils/data/dataloader.py:1250 in "
+        "_get_data, from /x/torchtitan/components/dataloader.py:301 in __next__ "
+        f"({tmp_path / 'rank3_stacks.txt'})"
+    )
+    assert (
+        "rank 1 waited in gloo:all_reduce (collective 5 of group 6 (mesh)), which rank 3 never "
+        "reached" in lines
+    )
+    assert any(line.startswith("rank 2 waited") and "which rank 3 never" in line for line in lines)
+    # Rank 0's TP partner finished collective 10 of group 3, so rank 0 waits on nobody there.
+    assert not any("rank 1 never reached" in line for line in lines)
+
+
+def test_ranks_in_different_collectives_at_the_same_point_disagree(tmp_path):
+    groups = {"0": [0, 1]}
+    _dump(tmp_path, 0, _history("0", 6) + [_entry("0", 7, done=False)], groups)
+    gather = _entry("0", 7, "gloo:all_gather", done=False)
+    _dump(tmp_path, 1, _history("0", 6) + [gather], groups)
+    (line,) = hang_report.diagnose(hang_report.load(tmp_path), world_size=2)
+    assert line.startswith("the ranks disagree on collective 7 of group 0 (default_pg): rank 0 ")
+    assert "gloo:all_reduce" in line and "rank 1 gloo:all_gather" in line
+    # Uneven all-to-all splits (MoE dispatch) are not a disagreement.
+    _dump(tmp_path, 0, [_entry("0", 1, "gloo:all_to_all", done=False, size=(5, 8))], groups)
+    _dump(tmp_path, 1, [_entry("0", 1, "gloo:all_to_all", done=False, size=(3, 8))], groups)
+    (line,) = hang_report.diagnose(hang_report.load(tmp_path), world_size=2)
+    assert line.startswith("every rank of group 0 (default_pg) waited in gloo:all_to_all")
+
+
+def test_no_rank_in_a_collective_means_the_step_itself_was_slow(tmp_path):
+    for rank in (0, 1):
+        _dump(tmp_path, rank, _history("0", 4), {"0": [0, 1]}, stack=STACK)
+    (line,) = hang_report.diagnose(hang_report.load(tmp_path), world_size=2)
+    assert line.startswith("no rank was inside a collective")
+    assert "--comm.train_timeout_seconds" in line and "rank 1 at torch/utils/data/" in line
+
+
+def test_a_member_without_a_dump_is_named(tmp_path):
+    _dump(tmp_path, 0, _history("0", 4) + [_entry("0", 5, done=False)], {"0": [0, 1]})
+    lines = hang_report.diagnose(hang_report.load(tmp_path), world_size=2)
+    assert lines == [
+        "rank 0 waited in gloo:all_reduce (collective 5 of group 0 (default_pg)) with rank 1, "
+        "which left no dump",
+        "rank 1 left no dump (stopped before their watchdog fired)",
+    ]
+
+
+def test_only_the_newest_run_and_attempt_are_read(tmp_path):
+    """A dump folder keeps files of an earlier run's ranks that a smaller run did not
+    overwrite, and of an earlier attempt of this run."""
+    _dump(tmp_path, 0, [_entry("0", 5, done=False)], {"0": [0, 1]}, attempt=1)
+    _dump(tmp_path, 1, _history("0", 4), {"0": [0, 1]}, attempt=1, stack=STACK)
+    _dump(tmp_path, 2, [_entry("0", 9, done=False)], {"0": [0, 1, 2]}, run="old")
+    dumps = hang_report.load(tmp_path)
+    assert sorted(dumps) == [0, 1]
+    assert sorted(hang_report.load(tmp_path, run="old", attempt=0)) == [2]
+    assert hang_report.load(tmp_path, run="r1", attempt=0) == {}
+    lines = hang_report.diagnose(dumps, world_size=2)
+    assert lines[0].startswith("rank 1 was outside any collective")
+
+
+def test_the_command_line_reads_a_dump_folder(tmp_path, capsys):
+    traces = tmp_path / "comm_traces"
+    _dump(traces, 0, _history("0", 4) + [_entry("0", 5, done=False)], {"0": [0, 1]})
+    _dump(traces, 1, _history("0", 4), {"0": [0, 1]}, stack=STACK)
+    assert hang_report.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "- rank 1 was outside any collective" in out
+    assert hang_report.main([str(tmp_path / "nothing")]) == 2
+
+
+@pytest.mark.parametrize("text", ["", "Thread 0x1 (most recent call first):\n  <no Python frame>"])
+def test_a_stack_dump_without_a_main_thread(tmp_path, text):
+    path = tmp_path / "s.txt"
+    path.write_text(text)
+    assert hang_report.where(path) == "no main thread in its stack dump"
+    assert hang_report.where(None) == "no stack dump"

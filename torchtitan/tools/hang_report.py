@@ -1,0 +1,251 @@
+"""Who a hung job waited for, read from the dumps its ranks' hang watchdogs wrote.
+
+``python -m torchtitan.tools.hang_report DUMP_FOLDER`` (or its ``comm_traces/``); the
+launcher prints the same lines when ranks end by the watchdog. Each rank's
+``rank<r>_flight_recorder.json`` lists the collectives it issued, per process group with a
+sequence number, and which of them had not completed; ``rank<r>_stacks.txt`` has its threads'
+stacks. Read together:
+
+- a rank waiting in collective N of a group that another member never reached names the one
+  behind, and where that one was: in another collective (followed on), or outside any, at the
+  innermost frame of its main thread;
+- members waiting at the same N in different collectives ran different code;
+- members all waiting in the same collective: it does not complete (the network);
+- no rank inside a collective: the step's own work outlived the timeout.
+
+torch's ``torch.distributed.flight_recorder`` analyses NCCL's pickled dumps; gloo's dumps carry
+no group membership, which the watchdog adds (``titan.groups``). No torch import here: the
+launcher reads this before reporting a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+FR_FILE = re.compile(r"rank(\d+)_flight_recorder\.json$")
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A collective a rank had issued and not seen complete."""
+
+    rank: int
+    group: str
+    seq: int
+    op: str
+    sizes: str
+
+
+@dataclass
+class RankDump:
+    rank: int
+    entries: list[dict]
+    groups: dict[str, list[int]]
+    group_desc: dict[str, str]
+    stacks: Path | None
+    step: int | None
+
+    def max_seq(self, group: str) -> int:
+        return max(
+            (e.get("collective_seq_id", 0) for e in self.entries if _group(e) == group), default=0
+        )
+
+    def pending(self) -> list[Pending]:
+        """The first unfinished collective of each group (what the rank is stuck on there)."""
+        first: dict[str, Pending] = {}
+        for e in self.entries:
+            if e.get("is_p2p") or e.get("retired") or e.get("state") == "completed":
+                continue
+            group, seq = _group(e), e.get("collective_seq_id", 0)
+            if group not in first or seq < first[group].seq:
+                sizes = f"{e.get('input_sizes')} {','.join(e.get('input_dtypes') or [])}"
+                first[group] = Pending(self.rank, group, seq, e.get("profiling_name", "?"), sizes)
+        return sorted(first.values(), key=lambda p: (p.group, p.seq))
+
+
+def _group(entry: dict) -> str:
+    group = entry.get("process_group") or ["?"]
+    return str(group[0])
+
+
+def load(folder: str | Path, *, run: str | None = None, attempt: int | None = None) -> dict:
+    """``rank -> RankDump`` of the watchdog dumps in ``folder`` (or ``folder/comm_traces``):
+    those of ``run`` and ``attempt``, by default the newest dump's (a dump folder keeps the
+    files of earlier runs' ranks that this one did not overwrite)."""
+    folder = Path(folder)
+    if not any(folder.glob("rank*_flight_recorder.json")) and (folder / "comm_traces").is_dir():
+        folder = folder / "comm_traces"
+    raws = {}
+    for path in sorted(folder.glob("rank*_flight_recorder.json")):
+        try:
+            raws[int(FR_FILE.search(path.name).group(1))] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    if raws and run is None and attempt is None:
+        newest = max(raws.values(), key=lambda raw: raw.get("titan", {}).get("time", 0))
+        run, attempt = newest.get("titan", {}).get("run"), newest.get("titan", {}).get("attempt")
+    dumps = {}
+    for rank, raw in sorted(raws.items()):
+        titan = raw.get("titan", {})
+        if (titan.get("run"), titan.get("attempt")) != (run, attempt):
+            continue
+        stacks = folder / f"rank{rank}_stacks.txt"
+        groups = {g: [int(r) for r in ranks] for g, ranks in titan.get("groups", {}).items()}
+        desc = {str(g): str(c.get("desc", "")) for g, c in (raw.get("pg_config") or {}).items()}
+        for e in raw.get("entries") or []:
+            if len(e.get("process_group") or []) > 1:
+                desc.setdefault(str(e["process_group"][0]), str(e["process_group"][1]))
+        dumps[rank] = RankDump(
+            rank=rank,
+            entries=list(raw.get("entries") or []),
+            groups=groups,
+            group_desc=desc,
+            stacks=stacks if stacks.exists() else None,
+            step=titan.get("step"),
+        )
+    return dumps
+
+
+def members(dumps: dict[int, RankDump], group: str) -> list[int]:
+    """The group's global ranks: from a dump that names them, else every rank whose dump has
+    an entry of the group (a member that never used it cannot be told apart then)."""
+    for dump in dumps.values():
+        if dump.groups.get(group):
+            return sorted(dump.groups[group])
+    return sorted(r for r, d in dumps.items() if any(_group(e) == group for e in d.entries))
+
+
+def where(stacks: Path | None) -> str:
+    """The innermost frame of the main thread in a faulthandler dump, and the innermost of
+    torchtitan's or the user's code where that is inside a library."""
+    if stacks is None:
+        return "no stack dump"
+    try:
+        text = stacks.read_text()
+    except OSError:
+        return "no stack dump"
+    threads = [t for t in re.split(r"\n\s*\n", text) if "File " in t]
+    frames_of = [re.findall(r'File "([^"]+)", line (\d+) in (\S+)', t) for t in threads]
+    main = next((f for f in frames_of if f and f[-1][2] == "<module>"), None)
+    if not main:
+        return "no main thread in its stack dump"
+
+    def show(frame: tuple[str, str, str]) -> str:
+        path, line, func = frame
+        for marker in ("site-packages/", "/lib/python3"):
+            if marker in path:
+                path = path.split(marker, 1)[1]
+                break
+        else:
+            path = _relative(path)
+        return f"{path}:{line} in {func}"
+
+    inner = main[0]
+    own = next((f for f in main if not re.search(r"site-packages/|/lib/python3", f[0])), None)
+    if own is None or own == inner:
+        return show(inner)
+    return f"{show(inner)}, from {show(own)}"
+
+
+def _relative(path: str) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _name(dumps: dict[int, RankDump], group: str) -> str:
+    desc = next((d.group_desc.get(group) for d in dumps.values() if d.group_desc.get(group)), "")
+    return f"group {group}{f' ({desc})' if desc else ''}"
+
+
+def diagnose(dumps: dict[int, RankDump], world_size: int | None = None) -> list[str]:
+    """Lines saying who waited for whom (see the module's docstring), where the waiting ends
+    first: a rank outside any collective that others wait for, or a disagreement."""
+    if not dumps:
+        return ["no flight-recorder dumps to read"]
+    lines: list[str] = []
+    roots: list[str] = []  # where the waiting ends
+    pending = [p for d in dumps.values() for p in d.pending()]
+    behind_ranks: set[int] = set()
+    for group in sorted({p.group for p in pending}):
+        here = [p for p in pending if p.group == group]
+        seq = min(p.seq for p in here)
+        at = [p for p in here if p.seq == seq]
+        group_ranks = members(dumps, group)
+        behind = [r for r in group_ranks if r in dumps and dumps[r].max_seq(group) < seq]
+        # all-to-alls move uneven splits (MoE dispatch): only their kind must agree.
+        ops = {p.op if "to_all" in p.op else (p.op, p.sizes) for p in at}
+        missing = [r for r in group_ranks if r not in dumps]
+        name = _name(dumps, group)
+        if len(ops) > 1:
+            what = "; ".join(f"rank {p.rank} {p.op} {p.sizes}" for p in at)
+            roots.append(
+                f"the ranks disagree on collective {seq} of {name}: {what}; they ran different "
+                "code (a branch on rank-local data, or different shapes)"
+            )
+        elif behind:
+            behind_ranks.update(behind)
+            lines.append(
+                f"{_ranks(p.rank for p in at)} waited in {at[0].op} (collective {seq} of "
+                f"{name}), which {_ranks(behind)} never reached"
+            )
+        elif missing:
+            lines.append(
+                f"{_ranks(p.rank for p in at)} waited in {at[0].op} (collective {seq} of "
+                f"{name}) with {_ranks(missing)}, which left no dump"
+            )
+        elif {p.rank for p in at} >= set(group_ranks):
+            lines.append(
+                f"every rank of {name} waited in {at[0].op} (collective {seq}): it did not "
+                "complete although all of them reached it (the network, or a rank that died)"
+            )
+    stuck = {p.rank for p in pending}
+    for rank in sorted(behind_ranks - stuck):
+        roots.append(
+            f"rank {rank} was outside any collective, at {where(dumps[rank].stacks)}"
+            + (f" ({dumps[rank].stacks})" if dumps[rank].stacks else "")
+        )
+    lines = roots + lines  # the rank the others wait for first
+    if not pending:
+        lines.append(
+            "no rank was inside a collective: the step's own work (data, compute) outlived "
+            "--comm.train_timeout_seconds; raise it, or see where each rank was: "
+            + "; ".join(f"rank {r} at {where(d.stacks)}" for r, d in sorted(dumps.items()))
+        )
+    if world_size and (missing := sorted(set(range(world_size)) - set(dumps))):
+        lines.append(f"{_ranks(missing)} left no dump (stopped before their watchdog fired)")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m torchtitan.tools.hang_report",
+        description="Who a hung job waited for, from its ranks' hang-watchdog dumps.",
+    )
+    parser.add_argument("folder", help="the run's --job.dump_folder, or its comm_traces/")
+    parser.add_argument("--world_size", type=int, default=None, help="ranks the job had")
+    args = parser.parse_args(argv)
+    dumps = load(args.folder)
+    if not dumps:
+        print(f"error: no rank*_flight_recorder.json in {args.folder}", file=sys.stderr)
+        return 2
+    runs = {d.step for d in dumps.values()}
+    print(f"{len(dumps)} rank dumps, step {', '.join(str(s) for s in sorted(runs, key=str))}")
+    for line in diagnose(dumps, args.world_size):
+        print(f"- {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
