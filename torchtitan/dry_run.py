@@ -91,8 +91,13 @@ def estimate_memory(trainer: Trainer) -> memory_estimate.MemoryEstimate:
     # The probes' optimizer state, extrapolated, then scaled by how far their extrapolated
     # gradients are from the exact ones: exact for AdamW (2 moments per trainable byte) and
     # for models of identical blocks (also under Muon, whose states differ by parameter).
+    # Under Muon with blocks unlike the probes' (1 state for the blocks' matrices, 2 for the
+    # rest) scaling can fall short; the 2-block probe's ratio, where the non-block parameters
+    # weigh more than in the model, cannot: the larger of the two is kept.
     state = memory_estimate.extrapolate(one["state"], two["state"], n_layers)
-    optimizer = round(state["Optstate"] * grads / max(state["Gradient"], 1))
+    scaled = state["Optstate"] * grads / max(state["Gradient"], 1)
+    by_probe = two["state"]["Optstate"] * grads / max(two["state"]["Gradient"], 1)
+    optimizer = round(max(scaled, by_probe))
     exact = {"Parameter": params, "Optstate": optimizer}
     forward, stepped = (
         memory_estimate.with_exact_state(moment, one["state"], two["state"], exact, n_layers)

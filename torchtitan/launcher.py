@@ -233,8 +233,11 @@ def _report_restarts(folder: str) -> None:
         if not result.is_failed():
             return result
         left = getattr(agent, "_remaining_restarts", 0)
-        workers = worker_group.workers
-        hang = hang_lines(folder, workers[0].world_size if workers else None)
+        try:
+            workers = worker_group.workers
+            hang = hang_lines(folder, workers[0].world_size if workers else None)
+        except Exception as e:  # the report must never hide the failure it reports on
+            hang = [f"[launcher] the hang: could not read the dumps ({type(e).__name__}: {e})"]
         if refusals(folder):
             agent._remaining_restarts = 0  # the launcher prints the refusal
         elif left > 0:

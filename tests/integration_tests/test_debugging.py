@@ -52,7 +52,7 @@ def test_a_hung_rank_ends_the_job_with_flight_recorder_and_stacks(tmp_path):
     # The launcher reads both dumps together: who waited for whom, the one behind first.
     report = [line for line in out.splitlines() if line.startswith("[launcher] the hang: ")]
     assert report[0].startswith(
-        "[launcher] the hang: rank 1 was outside any collective, at "
+        "[launcher] the hang: rank 1 was outside any communication, at "
         "tests/integration_tests/hang_harness.py:"
     ), out[-3000:]
     assert report[1].startswith("[launcher] the hang: rank 0 waited in gloo:"), report

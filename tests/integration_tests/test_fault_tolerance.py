@@ -183,7 +183,7 @@ def test_a_hung_rank_is_ended_by_the_watchdog_and_restarted(tmp_path):
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
     assert "[launcher] restart 1 of 1: " in out and "code 124 (the hang watchdog)" in out
-    assert "[launcher] the hang: rank 1 was outside any collective, at tests/" in out
+    assert "[launcher] the hang: rank 1 was outside any communication, at tests/" in out
     assert (tmp_path / "comm_traces" / "rank1_stacks.txt").exists()
     starts = [e for e in _events(tmp_path) if e["event"] == "start"]
     assert [(e["step"], e["restart"]) for e in starts] == [(0, 0), (2, 1)]

@@ -103,6 +103,19 @@ def test_resolved_config_is_saved_and_reloads_to_the_same_config(tmp_path):
     assert reloaded == trainer.config
 
 
+def test_a_new_run_in_the_same_folder_sets_the_earlier_one_aside(tmp_path):
+    """Run twice from step 0 into one dump folder: the second run's records are its own (they
+    used to follow the first's, and its report counted a restart and redone steps)."""
+    first, _ = _run(tmp_path, "--training.steps", "2")
+    second, _ = _run(tmp_path, "--training.steps", "3")
+    assert [r["step"] for r in first] == [1, 2]
+    assert [r["step"] for r in second] == [1, 2, 3]
+    (earlier,) = (tmp_path / "earlier_runs").iterdir()
+    assert _metrics(earlier) == first
+    starts = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in starts] == ["start", "end"]
+
+
 def test_lr_logged_is_the_lr_the_step_used(tmp_path):
     records, _ = _run(
         tmp_path,

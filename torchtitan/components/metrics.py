@@ -190,14 +190,18 @@ class _JsonlSink(_Sink):
     """One JSON object per logged step; line-buffered so a crash loses nothing logged."""
 
     def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a", buffering=1)
+        self._path = path
+        self._file = None  # opened at the first record: a new run sets the last one aside first
 
     def write(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self._path.open("a", buffering=1)
         self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 class _TensorBoardSink(_Sink):

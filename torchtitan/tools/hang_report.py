@@ -24,7 +24,7 @@ import argparse
 import json
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 FR_FILE = re.compile(r"rank(\d+)_flight_recorder\.json$")
@@ -49,14 +49,18 @@ class RankDump:
     group_desc: dict[str, str]
     stacks: Path | None
     step: int | None
+    enqueued: dict[str, int] = field(default_factory=dict)  # group -> last collective issued
 
     def max_seq(self, group: str) -> int:
-        return max(
-            (e.get("collective_seq_id", 0) for e in self.entries if _group(e) == group), default=0
-        )
+        """The last collective this rank issued on ``group``: the recorder's own count where
+        the dump has it (its ring of entries may have dropped the oldest)."""
+        listed = (e.get("collective_seq_id", 0) for e in self.entries if _group(e) == group)
+        return max(max(listed, default=0), self.enqueued.get(group, 0))
 
     def pending(self) -> list[Pending]:
-        """The first unfinished collective of each group (what the rank is stuck on there)."""
+        """The first unfinished collective of each group (what the rank is stuck on there).
+        Point-to-point entries are left out: gloo records none, NCCL's follow their own
+        numbering per pair."""
         first: dict[str, Pending] = {}
         for e in self.entries:
             if e.get("is_p2p") or e.get("retired") or e.get("state") == "completed":
@@ -97,9 +101,18 @@ def load(folder: str | Path, *, run: str | None = None, attempt: int | None = No
         stacks = folder / f"rank{rank}_stacks.txt"
         groups = {g: [int(r) for r in ranks] for g, ranks in titan.get("groups", {}).items()}
         desc = {str(g): str(c.get("desc", "")) for g, c in (raw.get("pg_config") or {}).items()}
+        names = {}  # pg_status is keyed by the group's local id, entries give its name
         for e in raw.get("entries") or []:
             if len(e.get("process_group") or []) > 1:
                 desc.setdefault(str(e["process_group"][0]), str(e["process_group"][1]))
+            if "pg_id" in e:
+                names[str(e["pg_id"])] = _group(e)
+        enqueued = {}
+        for pg_id, status in (raw.get("pg_status") or {}).items():
+            try:
+                enqueued[names[str(pg_id)]] = int(status["last_enqueued_collective"])
+            except (KeyError, TypeError, ValueError):
+                continue
         dumps[rank] = RankDump(
             rank=rank,
             entries=list(raw.get("entries") or []),
@@ -107,6 +120,7 @@ def load(folder: str | Path, *, run: str | None = None, attempt: int | None = No
             group_desc=desc,
             stacks=stacks if stacks.exists() else None,
             step=titan.get("step"),
+            enqueued=enqueued,
         )
     return dumps
 
@@ -120,19 +134,42 @@ def members(dumps: dict[int, RankDump], group: str) -> list[int]:
     return sorted(r for r, d in dumps.items() if any(_group(e) == group for e in d.entries))
 
 
-def where(stacks: Path | None) -> str:
-    """The innermost frame of the main thread in a faulthandler dump, and the innermost of
-    torchtitan's or the user's code where that is inside a library."""
+_LIBRARY = re.compile(r"site-packages/|/lib/python3")
+
+
+def main_frames(stacks: Path | None) -> list[tuple[str, str, str]] | None:
+    """The main thread's frames (innermost first) in a watchdog's stack dump: the thread its
+    ``# main thread 0x...`` line names, else the one whose outermost frame starts a program."""
     if stacks is None:
-        return "no stack dump"
+        return None
     try:
         text = stacks.read_text()
     except OSError:
-        return "no stack dump"
+        return None
+    named = re.search(r"# main thread (0x[0-9a-f]+)", text)
     threads = [t for t in re.split(r"\n\s*\n", text) if "File " in t]
-    frames_of = [re.findall(r'File "([^"]+)", line (\d+) in (\S+)', t) for t in threads]
-    main = next((f for f in frames_of if f and f[-1][2] == "<module>"), None)
-    if not main:
+    frames_of = [(t, re.findall(r'File "([^"]+)", line (\d+) in (\S+)', t)) for t in threads]
+    for thread, frames in frames_of:
+        if named and re.search(rf"^(?:Current thread|Thread) {named.group(1)}\b", thread, re.M):
+            return frames
+    starts = ("<module>", "_run_module_as_main", "_run_code")
+    return next((f for _, f in frames_of if f and f[-1][2] in starts), None)
+
+
+def in_communication(stacks: Path | None) -> bool:
+    """Whether the main thread was inside torch.distributed (a wait on a send, a receive or a
+    collective that the flight recorder may not list: gloo records no point-to-point)."""
+    frames = main_frames(stacks)
+    return bool(frames) and "torch/distributed/" in frames[0][0]
+
+
+def where(stacks: Path | None) -> str:
+    """The innermost frame of the main thread in a watchdog's stack dump, and the innermost
+    of torchtitan's or the user's code where that is inside a library."""
+    if stacks is None:
+        return "no stack dump"
+    frames = main_frames(stacks)
+    if not frames:
         return "no main thread in its stack dump"
 
     def show(frame: tuple[str, str, str]) -> str:
@@ -145,8 +182,8 @@ def where(stacks: Path | None) -> str:
             path = _relative(path)
         return f"{path}:{line} in {func}"
 
-    inner = main[0]
-    own = next((f for f in main if not re.search(r"site-packages/|/lib/python3", f[0])), None)
+    inner = frames[0]
+    own = next((f for f in frames if not _LIBRARY.search(f[0])), None)
     if own is None or own == inner:
         return show(inner)
     return f"{show(inner)}, from {show(own)}"
@@ -169,9 +206,19 @@ def _name(dumps: dict[int, RankDump], group: str) -> str:
     return f"group {group}{f' ({desc})' if desc else ''}"
 
 
+_SYMMETRIC = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast")
+
+
+def _same_call(op: str) -> bool:
+    """Whether every member passes the same shapes to ``op`` (not so for a rooted scatter or
+    gather, nor for an all-to-all's uneven splits): only their kind must agree otherwise."""
+    name = op.split(":")[-1].lstrip("_")
+    return name.startswith(_SYMMETRIC) and "to_all" not in name
+
+
 def diagnose(dumps: dict[int, RankDump], world_size: int | None = None) -> list[str]:
     """Lines saying who waited for whom (see the module's docstring), where the waiting ends
-    first: a rank outside any collective that others wait for, or a disagreement."""
+    first: a rank outside any communication that others wait for, or a disagreement."""
     if not dumps:
         return ["no flight-recorder dumps to read"]
     lines: list[str] = []
@@ -184,11 +231,11 @@ def diagnose(dumps: dict[int, RankDump], world_size: int | None = None) -> list[
         at = [p for p in here if p.seq == seq]
         group_ranks = members(dumps, group)
         behind = [r for r in group_ranks if r in dumps and dumps[r].max_seq(group) < seq]
-        # all-to-alls move uneven splits (MoE dispatch): only their kind must agree.
-        ops = {p.op if "to_all" in p.op else (p.op, p.sizes) for p in at}
+        kinds = {(p.op, p.sizes) if _same_call(p.op) else p.op for p in at}
         missing = [r for r in group_ranks if r not in dumps]
         name = _name(dumps, group)
-        if len(ops) > 1:
+        waited = f"{_ranks(p.rank for p in at)} waited in {at[0].op} (collective {seq} of {name})"
+        if len(kinds) > 1:
             what = "; ".join(f"rank {p.rank} {p.op} {p.sizes}" for p in at)
             roots.append(
                 f"the ranks disagree on collective {seq} of {name}: {what}; they ran different "
@@ -196,36 +243,55 @@ def diagnose(dumps: dict[int, RankDump], world_size: int | None = None) -> list[
             )
         elif behind:
             behind_ranks.update(behind)
-            lines.append(
-                f"{_ranks(p.rank for p in at)} waited in {at[0].op} (collective {seq} of "
-                f"{name}), which {_ranks(behind)} never reached"
-            )
+            lines.append(f"{waited}, which {_ranks(behind)} never reached")
         elif missing:
-            lines.append(
-                f"{_ranks(p.rank for p in at)} waited in {at[0].op} (collective {seq} of "
-                f"{name}) with {_ranks(missing)}, which left no dump"
-            )
+            lines.append(f"{waited} with {_ranks(missing)}, which left no dump here")
         elif {p.rank for p in at} >= set(group_ranks):
             lines.append(
                 f"every rank of {name} waited in {at[0].op} (collective {seq}): it did not "
                 "complete although all of them reached it (the network, or a rank that died)"
             )
+        else:
+            lines.append(f"{waited}, which the other members had finished (dumps taken apart)")
     stuck = {p.rank for p in pending}
-    for rank in sorted(behind_ranks - stuck):
-        roots.append(
-            f"rank {rank} was outside any collective, at {where(dumps[rank].stacks)}"
-            + (f" ({dumps[rank].stacks})" if dumps[rank].stacks else "")
-        )
-    lines = roots + lines  # the rank the others wait for first
-    if not pending:
+    # Ranks the recorder shows in no collective: in communication it does not list (gloo's
+    # pipeline sends and receives), or outside any; the latter are where waiting ends.
+    unlisted = [r for r in sorted(dumps) if r not in stuck]
+    talking = [r for r in unlisted if in_communication(dumps[r].stacks)]
+    for rank in unlisted:
+        if rank in talking:
+            if not pending or rank in behind_ranks:
+                lines.append(
+                    f"rank {rank} waited in communication the flight recorder does not list "
+                    f"(a pipeline send or receive), at {where(dumps[rank].stacks)}"
+                )
+        elif rank in behind_ranks or (not pending and talking):
+            roots.append(f"rank {rank} was outside any communication, at {_at(dumps[rank])}")
+    missing_dumps = sorted(set(range(world_size)) - set(dumps)) if world_size else []
+    if not pending and not talking:
+        if missing_dumps:
+            roots.append(
+                "no rank that left a dump was inside a collective; the rank holding them up "
+                "may be one that left none"
+            )
+        else:
+            roots.append(
+                "no rank was inside a collective or other communication: the step's own work "
+                "(data, compute) outlived --comm.train_timeout_seconds; raise it, or see "
+                "where each rank was: "
+                + "; ".join(f"rank {r} at {_at(d)}" for r, d in sorted(dumps.items()))
+            )
+    lines = roots + lines
+    if missing_dumps:
         lines.append(
-            "no rank was inside a collective: the step's own work (data, compute) outlived "
-            "--comm.train_timeout_seconds; raise it, or see where each rank was: "
-            + "; ".join(f"rank {r} at {where(d.stacks)}" for r, d in sorted(dumps.items()))
+            f"{_ranks(missing_dumps)} left no dump (stopped before their watchdog fired, or "
+            "wrote it to another machine's dump folder)"
         )
-    if world_size and (missing := sorted(set(range(world_size)) - set(dumps))):
-        lines.append(f"{_ranks(missing)} left no dump (stopped before their watchdog fired)")
     return lines
+
+
+def _at(dump: RankDump) -> str:
+    return where(dump.stacks) + (f" ({dump.stacks})" if dump.stacks else "")
 
 
 def main(argv: list[str] | None = None) -> int:

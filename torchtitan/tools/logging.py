@@ -60,7 +60,11 @@ class _DropMessages(logging.Filter):
         self.starts = starts
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.starts)
+        try:
+            message = record.getMessage()
+        except Exception:  # arguments that do not fit the format: logging reports that itself
+            message = str(record.msg)
+        return not message.startswith(self.starts)
 
 
 def quiet_known_torch_notices(*, cuda: bool) -> None:
@@ -71,6 +75,10 @@ def quiet_known_torch_notices(*, cuda: bool) -> None:
     inductor's note that it leaves complex operators to eager (RoPE's rotation, a few
     elementwise ops per block; compiled blocks still equal eager ones in the numerics tests);
     the profiler's note that it clears its events each cycle (each cycle's trace is written);
+    torch 2.13's pipeline-stage note that a stage's output has no gradient given, which only the
+    last stage's can be (``pipeline_parallel.build_stages`` gives every other stage's; the
+    loss is computed on the last, and torch calls it legal there: seen under TP's DTensor
+    logits);
     torch 2.13's deprecation note on torchao registering its enums as pytree constants (seen
     where ``transformers`` or ``peft`` import torchao's quantization); and, without CUDA,
     torchao's failure to load its CUDA kernels (mxfp8, CUTLASS), which float8 training does
@@ -80,6 +88,9 @@ def quiet_known_torch_notices(*, cuda: bool) -> None:
     )
     warnings.filterwarnings(
         "ignore", message="Torchinductor does not support code generation for complex operators"
+    )
+    warnings.filterwarnings(
+        "ignore", message=r"Stage \d+: output_args\[0\] has requires_grad=True, but output_grads"
     )
     # The profiler's trace is written at the end of each cycle, so clearing it then is right.
     warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end")

@@ -24,6 +24,8 @@ from torchtitan.tools.logging import logger
 
 EXIT_CODE = HANG_EXIT_CODE
 """Exit status of a rank the watchdog ended (124, as ``timeout(1)`` uses)."""
+DUMP_GRACE_SECONDS = 2.0
+"""How long a rank that dumped waits before it exits, for the others to dump too."""
 
 
 def dump_flight_recorder(path: Path, about: dict | None = None) -> int:
@@ -32,8 +34,18 @@ def dump_flight_recorder(path: Path, about: dict | None = None) -> int:
     (``tools/hang_report.py`` reads them together); return how many entries were recorded."""
     import torch._C._distributed_c10d as c10d
 
-    raw = c10d._dump_fr_trace_json(includeCollectives=True, onlyActive=False)
-    trace = json.loads(raw)
+    trace = json.loads(c10d._dump_fr_trace_json(includeCollectives=True, onlyActive=False))
+    # NCCL keeps its own recorder (gloo's is the one above): merge its collectives in.
+    nccl = getattr(c10d, "_dump_nccl_trace_json", None)
+    if nccl is not None:
+        try:
+            extra = json.loads(nccl(True, False))  # (includeCollectives, onlyActive)
+        except Exception:  # no NCCL in this build or process
+            extra = {}
+        trace["entries"] = list(trace.get("entries") or []) + list(extra.get("entries") or [])
+        for key in ("pg_config", "pg_status"):
+            if extra.get(key):
+                trace[key] = {**(trace.get(key) or {}), **extra[key]}
     trace["titan"] = dict(about or {}) | {"groups": _process_groups()}
     path.write_text(json.dumps(trace, indent=1, default=str))
     return len(trace.get("entries", []))
@@ -63,6 +75,7 @@ class StepWatchdog:
         self._step = 0
         self._timeout = 0.0
         self._closed = threading.Event()
+        self._changed = threading.Event()  # a deadline set, or closing: wake the thread
         self._thread = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
         self._thread.start()
 
@@ -70,6 +83,7 @@ class StepWatchdog:
         with self._lock:
             self._step, self._timeout = step, timeout_seconds
             self._deadline = time.monotonic() + timeout_seconds
+        self._changed.set()
 
     def stop(self) -> None:
         with self._lock:
@@ -77,15 +91,21 @@ class StepWatchdog:
 
     def close(self) -> None:
         self._closed.set()
+        self._changed.set()
         self._thread.join(timeout=5)
 
     def _watch(self) -> None:
-        while not self._closed.wait(0.5):
+        """Wake at the deadline itself: the ranks' watchdogs then fire within the skew of their
+        steps' starts, which the last step's collectives keep small."""
+        while not self._closed.is_set():
             with self._lock:
-                late = self._deadline is not None and time.monotonic() > self._deadline
+                deadline = self._deadline
                 step, timeout = self._step, self._timeout
-            if late:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
                 self._fire(step, timeout)
+            self._changed.wait(None if deadline is None else deadline - now)
+            self._changed.clear()
 
     def _fire(self, step: int, timeout: float) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -104,6 +124,9 @@ class StepWatchdog:
         except Exception as e:  # the stack dump below still gets written
             recorded = f"no flight-recorder dump ({type(e).__name__}: {e})"
         with stacks.open("w") as f:
+            # Which thread is the main one (the training loop): tools/hang_report.py reads it.
+            f.write(f"# main thread 0x{threading.main_thread().ident:016x}\n")
+            f.flush()
             faulthandler.dump_traceback(f, all_threads=True)
         logger.error(
             f"Step {step} on rank {self.rank} did not finish within {timeout:g} s "
@@ -114,4 +137,7 @@ class StepWatchdog:
         for handler in logger.handlers:
             handler.flush()
         note_hung(step, str(self.folder))
+        # The other ranks' watchdogs are due about now: leaving at once would break their
+        # collectives (they would stop as having lost a peer, without a dump).
+        time.sleep(DUMP_GRACE_SECONDS)
         os._exit(EXIT_CODE)

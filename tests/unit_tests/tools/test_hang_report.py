@@ -28,16 +28,19 @@ def _entry(group: str, seq: int, op: str = "gloo:all_reduce", *, done: bool = Tr
         "input_sizes": [list(size)],
         "input_dtypes": ["Float"],
         "is_p2p": False,
+        "pg_id": int(group) + 100,  # (a local id: pg_status is keyed by it)
         "retired": done,
         "state": "scheduled",
     }
 
 
-def _dump(folder: Path, rank: int, entries, groups, *, run="r1", attempt=0, stack=None):
+def _dump(
+    folder: Path, rank: int, entries, groups, *, run="r1", attempt=0, stack=None, status=None
+):
     folder.mkdir(parents=True, exist_ok=True)
     titan = {"run": run, "attempt": attempt, "rank": rank, "step": 3, "time": 1.0 + attempt}
     titan["groups"] = groups
-    raw = {"entries": entries, "pg_config": {}, "titan": titan}
+    raw = {"entries": entries, "pg_config": {}, "pg_status": status or {}, "titan": titan}
     (folder / f"rank{rank}_flight_recorder.json").write_text(json.dumps(raw))
     if stack is not None:
         (folder / f"rank{rank}_stacks.txt").write_text(stack)
@@ -64,7 +67,7 @@ def test_the_rank_behind_is_named_first_with_where_it_was(tmp_path):
     lines = hang_report.diagnose(hang_report.load(tmp_path), world_size=4)
     # The innermost frame, in a library, and the innermost of our code.
     assert lines[0] == (
-        "rank 3 was outside any collective, at torch/utils/data/dataloader.py:1250 in "
+        "rank 3 was outside any communication, at torch/utils/data/dataloader.py:1250 in "
         "_get_data, from /x/torchtitan/components/dataloader.py:301 in __next__ "
         f"({tmp_path / 'rank3_stacks.txt'})"
     )
@@ -105,9 +108,15 @@ def test_a_member_without_a_dump_is_named(tmp_path):
     lines = hang_report.diagnose(hang_report.load(tmp_path), world_size=2)
     assert lines == [
         "rank 0 waited in gloo:all_reduce (collective 5 of group 0 (default_pg)) with rank 1, "
-        "which left no dump",
-        "rank 1 left no dump (stopped before their watchdog fired)",
+        "which left no dump here",
+        "rank 1 left no dump (stopped before their watchdog fired, or wrote it to another "
+        "machine's dump folder)",
     ]
+    # No dumped rank in a collective, one rank without a dump: no advice to raise the timeout.
+    _dump(tmp_path, 0, _history("0", 4), {"0": [0, 1]}, stack=STACK)
+    lines = hang_report.diagnose(hang_report.load(tmp_path), world_size=2)
+    assert lines[0].startswith("no rank that left a dump was inside a collective")
+    assert not any("raise it" in line for line in lines)
 
 
 def test_only_the_newest_run_and_attempt_are_read(tmp_path):
@@ -121,7 +130,7 @@ def test_only_the_newest_run_and_attempt_are_read(tmp_path):
     assert sorted(hang_report.load(tmp_path, run="old", attempt=0)) == [2]
     assert hang_report.load(tmp_path, run="r1", attempt=0) == {}
     lines = hang_report.diagnose(dumps, world_size=2)
-    assert lines[0].startswith("rank 1 was outside any collective")
+    assert lines[0].startswith("rank 1 was outside any communication")
 
 
 def test_the_command_line_reads_a_dump_folder(tmp_path, capsys):
@@ -130,7 +139,7 @@ def test_the_command_line_reads_a_dump_folder(tmp_path, capsys):
     _dump(traces, 1, _history("0", 4), {"0": [0, 1]}, stack=STACK)
     assert hang_report.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "- rank 1 was outside any collective" in out
+    assert "- rank 1 was outside any communication" in out
     assert hang_report.main([str(tmp_path / "nothing")]) == 2
 
 
@@ -140,3 +149,61 @@ def test_a_stack_dump_without_a_main_thread(tmp_path, text):
     path.write_text(text)
     assert hang_report.where(path) == "no main thread in its stack dump"
     assert hang_report.where(None) == "no stack dump"
+
+
+# A rank started with `python -m torchtitan.train`: its main thread's outermost frame is
+# runpy's, and the watchdog names the main thread on the first line.
+MODULE_RUN = """# main thread 0x00007f00000000b0
+Current thread 0x00007f00000000a0 (most recent call first):
+  File "/x/torchtitan/tools/watchdog.py", line 83 in _fire
+
+Thread 0x00007f00000000b0 (most recent call first):
+  File "/v/lib/python3.11/site-packages/torch/distributed/pipelining/schedules.py", line 683 in _wait_batch_p2p
+  File "/x/torchtitan/batch_runner.py", line 209 in _pipeline_step
+  File "/x/torchtitan/train.py", line 61 in main
+  File "<frozen runpy>", line 88 in _run_code
+  File "<frozen runpy>", line 198 in _run_module_as_main
+"""
+
+
+def test_a_pipeline_wait_shows_in_the_stack_when_the_recorder_lists_none(tmp_path):
+    """gloo records no sends and receives: rank 0 waits in a receive from rank 1's stage,
+    which sleeps; the recorder shows both outside any collective."""
+    _dump(tmp_path, 0, _history("0", 8), {"0": [0, 1]}, stack=MODULE_RUN)
+    _dump(tmp_path, 1, _history("0", 8), {"0": [0, 1]}, stack=STACK.replace("_get_data", "sleep"))
+    lines = hang_report.diagnose(hang_report.load(tmp_path), world_size=2)
+    assert lines[0].startswith("rank 1 was outside any communication, at torch/utils/data/")
+    assert lines[1] == (
+        "rank 0 waited in communication the flight recorder does not list (a pipeline send "
+        "or receive), at torch/distributed/pipelining/schedules.py:683 in _wait_batch_p2p, from "
+        "/x/torchtitan/batch_runner.py:209 in _pipeline_step"
+    )
+    assert len(lines) == 2  # no advice to raise the timeout
+
+
+def test_rooted_collectives_may_differ_in_shapes(tmp_path):
+    """A scatter's source passes the tensors, the others none: not a disagreement."""
+    groups = {"0": [0, 1]}
+    _dump(tmp_path, 0, [_entry("0", 3, "gloo:scatter", done=False, size=(2, 8))], groups)
+    _dump(tmp_path, 1, [_entry("0", 3, "gloo:scatter", done=False, size=())], groups)
+    (line,) = hang_report.diagnose(hang_report.load(tmp_path), world_size=2)
+    assert line.startswith("every rank of group 0 (default_pg) waited in gloo:scatter")
+    # The same all-reduce with different shapes is one.
+    _dump(tmp_path, 0, [_entry("0", 3, done=False, size=(2, 8))], groups)
+    _dump(tmp_path, 1, [_entry("0", 3, done=False, size=(4, 8))], groups)
+    (line,) = hang_report.diagnose(hang_report.load(tmp_path), world_size=2)
+    assert line.startswith("the ranks disagree on collective 3")
+
+
+def test_the_recorders_own_count_tells_who_is_behind_when_its_ring_dropped_entries(tmp_path):
+    """Rank 1's ring kept no entry of group 0 past 2, but it issued 7: it is not behind
+    rank 0's collective 7, which it finished; rank 0's dump was taken before it saw so."""
+    groups = {"0": [0, 1]}
+    _dump(tmp_path, 0, _history("0", 6) + [_entry("0", 7, done=False)], groups)
+    status = {"100": {"last_enqueued_collective": "7", "last_completed_collective": "7"}}
+    _dump(tmp_path, 1, _history("0", 2), groups, status=status, stack=STACK)
+    (line,) = hang_report.diagnose(hang_report.load(tmp_path), world_size=2)
+    assert line == (
+        "rank 0 waited in gloo:all_reduce (collective 7 of group 0 (default_pg)), which the "
+        "other members had finished (dumps taken apart)"
+    )

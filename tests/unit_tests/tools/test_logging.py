@@ -1,6 +1,7 @@
 """Which third-party notices a run drops, and that it drops nothing else."""
 
 import logging
+import warnings
 
 import pytest
 
@@ -54,3 +55,16 @@ def test_torchao_kernel_notice_is_kept_on_cuda(captured):
     quiet_known_torch_notices(cuda=True)
     logging.getLogger("torchao").warning("Failed to load /x/_C_mxfp8.so")
     assert captured == ["Failed to load /x/_C_mxfp8.so"]
+
+
+def test_the_last_pipeline_stages_missing_output_gradient_is_not_warned():
+    message = (
+        "Stage 1: output_args[0] has requires_grad=True, but output_grads[0] is None. This is "
+        "legal at pipeline boundaries but may indicate a missing gradient."
+    )
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_known_torch_notices(cuda=False)
+        warnings.warn(message, UserWarning, stacklevel=1)
+        warnings.warn("Stage 1: something else", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in seen] == ["Stage 1: something else"]

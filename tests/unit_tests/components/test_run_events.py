@@ -1,0 +1,63 @@
+"""events.jsonl, and a new run in a dump folder that holds an earlier run's records."""
+
+import json
+import os
+import time
+
+import pytest
+
+from torchtitan.components.run_events import RunEvents
+
+
+@pytest.mark.parametrize(
+    ("step", "env", "new"),
+    [
+        (0, {}, True),
+        (40, {}, False),  # resumed from a checkpoint
+        (0, {"TORCHELASTIC_RESTART_COUNT": "1"}, False),  # restarted before its first save
+        (0, {"SLURM_RESTART_COUNT": "2"}, False),  # requeued before its first save
+    ],
+)
+def test_a_new_run_is_a_start_from_step_zero_that_no_launcher_restarted(
+    monkeypatch, step, env, new
+):
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert RunEvents.is_new_run(step) is new
+
+
+def test_an_earlier_run_is_set_aside_whole_and_never_overwritten(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    events = RunEvents(tmp_path, enabled=True)
+    began = time.mktime((2026, 11, 27, 9, 30, 5, 0, 0, -1))
+    (tmp_path / "events.jsonl").write_text(
+        json.dumps({"event": "start", "time": began, "step": 0}) + "\n"
+    )
+    for name in ("metrics.jsonl", "metrics_rank1.jsonl", "report.txt", "report.png"):
+        (tmp_path / name).write_text(name)
+    (tmp_path / "config.toml").write_text("kept")  # not a record of the run
+    moved = events.set_aside_earlier_run()
+    assert moved == tmp_path / "earlier_runs" / "20261127-093005"
+    assert sorted(p.name for p in moved.iterdir()) == [
+        "events.jsonl", "metrics.jsonl", "metrics_rank1.jsonl", "report.png", "report.txt",
+    ]  # fmt: skip
+    assert (moved / "metrics_rank1.jsonl").read_text() == "metrics_rank1.jsonl"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.toml", "earlier_runs"]
+    # Nothing to set aside: nothing moves.
+    assert events.set_aside_earlier_run() is None
+    # A second run begun in the same second (no events file: the metrics file's time) goes
+    # beside the first, not over it.
+    (tmp_path / "metrics.jsonl").write_text("second")
+    os.utime(tmp_path / "metrics.jsonl", (began, began))
+    again = events.set_aside_earlier_run()
+    assert again == tmp_path / "earlier_runs" / "20261127-093005~2"
+    assert (again / "metrics.jsonl").read_text() == "second"
+    assert (moved / "metrics.jsonl").read_text() == "metrics.jsonl"
+
+
+def test_ranks_that_write_no_events_move_nothing(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("x")
+    assert RunEvents(tmp_path, enabled=False).set_aside_earlier_run() is None
+    assert (tmp_path / "metrics.jsonl").exists()
