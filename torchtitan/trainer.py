@@ -368,14 +368,8 @@ class Trainer:
         )
         data_iter = iter(self.dataloader)
         first_step = self.step
-        if self.events.is_new_run(first_step):
-            # Before any rank's first metrics record (they open their files then, after step
-            # 1's collectives with this rank).
-            if (moved := self.events.set_aside_earlier_run()) is not None:
-                logger.info(
-                    f"A new run in {self.config.job.dump_folder}: the earlier run's metrics, "
-                    f"events and report are now in {moved}"
-                )
+        # (A new run sets an earlier one's records aside here: before any rank's first
+        # metrics record, which opens its file after step 1's collectives with this rank.)
         self.events.start(first_step, self.parallel_dims.world_size)
         self.metrics.start_run(first_step=first_step, last_step=stop)
         where = dict(dump_folder=self.config.job.dump_folder, rank=self.rank, first_step=first_step)

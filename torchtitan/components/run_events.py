@@ -9,6 +9,8 @@ import os
 import time
 from pathlib import Path
 
+from torchtitan.tools.logging import logger
+
 EARLIER_RUNS = "earlier_runs"
 # What a run's report is made of, set aside together when a new run starts in the folder.
 RUN_RECORD_FILES = (
@@ -66,6 +68,12 @@ class RunEvents:
         return target
 
     def start(self, step: int, world_size: int) -> None:
+        """Record a start from ``step``; a new run first sets an earlier one aside."""
+        if self.is_new_run(step) and (moved := self.set_aside_earlier_run()) is not None:
+            logger.info(
+                f"A new run in {moved.parent.parent}: the earlier run's metrics, events and "
+                f"report are now in {moved}"
+            )
         self.write(
             "start",
             step=step,

@@ -21,7 +21,8 @@ def captured():
     loggers = [logging.getLogger(n) for n in names]
     saved = [(lg.filters[:], lg.handlers[:], lg.propagate, lg.level, lg.disabled) for lg in loggers]
     handler = Keep()
-    for lg in loggers:  # (torch's logging setup, run by other tests, may have changed these)
+    for lg in loggers:  # (earlier tests in this process may have set filters and levels)
+        lg.filters[:] = []
         lg.addHandler(handler)
         lg.propagate, lg.disabled = False, False
         lg.setLevel(logging.WARNING)
