@@ -150,8 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # torchrun's own log lines (OMP_NUM_THREADS defaults, closing signals, "failed (exitcode:
     # 2)") are noise to a user; a failure is reported below, in full when it is a crash.
-    for name in ("torch.distributed.run", "torch.distributed.elastic"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    # torch's elastic modules give their loggers their own level: each is set, not a parent.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.run", "torch.distributed.elastic")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     # torchrun copies the ranks' lines to these streams (TailLog); drop what means nothing.
     sys.stdout, sys.stderr = _Dropping(sys.stdout), _Dropping(sys.stderr)
     folder = tempfile.mkdtemp(prefix="titan-failures-")
@@ -181,7 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if (record := _preempted(folder)) is not None:
             print(_preemption_line(record), file=sys.stderr)
             return PREEMPTED_EXIT_CODE
-        print(f"stopped by {e.sigval.name} before the ranks could save", file=sys.stderr)
+        print(
+            f"[launcher] stopped by {e.sigval.name}: the ranks stopped without saving (SIGTERM "
+            "or SIGUSR1 to this process saves the current step first)",
+            file=sys.stderr,
+        )
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         records = refusals(folder)

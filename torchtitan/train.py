@@ -43,7 +43,7 @@ from torchtitan.trainer import Trainer
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, run, shut down; return the exit code."""
     init_logger()
-    log_file = None
+    log_file, config = None, None
     try:
         config = parse_args(argv)
         quiet_known_torch_notices(cuda=dist_utils.device_type() == "cuda")
@@ -70,6 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _stop(2, str(e))
     except NonFiniteError as e:
         return _stop(3, str(e))
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every rank of the terminal's process group at once: one line each,
+        # not a traceback of wherever the step was.
+        logger.warning(f"Interrupted (SIGINT, Ctrl-C): stopped without saving; {_resumes(config)}")
+        return INTERRUPTED_EXIT_CODE
     except Exception as e:
         log_to_files_only(logging.ERROR, "".join(traceback.format_exception(e)).rstrip())
         if (words := dist_utils.lost_peer(e)) is None:
@@ -81,6 +86,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return launcher.LOST_PEER_EXIT_CODE
     finally:
         dist_utils.shutdown()
+
+
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports it
+
+
+def _resumes(config: JobConfig | None) -> str:
+    if config is None or not config.checkpoint.enable:
+        return "nothing was being saved (--checkpoint.enable is off)"
+    return (
+        "the same command resumes from the last complete checkpoint; SIGTERM or SIGUSR1 "
+        "saves the current step first (docs/fault_tolerance.md)"
+    )
 
 
 def _stop(code: int, message: str) -> int:

@@ -41,12 +41,13 @@ def uninterrupted(tmp_path_factory) -> dict[int, float]:
     return _losses(dump)
 
 
-def _start(dump: Path, *flags: str, **env: str) -> subprocess.Popen:
-    """``NGPU=2 ./run_train.sh``; its pid becomes the launcher's (the script ``exec``s it)."""
+def _start(dump: Path, *flags: str, session: bool = False, **env: str) -> subprocess.Popen:
+    """``NGPU=2 ./run_train.sh``; its pid becomes the launcher's (the script ``exec``s it).
+    ``session``: in a process group of its own, as a terminal's foreground job is."""
     return subprocess.Popen(
         ["./run_train.sh", *SMALL, "--job.dump_folder", str(dump), *FLAGS, *flags],
         cwd=REPO, env=clean_env(NGPU="2", **env), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
+        stderr=subprocess.STDOUT, text=True, start_new_session=session,
     )  # fmt: skip
 
 
@@ -118,6 +119,24 @@ def test_preempted_runs_save_their_step_and_resume_bitwise(tmp_path, uninterrupt
     assert [(e["signal"], e["step"]) for e in events if e["event"] == "preempt"] == [
         ("SIGUSR1", first), ("SIGTERM", second)
     ]  # fmt: skip
+
+
+def test_ctrl_c_stops_every_rank_in_one_line_each(tmp_path):
+    """A terminal's Ctrl-C sends SIGINT to the launcher and every rank at once: each rank says
+    so in one line (it was a KeyboardInterrupt traceback from wherever the step was), the
+    launcher says nothing was saved, and the exit code is the shell's 130."""
+    proc = _start(tmp_path, "--checkpoint.interval", "50", session=True, LOG_RANK="0,1")
+    _wait_for_step(tmp_path, 2, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    out = _finish(proc)
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out and "death signal" not in out, out[-3000:]
+    for rank in (0, 1):
+        assert f"[rank{rank}]: " in out
+    lines = [line for line in out.splitlines() if "Interrupted (SIGINT, Ctrl-C)" in line]
+    assert len(lines) == 2 and all("resumes from the last complete checkpoint" in x for x in lines)
+    assert out.splitlines()[-1].startswith("[launcher] stopped by SIGINT: the ranks stopped")
+    assert not (tmp_path / "checkpoint").exists() or not any((tmp_path / "checkpoint").iterdir())
 
 
 def test_a_killed_rank_is_restarted_from_the_last_checkpoint(tmp_path, uninterrupted):
