@@ -362,6 +362,12 @@ class Trainer:
         stop = t.steps if until is None else min(until, t.steps)
         self._last_step = stop
         span = f"{t.steps} steps" if stop == t.steps else f"up to step {stop} of {t.steps}"
+        if self.step >= t.steps:
+            logger.warning(
+                f"Nothing to train: the run resumed at step {self.step}, and --training.steps "
+                f"is {t.steps}; raise --training.steps to train on (docs/checkpoint.md), or "
+                "pick another --job.dump_folder for a new run"
+            )
         logger.info(
             f"Training {span}: global batch {self.global_batch_size} x {t.seq_len} tokens "
             f"({self.grad_accum_steps} accumulation batch(es) of {t.local_batch_size} per rank)"

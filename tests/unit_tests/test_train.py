@@ -1,6 +1,7 @@
 """The trainer in one process: real training on the bundled corpus with the debug model."""
 
 import json
+import logging
 import math
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from torchtitan.batch_runner import autocast_context
 from torchtitan.components import float8
 from torchtitan.config.manager import parse_args
+from torchtitan.tools.logging import logger
 from torchtitan.train import main
 from torchtitan.trainer import Trainer
 
@@ -114,6 +116,16 @@ def test_a_new_run_in_the_same_folder_sets_the_earlier_one_aside(tmp_path):
     assert _metrics(earlier) == first
     starts = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in starts] == ["start", "end"]
+
+
+def test_a_finished_run_run_again_says_there_is_nothing_to_train(tmp_path, caplog, monkeypatch):
+    flags = ["--training.steps", "2", "--checkpoint.enable"]
+    _run(tmp_path, *flags)
+    monkeypatch.setattr(logger, "propagate", True)  # to caplog
+    with caplog.at_level(logging.WARNING, logger="torchtitan"):
+        again, trainer = _run(tmp_path, *flags)
+    assert trainer.step == 2 and [r["step"] for r in again] == [1, 2]  # nothing more logged
+    assert "Nothing to train: the run resumed at step 2, and --training.steps is 2" in caplog.text
 
 
 def test_lr_logged_is_the_lr_the_step_used(tmp_path):
