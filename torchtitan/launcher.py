@@ -150,10 +150,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # torchrun's own log lines (OMP_NUM_THREADS defaults, closing signals, "failed (exitcode:
     # 2)") are noise to a user; a failure is reported below, in full when it is a crash.
-    # torch's elastic modules give their loggers their own level: each is set, not a parent.
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith(("torch.distributed.run", "torch.distributed.elastic")):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
+    for name in ("torch.distributed.run", "torch.distributed.elastic"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    # The agent's logger has a level of its own; of its lines only this one is noise (the
+    # launcher names the signal), the rest (shutdown trouble, rendezvous) stay.
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
+        lambda record: "death signal, shutting down workers" not in str(record.msg)
+    )
     # torchrun copies the ranks' lines to these streams (TailLog); drop what means nothing.
     sys.stdout, sys.stderr = _Dropping(sys.stdout), _Dropping(sys.stderr)
     folder = tempfile.mkdtemp(prefix="titan-failures-")

@@ -92,6 +92,8 @@ INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports it
 
 
 def _resumes(config: JobConfig | None) -> str:
+    if config is not None and config.comm.mode != "default":
+        return f"COMM_MODE={config.comm.mode} saves nothing"
     if config is None or not config.checkpoint.enable:
         return "nothing was being saved (--checkpoint.enable is off)"
     return (

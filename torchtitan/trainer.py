@@ -128,7 +128,11 @@ class Trainer:
         # After the load: a resume refused there leaves the previous run's config in place.
         if self.rank == 0 and (saved := save_resolved(config)) is not None:
             logger.info(f"Resolved config written to {saved}")
-        self.events = RunEvents(config.job.dump_folder, enabled=self.rank == 0 and not on_meta)
+        # A dry run's steps mean nothing, and its start must not set a real run's records aside.
+        dry = config.comm.mode == "fake_backend"
+        self.events = RunEvents(
+            config.job.dump_folder, enabled=self.rank == 0 and not on_meta and not dry
+        )
         self.preemption = None if on_meta else preemption.PreemptionWatch(
             agree=torch.distributed.is_initialized() and not dist_utils.fake_collectives()
         )  # fmt: skip
@@ -368,6 +372,7 @@ class Trainer:
                 f"is {t.steps}; raise --training.steps to train on (docs/checkpoint.md), or "
                 "pick another --job.dump_folder for a new run"
             )
+            return
         logger.info(
             f"Training {span}: global batch {self.global_batch_size} x {t.seq_len} tokens "
             f"({self.grad_accum_steps} accumulation batch(es) of {t.local_batch_size} per rank)"

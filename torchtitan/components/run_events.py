@@ -36,13 +36,31 @@ class RunEvents:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
-    @staticmethod
-    def is_new_run(first_step: int) -> bool:
-        """A start from step 0 that is not torchrun's restart or Slurm's requeue of this run
-        (those continue it, even before its first checkpoint)."""
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        requeue = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-        return first_step == 0 and restart == 0 and requeue == 0
+    def is_new_run(self, first_step: int) -> bool:
+        """A start from step 0 that does not continue this run. Under the launcher a run has
+        one id on every attempt (``TITAN_RUN_ID``): new when no start event carries it (also
+        when an earlier attempt died before its first step). Without one, or on Slurm's
+        requeue (a new id for the same job), torchrun's restart and Slurm's requeue counts
+        say that it continues, even before its first checkpoint."""
+        if first_step != 0 or int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0:
+            return False
+        run = os.environ.get("TITAN_RUN_ID")
+        if run is None:
+            return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        return not any(e.get("run") == run for e in self._events("start"))
+
+    def _events(self, kind: str) -> list[dict]:
+        if self.path is None or not self.path.is_file():
+            return []
+        events = []
+        for line in self.path.read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict) and event.get("event") == kind:
+                events.append(event)
+        return events
 
     def set_aside_earlier_run(self) -> Path | None:
         """Move an earlier run's records out of the way of a new run in the same dump folder
@@ -77,6 +95,7 @@ class RunEvents:
         self.write(
             "start",
             step=step,
+            run=os.environ.get("TITAN_RUN_ID"),
             restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             requeue=int(os.environ.get("SLURM_RESTART_COUNT", "0")),
             world_size=world_size,

@@ -39,6 +39,7 @@ class Pending:
     seq: int
     op: str
     sizes: str
+    backend: str = "gloo"
 
 
 @dataclass
@@ -49,32 +50,41 @@ class RankDump:
     group_desc: dict[str, str]
     stacks: Path | None
     step: int | None
-    enqueued: dict[str, int] = field(default_factory=dict)  # group -> last collective issued
+    # (backend, group) -> the last collective issued there
+    enqueued: dict[tuple[str, str], int] = field(default_factory=dict)
 
-    def max_seq(self, group: str) -> int:
-        """The last collective this rank issued on ``group``: the recorder's own count where
-        the dump has it (its ring of entries may have dropped the oldest)."""
-        listed = (e.get("collective_seq_id", 0) for e in self.entries if _group(e) == group)
-        return max(max(listed, default=0), self.enqueued.get(group, 0))
+    def max_seq(self, backend: str, group: str) -> int:
+        """The last collective this rank issued on ``group`` through ``backend`` (each counts
+        its own): the recorder's own count where the dump has it (its ring of entries may
+        have dropped the oldest)."""
+        key = (backend, group)
+        listed = (e.get("collective_seq_id", 0) for e in self.entries if _key(e) == key)
+        return max(max(listed, default=0), self.enqueued.get(key, 0))
 
     def pending(self) -> list[Pending]:
         """The first unfinished collective of each group (what the rank is stuck on there).
         Point-to-point entries are left out: gloo records none, NCCL's follow their own
         numbering per pair."""
-        first: dict[str, Pending] = {}
+        first: dict[tuple[str, str], Pending] = {}
         for e in self.entries:
             if e.get("is_p2p") or e.get("retired") or e.get("state") == "completed":
                 continue
-            group, seq = _group(e), e.get("collective_seq_id", 0)
-            if group not in first or seq < first[group].seq:
+            key, seq = _key(e), e.get("collective_seq_id", 0)
+            if key not in first or seq < first[key].seq:
                 sizes = f"{e.get('input_sizes')} {','.join(e.get('input_dtypes') or [])}"
-                first[group] = Pending(self.rank, group, seq, e.get("profiling_name", "?"), sizes)
-        return sorted(first.values(), key=lambda p: (p.group, p.seq))
+                op = e.get("profiling_name", "?")
+                first[key] = Pending(self.rank, key[1], seq, op, sizes, key[0])
+        return sorted(first.values(), key=lambda p: (p.backend, p.group, p.seq))
 
 
 def _group(entry: dict) -> str:
     group = entry.get("process_group") or ["?"]
     return str(group[0])
+
+
+def _key(entry: dict) -> tuple[str, str]:
+    """(backend, group): gloo and NCCL number one group's collectives apart."""
+    return str(entry.get("profiling_name", "?")).split(":")[0], _group(entry)
 
 
 def load(folder: str | Path, *, run: str | None = None, attempt: int | None = None) -> dict:
@@ -101,18 +111,20 @@ def load(folder: str | Path, *, run: str | None = None, attempt: int | None = No
         stacks = folder / f"rank{rank}_stacks.txt"
         groups = {g: [int(r) for r in ranks] for g, ranks in titan.get("groups", {}).items()}
         desc = {str(g): str(c.get("desc", "")) for g, c in (raw.get("pg_config") or {}).items()}
-        names = {}  # pg_status is keyed by the group's local id, entries give its name
+        names: dict[str, str] = {}  # pg_status is keyed by a group's local id
         for e in raw.get("entries") or []:
             if len(e.get("process_group") or []) > 1:
                 desc.setdefault(str(e["process_group"][0]), str(e["process_group"][1]))
             if "pg_id" in e:
                 names[str(e["pg_id"])] = _group(e)
         enqueued = {}
-        for pg_id, status in (raw.get("pg_status") or {}).items():
-            try:
-                enqueued[names[str(pg_id)]] = int(status["last_enqueued_collective"])
-            except (KeyError, TypeError, ValueError):
-                continue
+        for backend, key in (("gloo", "pg_status"), ("nccl", "nccl_pg_status")):
+            for pg_id, status in (raw.get(key) or {}).items():
+                try:
+                    count = int(status["last_enqueued_collective"])
+                    enqueued[(backend, names[str(pg_id)])] = count
+                except (KeyError, TypeError, ValueError):
+                    continue
         dumps[rank] = RankDump(
             rank=rank,
             entries=list(raw.get("entries") or []),
@@ -156,11 +168,20 @@ def main_frames(stacks: Path | None) -> list[tuple[str, str, str]] | None:
     return next((f for _, f in frames_of if f and f[-1][2] in starts), None)
 
 
+_WAITS = re.compile(r"wait|recv|send|p2p|barrier")
+
+
 def in_communication(stacks: Path | None) -> bool:
-    """Whether the main thread was inside torch.distributed (a wait on a send, a receive or a
-    collective that the flight recorder may not list: gloo records no point-to-point)."""
+    """Whether the main thread was waiting on communication the flight recorder may not list
+    (gloo records no point-to-point): its innermost frame in ``distributed_c10d``, or a wait,
+    send or receive of the pipeline schedules (not DTensor or FSDP compute)."""
     frames = main_frames(stacks)
-    return bool(frames) and "torch/distributed/" in frames[0][0]
+    if not frames:
+        return False
+    path, _, func = frames[0]
+    if path.endswith("torch/distributed/distributed_c10d.py"):
+        return True
+    return "torch/distributed/pipelining/" in path and bool(_WAITS.search(func))
 
 
 def where(stacks: Path | None) -> str:
@@ -225,12 +246,12 @@ def diagnose(dumps: dict[int, RankDump], world_size: int | None = None) -> list[
     roots: list[str] = []  # where the waiting ends
     pending = [p for d in dumps.values() for p in d.pending()]
     behind_ranks: set[int] = set()
-    for group in sorted({p.group for p in pending}):
-        here = [p for p in pending if p.group == group]
+    for backend, group in sorted({(p.backend, p.group) for p in pending}):
+        here = [p for p in pending if (p.backend, p.group) == (backend, group)]
         seq = min(p.seq for p in here)
         at = [p for p in here if p.seq == seq]
         group_ranks = members(dumps, group)
-        behind = [r for r in group_ranks if r in dumps and dumps[r].max_seq(group) < seq]
+        behind = [r for r in group_ranks if r in dumps and dumps[r].max_seq(backend, group) < seq]
         kinds = {(p.op, p.sizes) if _same_call(p.op) else p.op for p in at}
         missing = [r for r in group_ranks if r not in dumps]
         name = _name(dumps, group)

@@ -43,9 +43,10 @@ def dump_flight_recorder(path: Path, about: dict | None = None) -> int:
         except Exception:  # no NCCL in this build or process
             extra = {}
         trace["entries"] = list(trace.get("entries") or []) + list(extra.get("entries") or [])
-        for key in ("pg_config", "pg_status"):
-            if extra.get(key):
-                trace[key] = {**(trace.get(key) or {}), **extra[key]}
+        # Each backend counts a group's collectives on its own (a CUDA group is gloo + NCCL).
+        trace["nccl_pg_status"] = extra.get("pg_status") or {}
+        if extra.get("pg_config"):
+            trace["pg_config"] = {**(trace.get("pg_config") or {}), **extra["pg_config"]}
     trace["titan"] = dict(about or {}) | {"groups": _process_groups()}
     path.write_text(json.dumps(trace, indent=1, default=str))
     return len(trace.get("entries", []))
@@ -104,10 +105,21 @@ class StepWatchdog:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 self._fire(step, timeout)
-            self._changed.wait(None if deadline is None else deadline - now)
+            # (bounded: Event.wait overflows past threading.TIMEOUT_MAX)
+            self._changed.wait(None if deadline is None else min(deadline - now, 3600.0))
             self._changed.clear()
 
     def _fire(self, step: int, timeout: float) -> None:
+        try:
+            self._dump(step, timeout)
+            # The other ranks' watchdogs are due about now: leaving at once would break their
+            # collectives (they would stop as having lost a peer, without a dump).
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                time.sleep(DUMP_GRACE_SECONDS)
+        finally:  # a dump that failed (a full disk) must not leave the rank hanging
+            os._exit(EXIT_CODE)
+
+    def _dump(self, step: int, timeout: float) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         trace = self.folder / f"rank{self.rank}_flight_recorder.json"
         stacks = self.folder / f"rank{self.rank}_stacks.txt"
@@ -137,7 +149,3 @@ class StepWatchdog:
         for handler in logger.handlers:
             handler.flush()
         note_hung(step, str(self.folder))
-        # The other ranks' watchdogs are due about now: leaving at once would break their
-        # collectives (they would stop as having lost a peer, without a dump).
-        time.sleep(DUMP_GRACE_SECONDS)
-        os._exit(EXIT_CODE)

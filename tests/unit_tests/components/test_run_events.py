@@ -18,14 +18,35 @@ from torchtitan.components.run_events import RunEvents
         (0, {"SLURM_RESTART_COUNT": "2"}, False),  # requeued before its first save
     ],
 )
-def test_a_new_run_is_a_start_from_step_zero_that_no_launcher_restarted(
-    monkeypatch, step, env, new
+def test_without_a_run_id_the_launchers_counts_say_whether_a_run_continues(
+    tmp_path, monkeypatch, step, env, new
 ):
-    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "TITAN_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert RunEvents.is_new_run(step) is new
+    assert RunEvents(tmp_path, enabled=True).is_new_run(step) is new
+
+
+def test_with_a_run_id_a_run_continues_only_once_it_started(tmp_path, monkeypatch):
+    """An attempt that died before its first step wrote no start: the next attempt (restart
+    count 1) is still the run's first start and sets an older run's records aside."""
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TITAN_RUN_ID", "20261127-180000")
+    events = RunEvents(tmp_path, enabled=True)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')  # an older run's
+    (tmp_path / "events.jsonl").write_text(json.dumps({"event": "start", "run": "old"}) + "\n")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert events.is_new_run(0)
+    events.start(0, world_size=2)
+    assert (tmp_path / "earlier_runs").is_dir() and not (tmp_path / "metrics.jsonl").exists()
+    # A later attempt of this run continues it, from step 0 too (no checkpoint yet).
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert not events.is_new_run(0)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # a requeue has a new id: counts decide
+    monkeypatch.setenv("TITAN_RUN_ID", "20261127-190000")
+    assert not events.is_new_run(0)
 
 
 def test_an_earlier_run_is_set_aside_whole_and_never_overwritten(tmp_path, monkeypatch):

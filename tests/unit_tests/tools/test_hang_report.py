@@ -207,3 +207,18 @@ def test_the_recorders_own_count_tells_who_is_behind_when_its_ring_dropped_entri
         "rank 0 waited in gloo:all_reduce (collective 7 of group 0 (default_pg)), which the "
         "other members had finished (dumps taken apart)"
     )
+
+
+def test_gloo_and_nccl_number_a_groups_collectives_apart(tmp_path):
+    """On CUDA a group is gloo + NCCL, each counting its own collectives: rank 1's NCCL
+    collective 40 says nothing of whether it reached gloo's 11."""
+    groups = {"0": [0, 1]}
+    nccl = [_entry("0", s, "nccl:all_reduce") for s in range(1, 41)]
+    _dump(tmp_path, 0, _history("0", 10) + nccl + [_entry("0", 11, done=False)], groups)
+    _dump(tmp_path, 1, _history("0", 10) + nccl, groups, stack=STACK)
+    lines = hang_report.diagnose(hang_report.load(tmp_path), world_size=2)
+    assert lines[1] == (
+        "rank 0 waited in gloo:all_reduce (collective 11 of group 0 (default_pg)), which rank 1 "
+        "never reached"
+    )
+    assert lines[0].startswith("rank 1 was outside any communication")
