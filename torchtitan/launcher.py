@@ -73,7 +73,8 @@ def note_hung(step: int, traces: str) -> bool:
 def hang_lines(folder: str | Path, world_size: int | None) -> list[str]:
     """Who the ranks waited for, when the hang watchdog ended some (their records in
     ``folder``): ``[launcher] the hang: ...`` lines; the records are then removed, so that a
-    restarted attempt's hang is read alone."""
+    restarted attempt's hang is read alone. (Its caller keeps an error here from hiding the
+    failure it reports on.)"""
     records = _read_records(folder, "hung-rank")
     for path in Path(folder).glob("hung-rank*.json"):
         path.unlink(missing_ok=True)
@@ -86,11 +87,7 @@ def hang_lines(folder: str | Path, world_size: int | None) -> list[str]:
     dumps: dict = {}
     for traces in sorted({r["traces"] for r in records}):
         dumps |= hang_report.load(traces, run=run, attempt=attempt)
-    try:
-        lines = hang_report.diagnose(dumps, world_size)
-    except Exception as e:  # a report must never hide the failure itself
-        lines = [f"could not read the dumps ({type(e).__name__}: {e})"]
-    return [f"[launcher] the hang: {line}" for line in lines]
+    return [f"[launcher] the hang: {line}" for line in hang_report.diagnose(dumps, world_size)]
 
 
 def _write_record(name: str, record: dict) -> bool:

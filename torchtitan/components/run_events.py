@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from torchtitan.tools.logging import logger
+from torchtitan.tools.report import read_jsonl
 
 EARLIER_RUNS = "earlier_runs"
 # What a run's report is made of, set aside together when a new run starts in the folder.
@@ -52,15 +53,7 @@ class RunEvents:
     def _events(self, kind: str) -> list[dict]:
         if self.path is None or not self.path.is_file():
             return []
-        events = []
-        for line in self.path.read_text().splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(event, dict) and event.get("event") == kind:
-                events.append(event)
-        return events
+        return [e for e in read_jsonl(self.path)[0] if e.get("event") == kind]
 
     def set_aside_earlier_run(self) -> Path | None:
         """Move an earlier run's records out of the way of a new run in the same dump folder
@@ -73,9 +66,11 @@ class RunEvents:
         found = sorted({p for pattern in RUN_RECORD_FILES for p in folder.glob(pattern)})
         if not found:
             return None
-        target = (
-            folder / EARLIER_RUNS / time.strftime("%Y%m%d-%H%M%S", time.localtime(_began(found)))
-        )
+        starts = self._events("start")
+        # When the earlier run began: its first start, else its oldest file.
+        began = starts[0].get("time") if starts else None
+        began = began or min(p.stat().st_mtime for p in found)
+        target = folder / EARLIER_RUNS / time.strftime("%Y%m%d-%H%M%S", time.localtime(began))
         n = 1
         while target.exists():
             n += 1
@@ -100,18 +95,3 @@ class RunEvents:
             requeue=int(os.environ.get("SLURM_RESTART_COUNT", "0")),
             world_size=world_size,
         )
-
-
-def _began(files: list[Path]) -> float:
-    """When the run these files record started: its first ``start`` event, else the oldest
-    file's modification time."""
-    events = next((p for p in files if p.name == "events.jsonl"), None)
-    if events is not None:
-        try:
-            with events.open() as f:
-                first = json.loads(f.readline())
-            if first.get("event") == "start":
-                return float(first["time"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-    return min(p.stat().st_mtime for p in files)

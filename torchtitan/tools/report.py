@@ -80,7 +80,8 @@ class Run:
         return len(self.restarts) - self.crash_restarts
 
 
-def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
+def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The JSON lines of ``path`` and how many lines were not JSON (a write cut off)."""
     rows, bad = [], 0
     for line in filter(str.strip, path.read_text().splitlines()):
         try:
@@ -102,7 +103,7 @@ def load_run(dump_folder: str | Path) -> Run:
     path = metrics_path(folder)
     if path is None:
         raise FileNotFoundError(f"no {METRICS_FILES[0]} in {folder}")
-    raw, bad = _read_jsonl(path)
+    raw, bad = read_jsonl(path)
     by_step: dict[int, dict[str, Any]] = {}
     redone: set[int] = set()
     rewinds = sum(1 for a, b in zip(raw, raw[1:], strict=False) if b["step"] <= a["step"])
@@ -112,7 +113,7 @@ def load_run(dump_folder: str | Path) -> Run:
         by_step[record["step"]] = record
     run = Run(folder, [by_step[s] for s in sorted(by_step)], sorted(redone), rewinds)
     if (folder / "events.jsonl").is_file():
-        run.events, more = _read_jsonl(folder / "events.jsonl")
+        run.events, more = read_jsonl(folder / "events.jsonl")
         bad += more
     run.bad_lines = bad
     return run
