@@ -327,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     if not dumps:
         print(f"error: no rank*_flight_recorder.json in {args.folder}", file=sys.stderr)
         return 2
-    runs = {d.step for d in dumps.values()}
-    print(f"{len(dumps)} rank dumps, step {', '.join(str(s) for s in sorted(runs, key=str))}")
+    steps = {d.step for d in dumps.values()}
+    print(f"{len(dumps)} rank dumps, step {', '.join(str(s) for s in sorted(steps, key=str))}")
     for line in diagnose(dumps, args.world_size):
         print(f"- {line}")
     return 0
