@@ -9,7 +9,8 @@ blocks and loss, selective activation checkpointing per op, plain causal attenti
 ``--seq_len`` tokens from the bundled corpus, loaded in the step (no dataloader worker, as the
 reference: ``--ours_flags=--training.num_workers=1`` adds one on our side); ``/eager`` drops compile, ``/float8`` adds float8
 tensorwise linears (all but the output), ``/float8_rowwise`` the rowwise recipe, ``/noac``
-drops activation checkpointing. Each row runs in its own ``run_train.sh`` (one rank: no mesh,
+drops activation checkpointing, ``/block_causal`` attends per document (ours only: FlexAttention's
+block mask on CUDA); variants combine with ``+`` (``1B/block_causal+float8``). Each row runs in its own ``run_train.sh`` (one rank: no mesh,
 no FSDP, on both sides), then, with ``--reference``, in the reference trainer
 (``benchmarks/reference_launch.py``) with the same settings.
 
@@ -35,14 +36,17 @@ sys.path.insert(0, str(REPO))
 
 BATCH = {"1B": 2, "8B_4layers": 1, "debugmodel": 8}  # debugmodel: a smoke test on CPU
 CONFIG = {"1B": "llama3_1b", "8B_4layers": "llama3_8b", "debugmodel": "llama3_debugmodel"}
-VARIANTS = ("", "eager", "float8", "float8_rowwise", "noac")
+VARIANTS = ("", "eager", "float8", "float8_rowwise", "noac", "block_causal")
 
 
 def settings(row: str) -> tuple[str, set[str]]:
     flavor, _, variant = row.partition("/")
-    if flavor not in BATCH or variant not in VARIANTS:
-        raise SystemExit(f"error: row {row!r}: FLAVOR one of {list(BATCH)}, VARIANT of {VARIANTS}")
-    return flavor, {variant}
+    variants = set(variant.split("+"))
+    if flavor not in BATCH or not variants <= set(VARIANTS):
+        raise SystemExit(
+            f"error: row {row!r}: FLAVOR one of {list(BATCH)}, VARIANT of {VARIANTS} (joined by +)"
+        )
+    return flavor, variants
 
 
 def common_flags(args: argparse.Namespace, flavor: str, variant: set[str]) -> list[str]:
@@ -68,7 +72,7 @@ def run_ours(args: argparse.Namespace, row: str, dump: Path) -> dict:
     flags = common_flags(args, flavor, variant) + [
         "--model.tokenizer_path", "tests/assets/tokenizer",
         "--training.dataset", "python_docs",
-        "--model.attn_mask", "causal",
+        "--model.attn_mask", "block_causal" if "block_causal" in variant else "causal",
         "--metrics.no_enable_tensorboard",
         "--metrics.no_report",
         "--metrics.no_enable_color_printing",
@@ -98,6 +102,8 @@ _REF_LINE = re.compile(
 
 def run_reference(args: argparse.Namespace, row: str, dump: Path) -> dict:
     flavor, variant = settings(row)
+    if "block_causal" in variant:
+        raise RuntimeError("per-document attention is not wired to the reference here")
     flags = common_flags(args, flavor, variant) + [
         "--model.name", "llama3",
         "--model.hf_assets_path", args.reference_tokenizer,
@@ -143,6 +149,16 @@ def _run(cmd: list[str], env: dict, log: Path) -> str:
     return out
 
 
+def _keep_logs(folder: Path | None, row: str, side: str, dump: Path) -> None:
+    if folder is None:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    for log in dump.glob("*.log"):
+        (folder / f"{row.replace('/', '_').replace('+', '_')}_{side}.log").write_text(
+            log.read_text()
+        )
+
+
 def flops_per_token(flavor: str, seq_len: int) -> int:
     from torchtitan.models.llama3.args import flavors
 
@@ -170,6 +186,7 @@ def main() -> None:
     parser.add_argument("--reference_tokenizer", help="folder with the reference's tokenizer.json")
     parser.add_argument("--sides", nargs="+", default=["ours", "reference"])
     parser.add_argument("--json", type=Path, help="also write every figure here")
+    parser.add_argument("--logs", type=Path, help="keep each run's console output here")
     parser.add_argument(
         "--ours_flags", nargs="*", default=[], help="more flags for our side (write --x=v)"
     )
@@ -192,11 +209,13 @@ def main() -> None:
                     run = run_ours if side == "ours" else run_reference
                     r = run(args, row, Path(tmp))
                 except RuntimeError as e:
+                    _keep_logs(args.logs, row, side, Path(tmp))
                     print(f"{row:>22} {side:>9} FAILED: {str(e)[:3000]}", flush=True)
                     results[f"{row} {side}"] = {"error": str(e)[-3000:]}
                     if args.json:
                         args.json.write_text(json.dumps(results, indent=1))
                     continue
+                _keep_logs(args.logs, row, side, Path(tmp))
             r["wall_s"] = time.perf_counter() - start
             tps = statistics.median(r["tps"][args.warmup :] or r["tps"])
             mfu = 100 * tps * flops_per_token(flavor, args.seq_len) / peak if peak else float("nan")

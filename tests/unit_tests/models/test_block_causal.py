@@ -9,7 +9,11 @@ import torch
 
 from torchtitan.components.dataloader import document_ids
 from torchtitan.components.loss import cross_entropy_sum
+from torchtitan.config.job_config import ActivationCheckpoint, Compile
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.context_parallel import sequence_order
+from torchtitan.models.common import attention as attention_module
 from torchtitan.models.common.attention import (
     BlockMask,
     ScaledDotProductAttention,
@@ -181,6 +185,40 @@ def test_cuda_takes_a_flex_block_mask_equal_to_the_dense_mask():
     torch.testing.assert_close(flex_logits, dense_logits, rtol=1e-4, atol=1e-4)
     for name, grad in dense_grads.items():
         torch.testing.assert_close(flex_grads[name], grad, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_checkpointed_compiled_blocks_take_the_flex_block_mask(monkeypatch):
+    """CUDA's training path, run on CPU: blocks wrapped by per-op activation checkpointing,
+    then compiled (as the trainer builds them), take FlexAttention with the block mask; their
+    logits equal the eager dense mask's (forward only: FlexAttention has no CPU backward;
+    ``test_cuda_takes_a_flex_block_mask_equal_to_the_dense_mask`` checks gradients on CUDA).
+    The first call of FlexAttention happens inside a compiled, checkpointed block: torch 2.11
+    on an H100 refused the run there ("HOP: Unsafe side effect", when the attention cached its
+    compiled FlexAttention in module state)."""
+    monkeypatch.setattr(attention_module, "_COMPILED", {})  # as in a fresh process
+    args = Llama3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=256)
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(2, 128, (2, 256), generator=g)
+    tokens[0, [0, 70, 130, 131]] = BOS
+    tokens[1, [0, 200]] = BOS
+    documents = document_ids(tokens, BOS)
+
+    def run(compiled: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = Transformer(args)
+        model.init_weights()
+        model.requires_grad_(False)
+        if compiled:
+            apply_ac(model.layers, ActivationCheckpoint(mode="selective", selective_ac_option="op"))
+            apply_compile(model.layers, Compile(enable=True, backend="aot_eager"))
+        flex = unittest.mock.patch(
+            "torchtitan.models.llama3.model.attention_documents",
+            side_effect=lambda d, p: block_causal_block_mask(d),
+        )
+        with flex if compiled else contextlib.nullcontext():
+            return model(tokens, document_ids=documents)
+
+    torch.testing.assert_close(run(compiled=True), run(compiled=False), rtol=1e-4, atol=1e-4)
 
 
 def test_the_flex_block_mask_holds_the_blocks_and_the_mask_of_block_causal_attention():

@@ -343,7 +343,11 @@ _COMPILED: dict[str, object] = {}
 
 def _compiled(name: str, fn):
     """``torch.compile(fn)``, made once per process. FlexAttention needs compiling (eager,
-    it holds every score); inside a compiled block the call is traced into the block's graph."""
+    it holds every score). Inside a compiled block ``fn`` itself, which is traced into the
+    block's graph; the cache is not touched there (Dynamo refuses a change of module state
+    inside a checkpointed block: "HOP: Unsafe side effect")."""
+    if torch.compiler.is_compiling():
+        return fn
     if name not in _COMPILED:
         _COMPILED[name] = torch.compile(fn, dynamic=False)
     return _COMPILED[name]
