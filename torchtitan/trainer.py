@@ -125,14 +125,19 @@ class Trainer:
         self.checkpointer = None if on_meta else self.build_checkpointer()
         if self.checkpointer is not None and config.checkpoint.enable:
             self._load_checkpoint()
-        # After the load: a resume refused there leaves the previous run's config in place.
+        # A dry run's steps mean nothing, and neither it nor a seed checkpoint's run (no
+        # steps) may set a real run's records aside.
+        trains = config.comm.mode != "fake_backend" and not config.checkpoint.create_seed_checkpoint
+        self.events = RunEvents(
+            config.job.dump_folder,
+            enabled=self.rank == 0 and not on_meta and trains,
+            config_file=config.job.save_config_file,
+        )
+        # After the load (a resume refused there leaves the previous run's config in place),
+        # before this run's config is written over an earlier run's.
+        self.events.set_aside_if_new(self.step)
         if self.rank == 0 and (saved := save_resolved(config)) is not None:
             logger.info(f"Resolved config written to {saved}")
-        # A dry run's steps mean nothing, and its start must not set a real run's records aside.
-        dry = config.comm.mode == "fake_backend"
-        self.events = RunEvents(
-            config.job.dump_folder, enabled=self.rank == 0 and not on_meta and not dry
-        )
         self.preemption = None if on_meta else preemption.PreemptionWatch(
             agree=torch.distributed.is_initialized() and not dist_utils.fake_collectives()
         )  # fmt: skip
@@ -379,8 +384,6 @@ class Trainer:
         )
         data_iter = iter(self.dataloader)
         first_step = self.step
-        # (A new run sets an earlier one's records aside here: before any rank's first
-        # metrics record, which opens its file after step 1's collectives with this rank.)
         self.events.start(first_step, self.parallel_dims.world_size)
         self.metrics.start_run(first_step=first_step, last_step=stop)
         where = dict(dump_folder=self.config.job.dump_folder, rank=self.rank, first_step=first_step)

@@ -114,6 +114,9 @@ def test_a_new_run_in_the_same_folder_sets_the_earlier_one_aside(tmp_path):
     assert [r["step"] for r in second] == [1, 2, 3]
     (earlier,) = (tmp_path / "earlier_runs").iterdir()
     assert _metrics(earlier) == first
+    # Each run's resolved config beside its own records.
+    assert "steps = 2" in (earlier / "config.toml").read_text()
+    assert "steps = 3" in (tmp_path / "config.toml").read_text()
     starts = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in starts] == ["start", "end"]
 

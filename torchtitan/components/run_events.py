@@ -26,8 +26,11 @@ RUN_RECORD_FILES = (
 class RunEvents:
     """Appends events to ``events.jsonl`` (a no-op on ranks other than the writing one)."""
 
-    def __init__(self, dump_folder: str | Path, *, enabled: bool):
+    def __init__(self, dump_folder: str | Path, *, enabled: bool, config_file: str | None = None):
         self.path = Path(dump_folder) / "events.jsonl" if enabled else None
+        self.config_file = config_file
+        """The resolved config's file in the dump folder (``--job.save_config_file``): set
+        aside with an earlier run's records."""
 
     def write(self, event: str, **fields: object) -> None:
         if self.path is None:
@@ -64,8 +67,10 @@ class RunEvents:
             return None
         folder = self.path.parent
         found = sorted({p for pattern in RUN_RECORD_FILES for p in folder.glob(pattern)})
-        if not found:
+        if not found:  # a config alone is an attempt of this run that died before its start
             return None
+        if self.config_file and (folder / self.config_file).is_file():
+            found.append(folder / self.config_file)
         starts = self._events("start")
         # When the earlier run began: its first start, else its oldest file.
         began = starts[0].get("time") if starts else None
@@ -80,13 +85,17 @@ class RunEvents:
             path.rename(target / path.name)
         return target
 
-    def start(self, step: int, world_size: int) -> None:
-        """Record a start from ``step``; a new run first sets an earlier one aside."""
+    def set_aside_if_new(self, step: int) -> None:
+        """A new run from ``step`` sets an earlier run's records aside (before it writes its
+        own config into the folder and before any rank's first metrics record)."""
         if self.is_new_run(step) and (moved := self.set_aside_earlier_run()) is not None:
             logger.info(
-                f"A new run in {moved.parent.parent}: the earlier run's metrics, events and "
-                f"report are now in {moved}"
+                f"A new run in {moved.parent.parent}: the earlier run's metrics, events, "
+                f"config and report are now in {moved}"
             )
+
+    def start(self, step: int, world_size: int) -> None:
+        """Record a start from ``step`` (after :meth:`set_aside_if_new`)."""
         self.write(
             "start",
             step=step,

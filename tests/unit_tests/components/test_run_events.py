@@ -39,6 +39,7 @@ def test_with_a_run_id_a_run_continues_only_once_it_started(tmp_path, monkeypatc
     (tmp_path / "events.jsonl").write_text(json.dumps({"event": "start", "run": "old"}) + "\n")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert events.is_new_run(0)
+    events.set_aside_if_new(0)
     events.start(0, world_size=2)
     assert (tmp_path / "earlier_runs").is_dir() and not (tmp_path / "metrics.jsonl").exists()
     # A later attempt of this run continues it, from step 0 too (no checkpoint yet).
@@ -51,23 +52,29 @@ def test_with_a_run_id_a_run_continues_only_once_it_started(tmp_path, monkeypatc
 
 def test_an_earlier_run_is_set_aside_whole_and_never_overwritten(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    events = RunEvents(tmp_path, enabled=True)
+    events = RunEvents(tmp_path, enabled=True, config_file="config.toml")
     began = time.mktime((2026, 11, 27, 9, 30, 5, 0, 0, -1))
     (tmp_path / "events.jsonl").write_text(
         json.dumps({"event": "start", "time": began, "step": 0}) + "\n"
     )
     for name in ("metrics.jsonl", "metrics_rank1.jsonl", "report.txt", "report.png"):
         (tmp_path / name).write_text(name)
-    (tmp_path / "config.toml").write_text("kept")  # not a record of the run
+    (tmp_path / "config.toml").write_text("its config")
+    (tmp_path / "trace.json").write_text("kept")  # not a record of the run
     moved = events.set_aside_earlier_run()
     assert moved == tmp_path / "earlier_runs" / "20261127-093005"
     assert sorted(p.name for p in moved.iterdir()) == [
-        "events.jsonl", "metrics.jsonl", "metrics_rank1.jsonl", "report.png", "report.txt",
+        "config.toml", "events.jsonl", "metrics.jsonl", "metrics_rank1.jsonl", "report.png",
+        "report.txt",
     ]  # fmt: skip
     assert (moved / "metrics_rank1.jsonl").read_text() == "metrics_rank1.jsonl"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.toml", "earlier_runs"]
-    # Nothing to set aside: nothing moves.
+    assert (moved / "config.toml").read_text() == "its config"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier_runs", "trace.json"]
+    # Nothing to set aside: nothing moves. A config alone was written by an attempt of the
+    # new run that died before its first step (no records): it stays, to be rewritten.
+    (tmp_path / "config.toml").write_text("the new run's")
     assert events.set_aside_earlier_run() is None
+    assert (tmp_path / "config.toml").read_text() == "the new run's"
     # A second run begun in the same second (no events file: the metrics file's time) goes
     # beside the first, not over it.
     (tmp_path / "metrics.jsonl").write_text("second")
