@@ -62,6 +62,9 @@ class Trainer:
     def __init__(self, config: JobConfig, *, on_meta: bool = False):
         self.config = config
         self.on_meta = on_meta
+        # A dry run (no-op collectives) leaves the dump folder as it found it: a real run's
+        # config and metrics may be there (both default to ./outputs).
+        self.dry = config.comm.mode == "fake_backend"
         self.init_distributed()
         self.model_spec = get_model_spec(config.model.name)
         self.model_args = self.model_spec.args_for(
@@ -127,7 +130,7 @@ class Trainer:
             self._load_checkpoint()
         # A dry run's steps mean nothing, and neither it nor a seed checkpoint's run (no
         # steps) may set a real run's records aside.
-        trains = config.comm.mode != "fake_backend" and not config.checkpoint.create_seed_checkpoint
+        trains = not self.dry and not config.checkpoint.create_seed_checkpoint
         self.events = RunEvents(
             config.job.dump_folder,
             enabled=self.rank == 0 and not on_meta and trains,
@@ -136,7 +139,7 @@ class Trainer:
         # After the load (a resume refused there leaves the previous run's config in place),
         # before this run's config is written over an earlier run's.
         self.events.set_aside_if_new(self.step)
-        if self.rank == 0 and (saved := save_resolved(config)) is not None:
+        if self.rank == 0 and not self.dry and (saved := save_resolved(config)) is not None:
             logger.info(f"Resolved config written to {saved}")
         self.preemption = None if on_meta else preemption.PreemptionWatch(
             agree=torch.distributed.is_initialized() and not dist_utils.fake_collectives()
@@ -303,7 +306,7 @@ class Trainer:
             device=self.device,
             flops_per_token=flops,
             rank=self.rank,
-            save_rank=self.rank == 0 or c.metrics.save_for_all_ranks,
+            save_rank=not self.dry and (self.rank == 0 or c.metrics.save_for_all_ranks),
         )
 
     def build_checkpointer(self) -> CheckpointManager | None:

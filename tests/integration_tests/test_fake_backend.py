@@ -97,6 +97,24 @@ def test_small_config_runs_a_real_step_and_other_ranks(tmp_path):
     assert "does NOT fit a 0.001 GiB device" in out
 
 
+def test_a_dry_run_leaves_a_real_runs_dump_folder_as_it_was(tmp_path):
+    """Both default to ./outputs: rank 0 of a dry run appended its meaningless steps to the
+    real run's metrics.jsonl and wrote its config over the run's."""
+    real = {
+        "metrics.jsonl": '{"step": 1, "loss": 8.0}\n',
+        "events.jsonl": '{"event": "start", "step": 0, "time": 1.0}\n',
+        "config.toml": "[training]\nsteps = 100\n",
+    }
+    for name, text in real.items():
+        (tmp_path / name).write_text(text)
+    result = _dry_run(tmp_path, "llama3_debugmodel", 2, "--training.seq_len", "64")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "1 real step(s)" in result.stdout + result.stderr
+    for name, text in real.items():
+        assert (tmp_path / name).read_text() == text, name
+    assert not (tmp_path / "earlier_runs").exists()
+
+
 def test_rank_outside_the_world_is_refused(tmp_path):
     result = _dry_run(tmp_path, "llama3_debugmodel", 4, rank=4)
     assert result.returncode == 2
