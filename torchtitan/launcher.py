@@ -39,6 +39,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from torchtitan.tools import hang_report
+from torchtitan.tools.hang_report import ranks_text
+
 FAILURE_DIR_ENV = "TITAN_FAILURE_DIR"
 PREEMPTED_EXIT_CODE = 75  # components/preemption.EXIT_CODE (this module imports no torch)
 LOST_PEER_EXIT_CODE = 4  # a rank whose collective lost another rank (train.py)
@@ -80,8 +83,6 @@ def hang_lines(folder: str | Path, world_size: int | None) -> list[str]:
         path.unlink(missing_ok=True)
     if not records:
         return []
-    from torchtitan.tools import hang_report
-
     attempt = max(r.get("attempt", 0) for r in records)
     run = os.environ.get("TITAN_RUN_ID")
     dumps: dict = {}
@@ -283,14 +284,10 @@ def _causes(failures: dict) -> str:
     first = {r: f for r, f in failures.items() if not follows(f)} or failures
     lost = [r for r, f in failures.items() if r not in first and f.exitcode == LOST_PEER_EXIT_CODE]
     stopped = [r for r, f in failures.items() if r not in first and r not in lost]
-    then = [f"{_ranks(lost)} lost contact and stopped"] if lost else []
-    then += [f"{_ranks(stopped)} stopped by torchrun"] if stopped else []
+    then = [f"{ranks_text(lost)} lost contact and stopped"] if lost else []
+    then += [f"{ranks_text(stopped)} stopped by torchrun"] if stopped else []
     line = "; ".join(_cause(rank, f) for rank, f in sorted(first.items()))
     return line + (f" (then {'; '.join(then)})" if then else "")
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
 
 
 def _cause(rank: int, failure) -> str:

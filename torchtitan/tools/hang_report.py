@@ -217,7 +217,8 @@ def _relative(path: str) -> str:
         return path
 
 
-def _ranks(ranks) -> str:
+def ranks_text(ranks) -> str:
+    """``rank 3`` / ``ranks 0, 2``."""
     ranks = sorted(ranks)
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
@@ -255,7 +256,9 @@ def diagnose(dumps: dict[int, RankDump], world_size: int | None = None) -> list[
         kinds = {(p.op, p.sizes) if _same_call(p.op) else p.op for p in at}
         missing = [r for r in group_ranks if r not in dumps]
         name = _name(dumps, group)
-        waited = f"{_ranks(p.rank for p in at)} waited in {at[0].op} (collective {seq} of {name})"
+        waited = (
+            f"{ranks_text(p.rank for p in at)} waited in {at[0].op} (collective {seq} of {name})"
+        )
         if len(kinds) > 1:
             what = "; ".join(f"rank {p.rank} {p.op} {p.sizes}" for p in at)
             roots.append(
@@ -264,9 +267,9 @@ def diagnose(dumps: dict[int, RankDump], world_size: int | None = None) -> list[
             )
         elif behind:
             behind_ranks.update(behind)
-            lines.append(f"{waited}, which {_ranks(behind)} never reached")
+            lines.append(f"{waited}, which {ranks_text(behind)} never reached")
         elif missing:
-            lines.append(f"{waited} with {_ranks(missing)}, which left no dump here")
+            lines.append(f"{waited} with {ranks_text(missing)}, which left no dump here")
         elif {p.rank for p in at} >= set(group_ranks):
             lines.append(
                 f"every rank of {name} waited in {at[0].op} (collective {seq}): it did not "
@@ -305,7 +308,7 @@ def diagnose(dumps: dict[int, RankDump], world_size: int | None = None) -> list[
     lines = roots + lines
     if missing_dumps:
         lines.append(
-            f"{_ranks(missing_dumps)} left no dump (stopped before their watchdog fired, or "
+            f"{ranks_text(missing_dumps)} left no dump (stopped before their watchdog fired, or "
             "wrote it to another machine's dump folder)"
         )
     return lines
