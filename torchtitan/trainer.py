@@ -128,12 +128,11 @@ class Trainer:
         self.checkpointer = None if on_meta else self.build_checkpointer()
         if self.checkpointer is not None and config.checkpoint.enable:
             self._load_checkpoint()
-        # A dry run's steps mean nothing, and neither it nor a seed checkpoint's run (no
-        # steps) may set a real run's records aside.
-        trains = not self.dry and not config.checkpoint.create_seed_checkpoint
+        # A dry run's steps mean nothing: it must not set a real run's records aside. A seed
+        # checkpoint's run begins a new run (it writes its config, and no events).
         self.events = RunEvents(
             config.job.dump_folder,
-            enabled=self.rank == 0 and not on_meta and trains,
+            enabled=self.rank == 0 and not on_meta and not self.dry,
             config_file=config.job.save_config_file,
         )
         # After the load (a resume refused there leaves the previous run's config in place),

@@ -121,6 +121,23 @@ def test_a_new_run_in_the_same_folder_sets_the_earlier_one_aside(tmp_path):
     assert [e["event"] for e in starts] == ["start", "end"]
 
 
+def test_a_seed_checkpoint_in_a_used_folder_begins_a_new_run(tmp_path, monkeypatch):
+    """The seed run sets the earlier run aside with its config (it used to write its own config
+    over the earlier run's, which the training run then filed with the earlier records); the
+    run that starts from the seed moves nothing more."""
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "TITAN_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    first, _ = _run(tmp_path, "--training.steps", "2")
+    seed = _trainer(tmp_path, "--training.steps", "7", "--checkpoint.create_seed_checkpoint")
+    seed.create_seed_checkpoint()
+    seed.close()
+    second, _ = _run(tmp_path, "--training.steps", "3", "--checkpoint.enable")
+    (earlier,) = (tmp_path / "earlier_runs").iterdir()
+    assert _metrics(earlier) == first and "steps = 2" in (earlier / "config.toml").read_text()
+    assert [r["step"] for r in second] == [1, 2, 3]
+    assert "steps = 3" in (tmp_path / "config.toml").read_text()
+
+
 def test_a_finished_run_run_again_says_there_is_nothing_to_train(tmp_path, caplog, monkeypatch):
     flags = ["--training.steps", "2", "--checkpoint.enable"]
     _run(tmp_path, *flags)

@@ -69,8 +69,8 @@ class RunEvents:
         found = sorted({p for pattern in RUN_RECORD_FILES for p in folder.glob(pattern)})
         if not found:  # a config alone is an attempt of this run that died before its start
             return None
-        if self.config_file and (folder / self.config_file).is_file():
-            found.append(folder / self.config_file)
+        if (config := self._config_path(folder)) is not None:
+            found.append(config)
         starts = self._events("start")
         # When the earlier run began: its first start, else its oldest file.
         began = starts[0].get("time") if starts else None
@@ -93,6 +93,16 @@ class RunEvents:
                 f"A new run in {moved.parent.parent}: the earlier run's metrics, events, "
                 f"config and report are now in {moved}"
             )
+
+    def _config_path(self, folder: Path) -> Path | None:
+        """The resolved config's file, when it lies inside the dump folder (an absolute
+        ``--job.save_config_file`` elsewhere is not the run's to move)."""
+        if not self.config_file or Path(self.config_file).is_absolute():
+            return None
+        path = folder / self.config_file
+        if not path.is_file() or folder.resolve() not in path.resolve().parents:
+            return None
+        return path
 
     def start(self, step: int, world_size: int) -> None:
         """Record a start from ``step`` (after :meth:`set_aside_if_new`)."""

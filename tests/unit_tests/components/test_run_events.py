@@ -89,3 +89,16 @@ def test_ranks_that_write_no_events_move_nothing(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("x")
     assert RunEvents(tmp_path, enabled=False).set_aside_earlier_run() is None
     assert (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_config_outside_the_dump_folder_is_not_moved(tmp_path):
+    """``--job.save_config_file`` may name a path elsewhere: not the run's to move."""
+    dump, elsewhere = tmp_path / "dump", tmp_path / "elsewhere"
+    dump.mkdir()
+    elsewhere.mkdir()
+    for config_file in (str(elsewhere / "shared.toml"), "../elsewhere/shared.toml"):
+        (dump / "metrics.jsonl").write_text("x")
+        (elsewhere / "shared.toml").write_text("shared")
+        moved = RunEvents(dump, enabled=True, config_file=config_file).set_aside_earlier_run()
+        assert sorted(p.name for p in moved.iterdir()) == ["metrics.jsonl"]
+        assert (elsewhere / "shared.toml").read_text() == "shared"
