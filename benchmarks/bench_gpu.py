@@ -17,7 +17,9 @@ no FSDP, on both sides), then, with ``--reference``, in the reference trainer
 Printed per row and side: median tokens/s over the steps after ``--warmup``, MFU from those
 tokens/s with one FLOP count for both sides (ours: 6 x non-embedding parameters + the output
 projection + 12 x layers x heads x head dim x seq for attention) and the device's dense bf16
-peak, peak reserved GiB (the caching allocator's), and the loss at the last step.
+peak, peak reserved GiB (the caching allocator's), and the loss at the last step. With
+``--profile DIR`` our side also traces step ``steps - 2``, keeps the trace in ``DIR`` and prints
+what the GPU did in it (``torchtitan.tools.gpu_trace``: idle share, host waits, top kernels).
 """
 
 import argparse
@@ -82,9 +84,16 @@ def run_ours(args: argparse.Namespace, row: str, dump: Path) -> dict:
     if variant & {"float8", "float8_rowwise"}:
         recipe = "rowwise" if "float8_rowwise" in variant else "tensorwise"
         flags += ["--float8.enable", "--float8.recipe_name", recipe]
+    if args.profile:  # one step near the end, traced (one of the median's steps)
+        flags += [
+            "--profiling.enable_profiling", "--profiling.profile_freq", str(args.steps - 2),
+            "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1",
+        ]  # fmt: skip
     flags += [f for flag in args.ours_flags for f in flag.split("=", 1)]
     env = os.environ | {"NGPU": "1", "CONFIG": CONFIG[flavor], "PYTHON": sys.executable}
     out = _run(["./run_train.sh", *flags], env, dump / "ours.log")
+    if args.profile:
+        _keep_trace(args.profile, row, dump / "profile_traces")
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     return {
         "tps": [r["tps"] for r in records],
@@ -149,6 +158,21 @@ def _run(cmd: list[str], env: dict, log: Path) -> str:
     return out
 
 
+def _keep_trace(folder: Path, row: str, traces: Path) -> None:
+    """Copy the traced step's trace to ``folder`` and print what the GPU did in it."""
+    from torchtitan.tools import gpu_trace
+
+    found = sorted(traces.glob("iteration_*/rank0_trace.json"))
+    if not found:
+        print(f"{row}: no trace written under {traces}", flush=True)
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    kept = folder / f"{row.replace('/', '_').replace('+', '_')}_trace.json"
+    kept.write_bytes(found[-1].read_bytes())
+    summary = gpu_trace.summarize(json.loads(kept.read_text()))
+    print(f"-- {row}, traced step ({kept}):\n{gpu_trace.report(summary)}", flush=True)
+
+
 def _keep_logs(folder: Path | None, row: str, side: str, dump: Path) -> None:
     if folder is None:
         return
@@ -187,6 +211,9 @@ def main() -> None:
     parser.add_argument("--sides", nargs="+", default=["ours", "reference"])
     parser.add_argument("--json", type=Path, help="also write every figure here")
     parser.add_argument("--logs", type=Path, help="keep each run's console output here")
+    parser.add_argument(
+        "--profile", type=Path, help="trace one step of each row (ours) here and summarize it"
+    )
     parser.add_argument(
         "--ours_flags", nargs="*", default=[], help="more flags for our side (write --x=v)"
     )

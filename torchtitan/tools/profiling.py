@@ -57,6 +57,10 @@ def maybe_enable_profiling(
     folder = Path(dump_folder) / config.save_traces_folder
 
     def write_trace(prof: torch.profiler.profile) -> None:
+        if prof.step_num % config.profile_freq:
+            # The run ended inside a cycle: torch hands over its warm-up or partly recorded
+            # steps, which are no whole step of the trace asked for.
+            return
         step = first_step + prof.step_num
         out = folder / f"iteration_{step}"
         out.mkdir(parents=True, exist_ok=True)
