@@ -69,9 +69,10 @@ class RunEvents:
         found = sorted({p for pattern in RUN_RECORD_FILES for p in folder.glob(pattern)})
         if not found:  # a config alone is an attempt of this run that died before its start
             return None
-        if (config := self._config_path(folder)) is not None:
-            found.append(config)
         starts = self._events("start")
+        # The earlier run's config by the name its starts recorded, and by this run's.
+        names = {self.config_file, *(e.get("config") for e in starts)}
+        found += sorted({p for name in names if (p := _inside(folder, name)) is not None})
         # When the earlier run began: its first start, else its oldest file.
         began = starts[0].get("time") if starts else None
         began = began or min(p.stat().st_mtime for p in found)
@@ -94,16 +95,6 @@ class RunEvents:
                 f"config and report are now in {moved}"
             )
 
-    def _config_path(self, folder: Path) -> Path | None:
-        """The resolved config's file, when it lies inside the dump folder (an absolute
-        ``--job.save_config_file`` elsewhere is not the run's to move)."""
-        if not self.config_file or Path(self.config_file).is_absolute():
-            return None
-        path = folder / self.config_file
-        if not path.is_file() or folder.resolve() not in path.resolve().parents:
-            return None
-        return path
-
     def start(self, step: int, world_size: int) -> None:
         """Record a start from ``step`` (after :meth:`set_aside_if_new`)."""
         self.write(
@@ -113,4 +104,16 @@ class RunEvents:
             restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             requeue=int(os.environ.get("SLURM_RESTART_COUNT", "0")),
             world_size=world_size,
+            config=self.config_file,
         )
+
+
+def _inside(folder: Path, name: object) -> Path | None:
+    """``folder / name`` when it is a file inside ``folder`` (an absolute
+    ``--job.save_config_file`` elsewhere is not the run's to move)."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute():
+        return None
+    path = folder / name
+    if not path.is_file() or folder.resolve() not in path.resolve().parents:
+        return None
+    return path

@@ -102,3 +102,13 @@ def test_a_config_outside_the_dump_folder_is_not_moved(tmp_path):
         moved = RunEvents(dump, enabled=True, config_file=config_file).set_aside_earlier_run()
         assert sorted(p.name for p in moved.iterdir()) == ["metrics.jsonl"]
         assert (elsewhere / "shared.toml").read_text() == "shared"
+
+
+def test_the_earlier_runs_config_goes_by_the_name_its_start_recorded(tmp_path, monkeypatch):
+    """The earlier run saved ``config.toml``, the new one saves ``resolved.toml``."""
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "TITAN_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    RunEvents(tmp_path, enabled=True, config_file="config.toml").start(0, world_size=1)
+    (tmp_path / "config.toml").write_text("earlier")
+    moved = RunEvents(tmp_path, enabled=True, config_file="resolved.toml").set_aside_earlier_run()
+    assert sorted(p.name for p in moved.iterdir()) == ["config.toml", "events.jsonl"]
