@@ -72,7 +72,8 @@ class RunEvents:
         starts = self._events("start")
         # The earlier run's config by the name its starts recorded, and by this run's.
         names = {self.config_file, *(e.get("config") for e in starts)}
-        found += sorted({p for name in names if (p := _inside(folder, name)) is not None})
+        found += [p for name in names if (p := _inside(folder, name)) is not None]
+        found = list({p.resolve(): p for p in found}.values())  # a name may be a record's
         # When the earlier run began: its first start, else its oldest file.
         began = starts[0].get("time") if starts else None
         began = began or min(p.stat().st_mtime for p in found)
@@ -82,8 +83,10 @@ class RunEvents:
             n += 1
             target = target.with_name(f"{target.name.split('~')[0]}~{n}")
         target.mkdir(parents=True)
-        for path in found:
-            path.rename(target / path.name)
+        for path in found:  # where it was in the folder (a config may sit in a subfolder)
+            moved = target / path.resolve().relative_to(folder.resolve())
+            moved.parent.mkdir(parents=True, exist_ok=True)
+            path.rename(moved)
         return target
 
     def set_aside_if_new(self, step: int) -> None:

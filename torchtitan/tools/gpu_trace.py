@@ -48,8 +48,22 @@ def summarize(trace: dict, step: int | None = None) -> StepSummary:
     ]
     if not steps:
         raise ValueError("no ProfilerStep# event: not a trace of a profiled training step")
-    chosen = [e for e in steps if e["name"] == f"ProfilerStep#{step}"] if step is not None else []
-    mark = chosen[0] if chosen else max(steps, key=lambda e: e["ts"])
+    if step is None:
+        mark = max(steps, key=lambda e: e["ts"])
+    else:
+        chosen = [e for e in steps if e["name"] == f"ProfilerStep#{step}"]
+        if not chosen:
+            held = ", ".join(
+                sorted(
+                    (e["name"].removeprefix("ProfilerStep#") for e in steps),
+                    key=lambda n: (len(n), n),
+                )
+            )
+            raise ValueError(
+                f"no ProfilerStep#{step} in the trace (it holds {held}: torch counts the steps "
+                "of this run's profiler from 0, one less than iteration_N's N from a fresh start)"
+            )
+        mark = chosen[0]
     lo, hi = mark["ts"], mark["ts"] + mark["dur"]
     # GPU work launched in the step can end after the host's step mark: extend to its end.
     gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES and lo <= e["ts"] < hi]

@@ -56,12 +56,18 @@ def maybe_enable_profiling(
         return
     folder = Path(dump_folder) / config.save_traces_folder
 
+    closing = False  # the loop is over: the profiler is being stopped
+
     def write_trace(prof: torch.profiler.profile) -> None:
-        if prof.step_num % config.profile_freq:
-            # The run ended inside a cycle: torch hands over its warm-up or partly recorded
-            # steps, which are no whole step of the trace asked for.
-            return
         step = first_step + prof.step_num
+        if closing:
+            # Whole cycles are handed over by ``prof.step()``; on exit torch hands over the
+            # cycle the run ended in, which holds no whole recorded step (or an unfinished
+            # cycle), and would overwrite the last whole one's trace when it has its number.
+            logger.info(
+                f"Profiler: the run ended inside a profiling cycle (step {step}): not saved"
+            )
+            return
         out = folder / f"iteration_{step}"
         out.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
@@ -81,7 +87,10 @@ def maybe_enable_profiling(
         record_shapes=True,
     ) as prof:
         prof.step_num = 0
-        yield prof
+        try:
+            yield prof
+        finally:
+            closing = True
 
 
 class MemorySnapshots:

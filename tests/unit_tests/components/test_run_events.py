@@ -112,3 +112,21 @@ def test_the_earlier_runs_config_goes_by_the_name_its_start_recorded(tmp_path, m
     (tmp_path / "config.toml").write_text("earlier")
     moved = RunEvents(tmp_path, enabled=True, config_file="resolved.toml").set_aside_earlier_run()
     assert sorted(p.name for p in moved.iterdir()) == ["config.toml", "events.jsonl"]
+
+
+def test_configs_that_share_a_name_or_name_a_record_move_once_each(tmp_path, monkeypatch):
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "TITAN_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "a").mkdir()
+    RunEvents(tmp_path, enabled=True, config_file="a/config.toml").start(0, world_size=1)
+    (tmp_path / "a" / "config.toml").write_text("earlier")
+    (tmp_path / "config.toml").write_text("older still")
+    (tmp_path / "report.txt").write_text("report")
+    for config_file in ("config.toml", "report.txt", "a/../config.toml"):
+        events = RunEvents(tmp_path, enabled=True, config_file=config_file)
+        moved = events.set_aside_earlier_run()
+        if moved is not None:
+            break
+    assert (moved / "a" / "config.toml").read_text() == "earlier"
+    assert (moved / "config.toml").read_text() == "older still"
+    assert (moved / "report.txt").read_text() == "report"

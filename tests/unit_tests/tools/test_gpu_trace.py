@@ -66,5 +66,7 @@ def test_the_command_reads_a_trace_file_and_refuses_one_without_steps(tmp_path):
     assert out.stdout.startswith("step 1.1 ms; GPU busy 0.6 ms")
     cpu_only = {"traceEvents": [e for e in TRACE["traceEvents"] if e["cat"] == "user_annotation"]}
     assert report(summarize(cpu_only)) == "step 1.0 ms; no GPU activity in this trace (a CPU run)"
+    with pytest.raises(ValueError, match="no ProfilerStep#11 in the trace .it holds 9, 10"):
+        summarize(TRACE, step=11)
     with pytest.raises(ValueError, match="no ProfilerStep#"):
         summarize({"traceEvents": [_x("gemm", "kernel", 0, 1)]})
