@@ -84,7 +84,7 @@ class RunEvents:
             target = target.with_name(f"{target.name.split('~')[0]}~{n}")
         target.mkdir(parents=True)
         for path in found:  # where it was in the folder (a config may sit in a subfolder)
-            moved = target / path.resolve().relative_to(folder.resolve())
+            moved = target / os.path.normpath(path.relative_to(folder))
             moved.parent.mkdir(parents=True, exist_ok=True)
             path.rename(moved)
         return target
