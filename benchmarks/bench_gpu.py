@@ -9,9 +9,10 @@ blocks and loss, selective activation checkpointing per op, plain causal attenti
 ``--seq_len`` tokens from the bundled corpus, loaded in the step (no dataloader worker, as the
 reference: ``--ours_flags=--training.num_workers=1`` adds one on our side); ``/eager`` drops compile, ``/float8`` adds float8
 tensorwise linears (all but the output), ``/float8_rowwise`` the rowwise recipe, ``/noac``
-drops activation checkpointing, ``/block_causal`` attends per document (ours only: FlexAttention's
-block mask on CUDA); variants combine with ``+`` (``1B/block_causal+float8``). Each row runs in its own ``run_train.sh`` (one rank: no mesh,
-no FSDP, on both sides), then, with ``--reference``, in the reference trainer
+drops activation checkpointing, ``/block_causal`` attends per document (ours only:
+FlexAttention's block mask on CUDA); variants combine with ``+`` (``1B/block_causal+float8``).
+Each row runs in its own ``run_train.sh`` (one rank: no mesh, no FSDP, on both sides), then,
+with ``--reference``, in the reference trainer
 (``benchmarks/reference_launch.py``) with the same settings.
 
 Printed per row and side: median tokens/s over the steps after ``--warmup``, MFU from those
@@ -168,7 +169,7 @@ def _keep_trace(folder: Path, row: str, traces: Path) -> None:
         print(f"{row}: no trace written under {traces}", flush=True)
         return
     folder.mkdir(parents=True, exist_ok=True)
-    kept = folder / f"{row.replace('/', '_').replace('+', '_')}_trace.json"
+    kept = folder / f"{_stem(row)}_trace.json"
     kept.write_bytes(found[-1].read_bytes())
     try:
         summary = gpu_trace.report(gpu_trace.summarize(json.loads(kept.read_text())))
@@ -182,9 +183,12 @@ def _keep_logs(folder: Path | None, row: str, side: str, dump: Path) -> None:
         return
     folder.mkdir(parents=True, exist_ok=True)
     for log in dump.glob("*.log"):
-        (folder / f"{row.replace('/', '_').replace('+', '_')}_{side}.log").write_text(
-            log.read_text()
-        )
+        (folder / f"{_stem(row)}_{side}.log").write_text(log.read_text())
+
+
+def _stem(row: str) -> str:
+    """A row as a file name: ``1B/block_causal+float8`` -> ``1B_block_causal_float8``."""
+    return row.replace("/", "_").replace("+", "_")
 
 
 def flops_per_token(flavor: str, seq_len: int) -> int:
@@ -244,13 +248,13 @@ def main() -> None:
                     run = run_ours if side == "ours" else run_reference
                     r = run(args, row, Path(tmp))
                 except RuntimeError as e:
-                    _keep_logs(args.logs, row, side, Path(tmp))
                     print(f"{row:>22} {side:>9} FAILED: {str(e)[:3000]}", flush=True)
                     results[f"{row} {side}"] = {"error": str(e)[-3000:]}
                     if args.json:
                         args.json.write_text(json.dumps(results, indent=1))
                     continue
-                _keep_logs(args.logs, row, side, Path(tmp))
+                finally:
+                    _keep_logs(args.logs, row, side, Path(tmp))
             r["wall_s"] = time.perf_counter() - start
             tps = statistics.median(r["tps"][args.warmup :] or r["tps"])
             mfu = 100 * tps * flops_per_token(flavor, args.seq_len) / peak if peak else float("nan")
