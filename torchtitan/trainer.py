@@ -41,7 +41,7 @@ from torchtitan.distributed import (
 )
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.models.spec import ParallelizeContext, get_model_spec
-from torchtitan.tools import comm_trace, memory_estimate, profiling
+from torchtitan.tools import comm_trace, host_syncs, memory_estimate, profiling
 from torchtitan.tools.gc import gc_every
 from torchtitan.tools.logging import logger
 from torchtitan.tools.memory_estimate import held_mib
@@ -402,7 +402,13 @@ class Trainer:
                 batches = [next(data_iter) for _ in range(self.grad_accum_steps)]
                 data_seconds = time.perf_counter() - start
                 trace = dict(dump_folder=where["dump_folder"], rank=self.rank)
-                with comm_trace.maybe_trace_collectives(self.step, self.config.debug, **trace):
+                debug = self.config.debug
+                with (
+                    comm_trace.maybe_trace_collectives(self.step, debug, **trace),
+                    host_syncs.maybe_count_host_syncs(
+                        self.step, debug.host_sync_step, device=self.device, **trace
+                    ),
+                ):
                     result = self.train_step(batches)
                 # Ranks of one data-parallel group share their tokens (TP, CP, PP).
                 tokens = sum(labels.numel() for _, labels in batches)

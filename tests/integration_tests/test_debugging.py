@@ -2,6 +2,7 @@
 snapshots, non-finite steps, reproducibility."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -75,6 +76,8 @@ def fsdp_tp_run(tmp_path_factory):
         *FSDP_TP,
         "--debug.comm_trace_step",
         "2",
+        "--debug.host_sync_step",
+        "3",
         "--profiling.enable_profiling",
         "--profiling.profile_freq",
         "2",
@@ -123,6 +126,17 @@ def test_comm_trace_and_profiler_traces_fsdp_x_tp(fsdp_tp_run):
         assert "c10d_functional.all_gather_into_tensor" in module
         assert "FORWARD PASS" in module and "BACKWARD PASS" in module
     assert "c10d._allgather_base_" in block and "c10d._reduce_scatter_base_" in block
+
+
+def test_fsdp_x_tp_adds_no_host_sync_to_the_step(fsdp_tp_run):
+    """The sharded step reads on the host what the one-process step reads (the token count,
+    the norm's finiteness): DTensor and FSDP wait for nothing."""
+    tmp_path, out = fsdp_tp_run
+    assert "Host syncs of step 3" in out
+    for rank in range(4):
+        text = (tmp_path / "host_syncs" / f"rank{rank}_step3.txt").read_text()
+        sites = {" <- ".join(re.findall(r" in (\w+)", line)) for line in text.splitlines()[1::2]}
+        assert sites == {"dist_reduce <- train_step", "train_step <- train"}, text
 
 
 def _simulate(dump: Path, ngpu: int, *flags: str) -> subprocess.CompletedProcess:

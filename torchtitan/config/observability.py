@@ -104,6 +104,12 @@ class Debug:
     """Detail of the written trace: 0 module-level counts, 1 adds DTensor ops, 2 adds their
     shardings, 3 adds every op."""
 
+    host_sync_step: int = 0
+    """List where this training step reads device values on the host (``.item()``,
+    ``.tolist()``, data-sized ops such as ``nonzero``), each with the line that asked (0:
+    off); tables go to ``<dump_folder>/host_syncs/``. On a CPU it lists the reads that would
+    wait for a GPU."""
+
     skip_nonfinite_steps: bool = False
     """Skip the update of a step whose gradient norm is NaN or infinite (counted as
     ``skipped_steps`` in the metrics) instead of stopping the run."""

@@ -81,8 +81,9 @@ class _Dispatcher:
             received_counts = torch.empty_like(counts)
             dist.all_to_all_single(received_counts, counts.contiguous(), group=group)
             received_counts = received_counts.view(ep, local)
-            send_splits = counts.view(ep, local).sum(dim=1).tolist()
-            recv_splits = received_counts.sum(dim=1).tolist()
+            # Both in one read on the host: one wait for the device, not two.
+            splits = torch.stack([counts.view(ep, local).sum(dim=1), received_counts.sum(dim=1)])
+            send_splits, recv_splits = splits.tolist()
         # 2. The rows themselves.
         received = funcol.all_to_all_single_autograd(rows, recv_splits, send_splits, group)
         # 3. Ordered by (source, expert): regroup by (expert, source).

@@ -150,7 +150,10 @@ class MoE(nn.Module):
             # values: assume balanced routing.
             counts = _balanced_counts(routed.shape[0], a.num_experts, routed.device)
         else:
-            counts = torch.bincount(routed, minlength=a.num_experts)
+            # Not bincount: on CUDA it reads the ids' min and max on the host every layer.
+            counts = routed.new_zeros(a.num_experts).scatter_add_(
+                0, routed, torch.ones_like(routed)
+            )
         if self.training:  # evaluation passes do not steer the balancing
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
