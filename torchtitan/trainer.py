@@ -403,11 +403,10 @@ class Trainer:
                 data_seconds = time.perf_counter() - start
                 trace = dict(dump_folder=where["dump_folder"], rank=self.rank)
                 debug = self.config.debug
+                census = dict(trace, device=self.device, reports=self._reports(self.step))
                 with (
                     comm_trace.maybe_trace_collectives(self.step, debug, **trace),
-                    host_syncs.maybe_count_host_syncs(
-                        self.step, debug.host_sync_step, device=self.device, **trace
-                    ),
+                    host_syncs.maybe_count_host_syncs(self.step, debug.host_sync_step, **census),
                 ):
                     result = self.train_step(batches)
                 # Ranks of one data-parallel group share their tokens (TP, CP, PP).
@@ -481,13 +480,9 @@ class Trainer:
         if self._after_optimizer_step is not None and stepped:
             group = self.loss_mesh.get_group() if self.loss_mesh is not None else None
             pp = self.pp_mesh.get_group() if self.pp_mesh is not None else None
-            # Metrics read values on the host: only on the steps that log them (a validation
-            # step logs a line too).
-            report = self.metrics.should_log(self.step, self._last_step) or (
-                self.validator is not None and self.validator.should_run(self.step, self._last_step)
-            )
+            # Metrics read values on the host: only on the steps that log them.
             self.model_metrics = self._after_optimizer_step(
-                self.model_parts, group, pp, report=report
+                self.model_parts, group, pp, report=self._reports(self.step)
             )
         return result
 
@@ -524,6 +519,12 @@ class Trainer:
             return
         last = self.checkpointer.last_complete() if self.checkpointer is not None else None
         raise NonFiniteError.at_step(self.step, grad_norm.item(), self.rank, local_loss, last)
+
+    def _reports(self, step: int) -> bool:
+        """Whether ``step`` logs a line (a validation step logs one too)."""
+        return self.metrics.should_log(step, self._last_step) or (
+            self.validator is not None and self.validator.should_run(step, self._last_step)
+        )
 
     def _watch_step(self, first_step: int) -> None:
         """Arm the hang watchdog; after the first step collectives get the train timeout."""

@@ -7,10 +7,11 @@ catches up: a profile shows it as ``cudaStreamSynchronize`` beside an idle gap. 
 lists each such read of the step with the line of ours that asked for it, so a new one on the
 hot path is found on any machine, before it costs GPU time.
 
-On a GPU only reads of device tensors count. On a CPU every tensor is on the host, so the
-census lists every read that would wait on a GPU, including reads of tensors a GPU run keeps
-on the host (such as the token counts, counted on the batch before it moves): its site says
-which. Ops are seen through a ``TorchDispatchMode``, so code compiled with ``fullgraph=True``
+On a GPU only reads of device tensors count, and copies between the host and the device
+that wait (to the host, or to the device without ``non_blocking``). On a CPU every tensor is
+on the host, so the census lists every read that would wait on a GPU, including reads of
+tensors a GPU run keeps on the host (such as the token counts, counted on the batch before it
+moves): its site says which; copies it cannot see there. Ops are seen through a ``TorchDispatchMode``, so code compiled with ``fullgraph=True``
 (which cannot read values on the host) runs as it does without the census.
 
 Afterwards every rank writes ``<dump>/host_syncs/rank<r>_step<N>.txt`` and the logging rank
@@ -19,6 +20,7 @@ prints the table.
 
 import collections
 import contextlib
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -64,12 +66,45 @@ def _reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | Non
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
         if not any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ()):
             return None
-        if name != "aten::index":
-            value = args[2] if len(args) > 2 else kwargs.get("values")
-            accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
-            if not accumulate and value.numel() == 1 and value.device.type == "cpu":
-                return None  # ``t[mask] = scalar``: ATen fills in place (masked_fill_)
+        if name != "aten::index" and _fills_by_mask(args, kwargs):
+            return None  # ``t[mask] = scalar``: ATen fills in place (masked_fill_)
         return "indexing by a boolean mask: output size depends on the data"
+    if name in ("aten::_to_copy", "aten::copy_"):
+        return _copy_reason(name, args, kwargs)
+    return None
+
+
+def _fills_by_mask(args: tuple, kwargs: dict) -> bool:
+    """ATen's ``index_put_`` takes ``masked_fill_`` (no sync) for one boolean mask on
+    ``self``'s device, every other index empty, and a one-element host value."""
+    self, indices = args[0], args[1] if len(args) > 1 else kwargs.get("indices", ())
+    value = args[2] if len(args) > 2 else kwargs.get("values")
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    given = [i for i in indices if i is not None]
+    return (
+        not accumulate
+        and value.numel() == 1
+        and value.device.type == "cpu"
+        and len(given) == 1
+        and given[0].dtype in (torch.bool, torch.uint8)
+        and given[0].device == self.device
+    )
+
+
+def _copy_reason(name: str, args: tuple, kwargs: dict) -> str | None:
+    """A copy between the host and a device waits for the device unless ``non_blocking``
+    (a copy to the host always waits: its values are read next)."""
+    if name == "aten::_to_copy":
+        source, target = args[0].device, kwargs.get("device") or args[0].device
+        blocking = not kwargs.get("non_blocking", False)
+    else:
+        target, source = args[0].device, args[1].device
+        blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+    target = torch.device(target)
+    if source.type != "cpu" and target.type == "cpu":
+        return "a copy to the host"
+    if source.type == "cpu" and target.type != "cpu" and blocking:
+        return "a blocking copy to the device (non_blocking=False)"
     return None
 
 
@@ -94,14 +129,15 @@ class HostSyncCensus(TorchDispatchMode):
     """Counts the reads of device values on the host made inside it, by site and reason.
 
     ``device_only``: count only ops on non-CPU tensors (the GPU case); on a CPU run every op
-    counts.
+    counts. A census counts its own thread's reads (pipeline ranks simulated as threads each
+    keep their own).
     """
 
     def __init__(self, *, device_only: bool) -> None:
         super().__init__()
         self.device_only = device_only
         self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
-        self._patched: list[tuple[str, Callable]] = []
+        self._quiet = False  # inside a patched method: its own ops are not counted again
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -111,43 +147,32 @@ class HostSyncCensus(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        reason = _reason(func, args, kwargs)
-        if reason is not None and self._counts_on(args):
-            self.counts[(_site(), reason)] += 1
+        if not self._quiet and (reason := _reason(func, args, kwargs)) is not None:
+            if self._counts_on(args, kwargs):
+                self.counts[(_site(), reason)] += 1
         return func(*args, **kwargs)
 
-    def _counts_on(self, args: tuple) -> bool:
+    def _counts_on(self, args: tuple, kwargs: dict) -> bool:
         if not self.device_only:
+            return True
+        target = kwargs.get("device")  # a copy to a device
+        if target is not None and torch.device(target).type != "cpu":
             return True
         return any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args)
 
     def __enter__(self):
-        # ``tolist``, ``numpy`` and ``cpu`` copy without an op the mode sees on a host tensor.
-        for name, reason in (
-            ("tolist", "tolist: values read on the host"),
-            ("numpy", "numpy: values read on the host"),
-            ("cpu", "cpu: a copy to the host"),
-        ):
-            original = getattr(torch.Tensor, name)
-            self._patched.append((name, original))
-            setattr(torch.Tensor, name, self._wrap(original, reason))
+        _methods.enter(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        for name, original in self._patched:
-            setattr(torch.Tensor, name, original)
-        self._patched.clear()
-        return super().__exit__(*exc)
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _methods.exit()
 
-    def _wrap(self, original: Callable, reason: str) -> Callable:
-        census = self
-
-        def read_on_host(tensor, *args, **kwargs):
-            if not census.device_only or tensor.device.type != "cpu":
-                census.counts[(_site(), reason)] += 1
-            return original(tensor, *args, **kwargs)
-
-        return read_on_host
+    def count_method(self, tensor: torch.Tensor, reason: str) -> None:
+        if not self.device_only or tensor.device.type != "cpu":
+            self.counts[(_site(), reason)] += 1
 
     @property
     def total(self) -> int:
@@ -162,11 +187,74 @@ class HostSyncCensus(TorchDispatchMode):
         return "\n".join(lines) if lines else "   none"
 
 
+class _TensorMethods:
+    """``tolist``, ``numpy`` and ``cpu`` read a host tensor without an op a mode sees: they
+    are wrapped while any census is open (in any thread), and each call counts in its own
+    thread's census. The one patch of ``torch.Tensor`` in the package; restored when the
+    last census closes."""
+
+    NAMES = {
+        "tolist": "tolist: values read on the host",
+        "numpy": "numpy: values read on the host",
+        "cpu": "cpu: a copy to the host",
+    }
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open = 0
+        self._originals: dict[str, Callable] = {}
+        self._local = threading.local()
+
+    def enter(self, census: HostSyncCensus) -> None:
+        stack = getattr(self._local, "stack", None)
+        self._local.stack = [*(stack or []), census]
+        with self._lock:
+            self._open += 1
+            if self._open == 1:
+                for name, reason in self.NAMES.items():
+                    self._originals[name] = original = getattr(torch.Tensor, name)
+                    setattr(torch.Tensor, name, self._wrapped(original, reason))
+
+    def exit(self) -> None:
+        self._local.stack = self._local.stack[:-1]
+        with self._lock:
+            self._open -= 1
+            if self._open == 0:
+                for name, original in self._originals.items():
+                    setattr(torch.Tensor, name, original)
+                self._originals.clear()
+
+    def _wrapped(self, original: Callable, reason: str) -> Callable:
+        def read_on_host(tensor, *args, **kwargs):
+            stack = getattr(self._local, "stack", None)
+            census = stack[-1] if stack else None
+            if census is None or census._quiet:
+                return original(tensor, *args, **kwargs)
+            census.count_method(tensor, reason)
+            census._quiet = True  # a device tensor's copy to the host is this same read
+            try:
+                return original(tensor, *args, **kwargs)
+            finally:
+                census._quiet = False
+
+        return read_on_host
+
+
+_methods = _TensorMethods()
+
+
 @contextlib.contextmanager
 def maybe_count_host_syncs(
-    step: int, host_sync_step: int, *, device: torch.device, dump_folder: str, rank: int
+    step: int,
+    host_sync_step: int,
+    *,
+    device: torch.device,
+    dump_folder: str,
+    rank: int,
+    reports: bool,
 ) -> Iterator[None]:
-    """Count the host syncs inside when ``step == host_sync_step``; else nothing."""
+    """Count the host syncs inside when ``step == host_sync_step``; else nothing.
+    ``reports``: the step logs, and reads the model's metrics for it (MoE loads)."""
     if step != host_sync_step:
         yield
         return
@@ -179,8 +267,13 @@ def maybe_count_host_syncs(
         if on_gpu
         else "on a CPU every tensor is on the host: the reads that would wait for a GPU"
     )
+    kind = (
+        "a logging step: with the metrics it reports, not the logged loss and norm"
+        if reports
+        else "not a logging step"
+    )
     text = (
-        f"Host syncs of step {step} (the training step, logging aside), rank {rank}: "
+        f"Host syncs of step {step}'s training step ({kind}), rank {rank}: "
         f"{census.total} at {len(census.counts)} site(s); {scope}\n{census.table()}\n"
     )
     folder = Path(dump_folder) / "host_syncs"
