@@ -11,8 +11,9 @@ On a GPU only reads of device tensors count, and copies between the host and the
 that wait (to the host, or to the device without ``non_blocking``). On a CPU every tensor is
 on the host, so the census lists every read that would wait on a GPU, including reads of
 tensors a GPU run keeps on the host (such as the token counts, counted on the batch before it
-moves): its site says which; copies it cannot see there. Ops are seen through a ``TorchDispatchMode``, so code compiled with ``fullgraph=True``
-(which cannot read values on the host) runs as it does without the census.
+moves): its site says which; copies it cannot see there. Ops are seen through a
+``TorchDispatchMode`` that compiled code ignores: blocks compiled with ``fullgraph=True``
+cannot read values on the host, and run as they do without the census.
 
 Afterwards every rank writes ``<dump>/host_syncs/rank<r>_step<N>.txt`` and the logging rank
 prints the table.
@@ -77,7 +78,7 @@ def _reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | Non
 def _fills_by_mask(args: tuple, kwargs: dict) -> bool:
     """ATen's ``index_put_`` takes ``masked_fill_`` (no sync) for one boolean mask on
     ``self``'s device, every other index empty, and a one-element host value."""
-    self, indices = args[0], args[1] if len(args) > 1 else kwargs.get("indices", ())
+    target, indices = args[0], args[1] if len(args) > 1 else kwargs.get("indices", ())
     value = args[2] if len(args) > 2 else kwargs.get("values")
     accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
     given = [i for i in indices if i is not None]
@@ -87,7 +88,7 @@ def _fills_by_mask(args: tuple, kwargs: dict) -> bool:
         and value.device.type == "cpu"
         and len(given) == 1
         and given[0].dtype in (torch.bool, torch.uint8)
-        and given[0].device == self.device
+        and given[0].device == target.device
     )
 
 
