@@ -32,6 +32,11 @@ LEVERS: dict[str, tuple[list[str], dict[str, str], str]] = {
     "compile": (["--compile.enable"], {}, "torch.compile of blocks and loss (inductor)"),
     "bf16": (["--training.mixed_precision_param", "bfloat16"], {}, "bf16 compute"),
     "fp32": (["--training.mixed_precision_param", "float32"], {}, "fp32 compute"),
+    "bf16_params": (
+        ["--training.dtype", "bfloat16"],
+        {},
+        "bf16 parameters, gradients and AdamW moments (bf16 compute)",
+    ),
     "reshard_never": (
         ["--parallelism.fsdp_reshard_after_forward", "never"],
         {},

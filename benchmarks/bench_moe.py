@@ -3,6 +3,7 @@
     python benchmarks/bench_moe.py                          # 1 process, EP 2, EP 2 x FSDP 2
     python benchmarks/bench_moe.py --layouts ep2 --steps 20 --seq_len 512
     python benchmarks/bench_moe.py --config qwen3_moe_debugmodel   # Qwen3's MoE
+    python benchmarks/bench_moe.py --force_load_balance     # every expert the same routings
 
 Runs ``--config`` (``deepseek_v3_debugmodel``, or ``qwen3_moe_debugmodel``) through
 ``run_train.sh`` per layout (one after the other),
@@ -10,7 +11,11 @@ Runs ``--config`` (``deepseek_v3_debugmodel``, or ``qwen3_moe_debugmodel``) thro
 ``--steps - 1`` of rank 0 with torch.profiler. Printed per layout: median tokens/s per rank
 of the steps after ``--warmup``, rank 0's peak RSS, and the share of the traced step's wall
 time inside the expert-parallel all-to-alls (the union of the intervals of every profiled
-operator whose name has ``all_to_all``/``alltoall``, on the step's thread).
+operator whose name has ``all_to_all``/``alltoall``, on the step's thread), and the busiest
+expert's routings over the mean (median over the kept steps of the run's
+``moe_load_max_over_mean``). ``--force_load_balance`` measures with every expert routed the
+same number of tokens (``--moe.force_load_balance``): the cost of the layout without the
+imbalance of a young router.
 """
 
 import argparse
@@ -57,7 +62,9 @@ def all_to_all_share(trace: Path) -> float:
     return covered / step["dur"]
 
 
-def run(args: argparse.Namespace, ranks: int, flags: list[str]) -> tuple[float, float, float]:
+def run(
+    args: argparse.Namespace, ranks: int, flags: list[str]
+) -> tuple[float, float, float, float]:
     with tempfile.TemporaryDirectory() as dump:
         traced = args.steps - 1
         cmd = [
@@ -74,6 +81,7 @@ def run(args: argparse.Namespace, ranks: int, flags: list[str]) -> tuple[float, 
             "--profiling.profiler_active", "1",
             "--job.dump_folder", dump,
             *flags,
+            *(["--moe.force_load_balance"] if args.force_load_balance else []),
         ]  # fmt: skip
         env = os.environ | {
             "NGPU": str(ranks),
@@ -90,7 +98,8 @@ def run(args: argparse.Namespace, ranks: int, flags: list[str]) -> tuple[float, 
     # The traced step is slower (the profiler's own cost): leave it out of the speed.
     kept = [r for r in records if r["step"] > args.warmup and r["step"] != traced]
     tps = statistics.median(r["tps"] for r in kept)
-    return tps, max(r["memory_peak_gib"] for r in records), share
+    load = statistics.median(r["moe_load_max_over_mean"] for r in kept)
+    return tps, max(r["memory_peak_gib"] for r in records), share, load
 
 
 def main() -> None:
@@ -103,16 +112,24 @@ def main() -> None:
     parser.add_argument("--seq_len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--force_load_balance", action="store_true")
     args = parser.parse_args()
     print(
         f"{args.config}, {args.batch} x {args.seq_len} per data-parallel rank, fp32, "
-        f"{args.steps} steps (median of steps {args.warmup + 1}+, traced step left out)"
+        f"{args.steps} steps (median of steps {args.warmup + 1}+, traced step left out), "
+        f"routing {'forced even' if args.force_load_balance else 'learned'}"
     )
-    print(f"{'layout':<12}{'ranks':>6}{'tok/s/rank':>12}{'peak RSS':>10}{'all-to-all':>12}")
+    print(
+        f"{'layout':<12}{'ranks':>6}{'tok/s/rank':>12}{'peak RSS':>10}{'all-to-all':>12}"
+        f"{'load max/mean':>15}"
+    )
     for name in args.layouts:
         ranks, flags = LAYOUTS[name]
-        tps, rss, share = run(args, ranks, flags)
-        print(f"{name:<12}{ranks:>6}{tps:>12,.0f}{rss:>8.2f} G{100 * share:>11.1f}%", flush=True)
+        tps, rss, share, load = run(args, ranks, flags)
+        print(
+            f"{name:<12}{ranks:>6}{tps:>12,.0f}{rss:>8.2f} G{100 * share:>11.1f}%{load:>15.2f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

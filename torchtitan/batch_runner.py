@@ -1,7 +1,7 @@
 """Moves a batch through the model parts: the one place that knows how a step's compute runs.
 
 The ``BatchRunner`` owns everything that wraps the model's forward and backward: bf16 autocast
-(when no data-parallel mixed-precision policy casts already), loss parallelism under tensor
+(``distributed.precision``: when no data-parallel policy casts already), loss parallelism under tensor
 parallelism, the loss scale, and when gradients are reduced across gradient-accumulation
 batches. The scale is applied inside the loss function (:class:`ScaledLoss`), the one place a
 pipeline schedule, which calls the loss itself, can apply it too. The pipeline schedule and the
@@ -31,9 +31,9 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.dataloader import document_ids
 from torchtitan.components.loss import cross_entropy_sum
 from torchtitan.distributed import (
-    ParallelDims,
     context_parallel,
     local_tensor,
+    precision,
     tensor_parallel,
 )
 from torchtitan.models.spec import ParallelizeContext
@@ -76,33 +76,6 @@ class ScaledLoss:
         return total
 
 
-def _policy_casts(parallel_dims: ParallelDims) -> bool:
-    """Whether data parallelism's mixed-precision policy (FSDP, HSDP, replicate) casts the
-    parameters to the compute dtype."""
-    return parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled
-
-
-def autocast_context(
-    parallel_dims: ParallelDims, mixed_precision_param: str, device_type: str
-) -> contextlib.AbstractContextManager:
-    """bf16 compute through autocast, unless the data-parallel policy already casts."""
-    if mixed_precision_param == "float32" or _policy_casts(parallel_dims):
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=torch.bfloat16)
-
-
-def pipeline_dtypes(
-    parallel_dims: ParallelDims, mixed_precision_param: str
-) -> tuple[torch.dtype, torch.dtype]:
-    """What pipeline stages send each other and what the last one outputs, under the compute
-    dtype above: with a casting policy everything is bf16; under autocast the residual stream
-    stays float32 (embeddings and residual adds are not autocast) and the logits are bf16."""
-    if mixed_precision_param == "float32":
-        return torch.float32, torch.float32
-    hidden = torch.bfloat16 if _policy_casts(parallel_dims) else torch.float32
-    return hidden, torch.bfloat16
-
-
 class BatchRunner:
     """Runs this rank's batches through ``model_parts``: one part without pipelining, else this
     rank's pipeline ``stages`` (one per part) under the configured schedule. With
@@ -121,7 +94,7 @@ class BatchRunner:
         self.model_parts = list(model_parts)
         self.device = device
         dims = context.parallel_dims
-        self.autocast = autocast_context(dims, context.training.mixed_precision_param, device.type)
+        self.autocast = precision.autocast_context(dims, context.training, device.type)
         self.loss_parallel = dims.tp_enabled and not context.parallelism.disable_loss_parallel
         loss_fn = functools.partial(cross_entropy_sum, chunks=context.training.loss_chunks)
         c = context.compile

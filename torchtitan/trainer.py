@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from torchtitan.batch_runner import Batch, BatchRunner, pipeline_dtypes
+from torchtitan.batch_runner import Batch, BatchRunner
 from torchtitan.components import checkpoint_hf, float8, lora, preemption
 from torchtitan.components.chat_template import ChatTemplate
 from torchtitan.components.checkpoint import CheckpointManager
@@ -38,6 +38,7 @@ from torchtitan.distributed import (
     context_parallel,
     local_tensor,
     pipeline_split,
+    precision,
 )
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.models.spec import ParallelizeContext, get_model_spec
@@ -83,9 +84,9 @@ class Trainer:
         self._log_parameters()
         if not on_meta:
             if self.device.type == "cpu":  # on a GPU the state lives in the device's memory
-                memory_estimate.check_host_memory(
-                    self.model_parts, config, builds_whole=self.parallel_dims.meshes_built
-                )
+                # Several ranks, or bf16 parameters, start from a one-process float32 init.
+                whole = self.parallel_dims.meshes_built or config.training.dtype != "float32"
+                memory_estimate.check_host_memory(self.model_parts, config, builds_whole=whole)
             self.init_weights()
         self.runner = BatchRunner(
             self.model_parts,
@@ -204,15 +205,17 @@ class Trainer:
         """The model for ``args`` on the meta device, parallelized by the model's plans: one
         part without pipeline parallelism; else this rank's stages, cut by the model's
         pipeline split, each parallelized, and their ``PipelineStage`` wrappers."""
-        with torch.device("meta"):
-            model = self.model_spec.build_model(args)
         dims, p, t = context.parallel_dims, context.parallelism, context.training
+        with torch.device("meta"):
+            model = precision.cast_parameters_(
+                self.model_spec.build_model(args), precision.param_dtype(t)
+            )
         if not dims.pp_enabled:
             return [self.model_spec.parallelize(model, context)], []
         layout = pipeline_split.pipeline_layout(p, args.n_layers)
         pp_mesh = dims.mesh("pp")
         names = self.model_spec.pipeline(args, layout.num_stages, p)
-        hidden_dtype, output_dtype = pipeline_dtypes(dims, t.mixed_precision_param)
+        hidden_dtype, output_dtype = precision.pipeline_dtypes(dims, t)
         # Imported here: torch.distributed.pipelining loads dynamo (0.6 s of a rank's
         # start), which only pipelined runs need.
         from torchtitan.distributed import pipeline_parallel

@@ -85,6 +85,31 @@ def test_resume_is_bitwise_exact_in_one_process(tmp_path, uninterrupted, async_m
     assert [got[s] for s in range(6, 21)] == [want[s] for s in range(6, 21)]
 
 
+def test_bf16_resumes_bitwise_and_takes_a_float32_runs_checkpoint(tmp_path, uninterrupted):
+    """--training.dtype bfloat16 saves its weights and AdamW's moments in bf16 and resumes
+    exactly; a float32 run's checkpoint resumes in bf16, cast on load."""
+    from torchtitan.components.checkpoint_files import saved_tensor_metadata
+
+    bf16 = ["--training.dtype", "bfloat16"]
+    assert _train(tmp_path / "whole", "--training.steps", "8", *bf16) == 0
+    saved = saved_tensor_metadata(tmp_path / "whole/checkpoint/step-5")
+    floats = {
+        k: m.properties.dtype
+        for k, m in saved.items()
+        if m.properties.dtype.is_floating_point and not k.endswith(".step")  # Adam's count
+    }
+    moments = [k for k in floats if k.endswith(".exp_avg")]
+    assert moments and set(floats.values()) == {torch.bfloat16}, floats
+    _copy_step(tmp_path / "whole", 5, tmp_path / "resumed")
+    assert _train(tmp_path / "resumed", "--training.steps", "8", *bf16) == 0
+    want, got = _losses(tmp_path / "whole"), _losses(tmp_path / "resumed")
+    assert sorted(got) == [6, 7, 8] and [got[s] for s in got] == [want[s] for s in got]
+    _copy_step(uninterrupted, 5, tmp_path / "cast")
+    assert _train(tmp_path / "cast", "--training.steps", "6", *bf16) == 0
+    # float32 weights rounded to bf16: step 6's loss within bf16's rounding of float32's
+    assert _losses(tmp_path / "cast")[6] == pytest.approx(_losses(uninterrupted)[6], abs=1e-2)
+
+
 def test_torn_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, uninterrupted, capfd):
     assert _train(tmp_path, "--training.steps", "10") == 0
     shard = next((tmp_path / "checkpoint/step-10").glob("*.distcp"))

@@ -89,3 +89,20 @@ def test_a_skipped_step_moves_no_routing_bias(tmp_path):
     assert any(skipped) and not skipped[0]
     for r, was_skipped in zip(run, skipped, strict=True):
         assert ("moe_bias_update" in r) != was_skipped, r
+
+
+def test_forced_balance_gives_every_expert_the_same_routings_under_expert_parallelism(tmp_path):
+    """--moe.force_load_balance (for benchmarks): under EP 2 every expert of every layer gets
+    the same routings at every step, though the router and its bias would pick otherwise."""
+    result = run_train(
+        tmp_path, "--training.steps", "3", "--training.seq_len", "64", "--checkpoint.no_enable",
+        "--metrics.log_freq", "1", "--moe.load_balance_coeff", "0.01",
+        "--moe.force_load_balance", "--parallelism.expert_parallel_degree", "2", ngpu=2,
+        MODULE="deepseek_v3", CONFIG="deepseek_v3_debugmodel",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = [r for r in records(tmp_path) if "loss" in r]
+    assert [r["step"] for r in run] == [1, 2, 3]
+    for r in run:
+        loads = {k: v for k, v in r.items() if k.startswith("moe_load_max_over_mean")}
+        assert len(loads) > 1 and set(loads.values()) == {1.0}, r

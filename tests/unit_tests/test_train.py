@@ -1,5 +1,6 @@
 """The trainer in one process: real training on the bundled corpus with the debug model."""
 
+import dataclasses
 import json
 import logging
 import math
@@ -7,9 +8,9 @@ import math
 import pytest
 import torch
 
-from torchtitan.batch_runner import autocast_context
 from torchtitan.components import float8
 from torchtitan.config.manager import parse_args
+from torchtitan.distributed.precision import autocast_context
 from torchtitan.tools.logging import logger
 from torchtitan.train import main
 from torchtitan.trainer import Trainer
@@ -239,16 +240,25 @@ def test_missing_dataset_path_is_one_clear_line(tmp_path, capfd):
     assert "--training.dataset_path" in err
 
 
+TWENTY_STEPS = ["--training.steps", "20", "--lr_scheduler.warmup_steps", "5"]
+
+
+@pytest.fixture(scope="module")
+def float32_run(tmp_path_factory) -> list[dict]:
+    """The records of 20 float32 steps, which float8 and bf16 runs are compared with."""
+    records, _ = _run(tmp_path_factory.mktemp("float32"), *TWENTY_STEPS)
+    return records
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
-def test_float8_trains_like_high_precision(tmp_path, recipe):
+def test_float8_trains_like_high_precision(tmp_path, float32_run, recipe):
     """torchao's float8 linears on this CPU (real ``_scaled_mm``): the loss falls as in
     float32 and stays within 2% of it at every one of 20 steps."""
-    base = ["--training.steps", "20", "--lr_scheduler.warmup_steps", "5"]
-    plain, _ = _run(tmp_path / "plain", *base)
+    plain = float32_run
     flags = ["--float8.enable", "--float8.recipe_name", recipe]
     if recipe != "tensorwise" and not float8.cpu_takes_row_scales():
         flags.append("--float8.emulate")  # torch 2.11's CPU matmul refuses row-wise scales
-    records, trainer = _run(tmp_path / recipe, *base, *flags)
+    records, trainer = _run(tmp_path / recipe, *TWENTY_STEPS, *flags)
     model = trainer.model_parts[0]
     assert type(model.layers["0"].attention.wq).__name__ == "Float8Linear"
     assert type(model.output) is torch.nn.Linear  # filtered: stays in high precision
@@ -284,6 +294,56 @@ def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
     assert {"grad_norm", "tps", "lr"} <= set(events.Tags()["scalars"])
 
 
+def test_bf16_parameters_start_from_the_float32_init_and_keep_their_state_in_bf16(
+    tmp_path, float32_run
+):
+    """--training.dtype bfloat16: the float32 initialisation rounded to bf16, buffers left
+    float32; gradients and AdamW's moments in bf16; the first loss is float32's within
+    bf16's rounding, and the run trains like float32."""
+    fp32 = _trainer(tmp_path / "fp32", *TWENTY_STEPS)
+    init = {n: p.detach().clone() for n, p in fp32.model_parts[0].named_parameters()}
+    buffers = {n: b.dtype for n, b in fp32.model_parts[0].named_buffers()}
+    fp32.close()
+    bf16 = _trainer(tmp_path / "bf16", *TWENTY_STEPS, "--training.dtype", "bfloat16")
+    (model,) = bf16.model_parts
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16, name
+        assert torch.equal(p, init[name].to(torch.bfloat16)), name
+    assert {n: b.dtype for n, b in model.named_buffers()} == buffers
+    assert buffers == {"rope_cis": torch.complex64}  # the RoPE table, in float32 pairs
+    grads = {}
+
+    def record(p: torch.Tensor) -> None:
+        grads[id(p)] = p.grad.dtype
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(record)
+    bf16.train()
+    bf16.close()
+    assert set(grads.values()) == {torch.bfloat16} and len(grads) == len(init)
+    (optimizer,) = bf16.optimizers.optimizers
+    assert len(optimizer.state) == len(grads)
+    for state in optimizer.state.values():
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+    want, got = [r["loss"] for r in float32_run], [r["loss"] for r in _metrics(tmp_path / "bf16")]
+    assert got[0] == pytest.approx(want[0], abs=5e-3)
+    assert got[-1] < got[0] - 1.0
+    assert got == pytest.approx(want, rel=0.02)
+
+
+def test_casting_parameters_keeps_ties_buffers_and_integers():
+    from torchtitan.distributed.precision import cast_parameters_
+
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8, bias=False))
+    model[1].weight = model[0].weight
+    model.register_buffer("table", torch.ones(3))
+    model.register_parameter("count", torch.nn.Parameter(torch.ones(2, dtype=torch.int64), False))
+    cast_parameters_(model, torch.bfloat16)
+    assert model[1].weight is model[0].weight and model[0].weight.dtype == torch.bfloat16
+    assert model.table.dtype == torch.float32 and model.count.dtype == torch.int64
+    assert model[0].weight.requires_grad and not model.count.requires_grad
+
+
 def test_bf16_is_applied_once_whatever_the_parallelism(tmp_path):
     """autocast exactly when no data-parallel mixed-precision policy casts parameters."""
     import contextlib
@@ -300,11 +360,15 @@ def test_bf16_is_applied_once_whatever_the_parallelism(tmp_path):
         (2, 1, 1): False,  # replicate uses the same policy
         (1, 2, 2): False,
     }
+    training = trainer.config.training
+    bf16_params = dataclasses.replace(training, dtype="bfloat16")
     for (rep, shard, tp), autocast in cases.items():
         dims = ParallelDims(rep, shard, 1, tp, 1, 1, world_size=rep * shard * tp)
-        context = autocast_context(dims, trainer.config.training.mixed_precision_param, "cpu")
+        context = autocast_context(dims, training, "cpu")
         assert isinstance(context, torch.autocast) == autocast, (rep, shard, tp)
         assert isinstance(context, contextlib.nullcontext) != autocast
+        # bf16 parameters compute in bf16 with nothing to cast
+        assert isinstance(autocast_context(dims, bf16_params, "cpu"), contextlib.nullcontext)
 
 
 def test_wandb_offline_run_records_the_logged_values(tmp_path, monkeypatch):

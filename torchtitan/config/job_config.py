@@ -142,8 +142,17 @@ class Training:
     steps: int = 10000
     """Number of optimizer steps to train for."""
 
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the parameters, their gradients and the optimizer's states. ``bfloat16``
+    trains in bf16 throughout, with no float32 copy of the weights (half the memory of
+    weights, gradients and AdamW's moments; updates smaller than a weight's bf16 spacing are
+    lost); the blocks then compute in bf16 whatever ``mixed_precision_param`` says. Buffers
+    (RoPE tables, routing bias) stay float32, the loss and the gradient norm are computed in
+    float32 and float64 (``docs/training.md``)."""
+
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
-    """Compute dtype. Without FSDP this is applied with autocast; parameters stay float32."""
+    """Compute dtype of float32 parameters (``--training.dtype float32``). Without FSDP this
+    is applied with autocast; parameters stay float32."""
 
     mixed_precision_reduce: Literal["float32"] = "float32"
     """Dtype of gradient reductions across data-parallel ranks."""
@@ -338,6 +347,14 @@ class MoE:
     """How experts compute: ``grouped_mm`` (one ``torch._grouped_mm`` over every expert's
     rows), ``loop`` (one matmul per expert, the reference), ``auto`` (grouped where the dtype
     and dims allow it)."""
+
+    force_load_balance: bool = False
+    """For benchmarks and debugging, not training: every expert gets the same number of
+    routings (a token's j-th routing in a rank's forward goes to expert ``(t x top_k + j) mod
+    num_experts``, ``t`` its index there), so throughput and memory are measured without
+    routing imbalance (expert-parallel all-to-alls even). The route weights still come from
+    the router's scores for those experts, so the router trains (torchtitan's
+    ``--debug.moe_force_load_balance``)."""
 
 
 @dataclass

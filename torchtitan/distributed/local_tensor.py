@@ -270,7 +270,9 @@ def copy_full_state_(
 
 def _placed_like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """``full`` (the whole tensor, on the host) cut as ``param`` is placed: its shards for a
-    DTensor, a copy on every simulated rank otherwise (no communication)."""
+    DTensor, a copy on every simulated rank otherwise (no communication); in ``param``'s
+    dtype (``--training.dtype``: a float32 initialisation cast)."""
+    full = full.to(param.dtype)
     if isinstance(param, DTensor):
         return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
     return replicate_to_ranks(full.clone())

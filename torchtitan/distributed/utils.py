@@ -220,10 +220,17 @@ def init_model_weights(
             part.init_weights(buffer_device=device)
             if after_init is not None:
                 after_init(part)
-    if dist.is_initialized() and device.type == "cpu" and not fake_collectives():
+    narrow = any(
+        p.is_floating_point() and p.dtype != torch.float32
+        for part in model_parts
+        for p in part.parameters()
+    )
+    if device.type == "cpu" and not fake_collectives() and (dist.is_initialized() or narrow):
         # DTensor random ops on CPU draw the same numbers on every shard (no offset-based
         # RNG as on CUDA), which would duplicate heads and hidden units. Use the values a
-        # one-process init gives instead: every rank builds them and takes its part.
+        # one-process init gives instead: every rank builds them and takes its part. bf16
+        # parameters (--training.dtype) take them too, cast: drawn in float32, as in every
+        # layout, rather than in bf16 in place.
         load_full_init(model_parts, build_full, seed, after_init)
 
 

@@ -285,7 +285,7 @@ def host_need(
     local = local_bytes(params)
     trainable = local_bytes(p for p in params if p.requires_grad) if trains else 0
     steady = local + trainable * (1 + optimizer_states)
-    whole = sum(p.numel() * p.element_size() for p in params)
+    whole = 4 * sum(p.numel() for p in params)  # the one-process init is built in float32
     start = whole + local if builds_whole else 0
     return HostNeed(max(steady, start), ranks, builds_whole)
 

@@ -129,6 +129,23 @@ def _layer(**kwargs) -> moe.MoE:
     return layer
 
 
+def test_forced_balance_routes_round_robin_weighted_by_the_routers_scores():
+    """--moe.force_load_balance: every expert gets the same routings whatever steers the
+    choice; the weights are the router's normalised scores for them, so the router learns."""
+    layer = _layer(force_load_balance=True)
+    layer.expert_bias.copy_(torch.tensor([10.0, 0, 0, 0]))  # would send every token to 0
+    x = torch.randn(1, 6, 32)  # 6 tokens x top 2 = 12 routings: 3 per expert
+    weights, indices, scores = layer.router(x.view(6, 32), layer.expert_bias)
+    assert indices.tolist() == [[0, 1], [2, 3], [0, 1], [2, 3], [0, 1], [2, 3]]
+    picked = scores.gather(1, indices)
+    torch.testing.assert_close(weights, picked / picked.sum(-1, keepdim=True))
+    layer(x).sum().backward()
+    assert layer.tokens_per_expert.tolist() == [3.0] * 4
+    assert layer.router.gate.weight.grad.abs().sum() > 0
+    unforced = _layer()
+    assert unforced.router(x.view(6, 32), layer.expert_bias)[1].eq(0).any(-1).all()
+
+
 def test_capacity_drops_the_lowest_weighted_routings_beyond_it():
     layer = _layer(capacity_factor=0.5, load_balance_coeff=0)
     x = torch.randn(1, 32, 32)

@@ -52,7 +52,12 @@ class Router(nn.Module):
         choice = scores if expert_bias is None else scores + expert_bias
         if a.num_groups > 1:
             choice = _limit_to_top_groups(choice, a.num_groups, a.top_groups)
-        indices = choice.topk(a.top_k, dim=-1, sorted=False).indices
+        if a.force_load_balance:  # round robin: token t's j-th routing to (t k + j) mod E
+            rows = x.shape[0] * a.top_k
+            indices = torch.arange(rows, device=x.device).remainder(a.num_experts)
+            indices = indices.view(-1, a.top_k)
+        else:
+            indices = choice.topk(a.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, indices)
         if a.route_norm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

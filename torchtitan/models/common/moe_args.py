@@ -46,6 +46,7 @@ class MoEArgs:
     aux_loss_coeff: float = 0.0
     capacity_factor: float = 0.0
     experts_impl: Literal["auto", "grouped_mm", "loop"] = "auto"
+    force_load_balance: bool = False
 
 
 def with_training(args: MoEArgs, moe_config) -> MoEArgs:
@@ -56,6 +57,7 @@ def with_training(args: MoEArgs, moe_config) -> MoEArgs:
         aux_loss_coeff=moe_config.aux_loss_coeff,
         capacity_factor=moe_config.capacity_factor,
         experts_impl=moe_config.experts_impl,
+        force_load_balance=moe_config.force_load_balance,
     )
 
 

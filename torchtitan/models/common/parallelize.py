@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, SequenceParallel
 
+from torchtitan.distributed import precision
 from torchtitan.distributed.compile import (
     apply_compile,
     apply_compile_around,
@@ -131,7 +132,7 @@ def apply_data_parallel(
     if not dims.meshes_built:
         return model
     mp_policy = mixed_precision_policy(
-        training.mixed_precision_param, training.mixed_precision_reduce
+        precision.compute_dtype(training), training.mixed_precision_reduce
     )
     hsdp = dims.dp_replicate_enabled
     efsdp_mesh = None

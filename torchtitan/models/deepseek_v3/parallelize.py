@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import (
 
 from torchtitan.components import lora
 from torchtitan.components.float8 import apply_float8, scalar_cpu_kernels
+from torchtitan.distributed import precision
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.tensor_parallel import (
@@ -41,9 +42,9 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
     dims, parallelism = context.parallel_dims, context.parallelism
     experts = routed_experts(model)
     if context.float8.enable:  # first: the parallel plans then wrap float8 linears
-        casts = dims.fsdp_enabled or dims.dp_replicate_enabled  # else bf16 comes by autocast
-        bf16 = context.training.mixed_precision_param != "float32"
-        apply_float8(model, context.float8, autocast=bf16 and not casts)
+        bf16 = precision.compute_dtype(context.training) == "bfloat16"
+        autocast = precision.uses_autocast(dims, context.training)
+        apply_float8(model, context.float8, autocast=autocast)
         if bf16 and context.compile.enable and "model" in context.compile.components:
             scalar_cpu_kernels()
     if dims.tp_enabled:
