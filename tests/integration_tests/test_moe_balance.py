@@ -93,7 +93,8 @@ def test_a_skipped_step_moves_no_routing_bias(tmp_path):
 
 def test_forced_balance_gives_every_expert_the_same_routings_under_expert_parallelism(tmp_path):
     """--moe.force_load_balance (for benchmarks): under EP 2 every expert of every layer gets
-    the same routings at every step, though the router and its bias would pick otherwise."""
+    the same routings at every step, though the router would pick otherwise; the routing bias
+    learns nothing from forced routings."""
     result = run_train(
         tmp_path, "--training.steps", "3", "--training.seq_len", "64", "--checkpoint.no_enable",
         "--metrics.log_freq", "1", "--moe.load_balance_coeff", "0.01",
@@ -106,3 +107,4 @@ def test_forced_balance_gives_every_expert_the_same_routings_under_expert_parall
     for r in run:
         loads = {k: v for k, v in r.items() if k.startswith("moe_load_max_over_mean")}
         assert len(loads) > 1 and set(loads.values()) == {1.0}, r
+        assert "moe_bias_update" not in r, r

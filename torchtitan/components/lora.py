@@ -215,10 +215,12 @@ def scale_of(config: LoRA | dict[str, Any] | None) -> float | None:
 def merged_weight(
     weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """``W + scale B A`` (full tensors), computed in float32 and returned in ``W``'s dtype: the
-    weight of a plain linear layer that computes what the adapted one does."""
-    update = lora_b.float() @ lora_a.float()
-    return (weight.float() + scale * update).to(weight.dtype)
+    """``W + scale B A`` (full tensors), computed and returned in float32 (or ``W``'s wider
+    dtype): the weight of a plain linear layer that computes what the adapted one does. Not
+    rounded back to a bf16 ``W`` (``--training.dtype bfloat16``): an update of 1e-3 of the
+    weight is under bf16's spacing; exports cast to their own dtype."""
+    dtype = torch.promote_types(weight.dtype, torch.float32)
+    return weight.to(dtype) + scale * (lora_b.to(dtype) @ lora_a.to(dtype))
 
 
 def merge_state_dict(

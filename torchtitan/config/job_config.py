@@ -353,8 +353,8 @@ class MoE:
     routings (a token's j-th routing in a rank's forward goes to expert ``(t x top_k + j) mod
     num_experts``, ``t`` its index there), so throughput and memory are measured without
     routing imbalance (expert-parallel all-to-alls even). The route weights still come from
-    the router's scores for those experts, so the router trains (torchtitan's
-    ``--debug.moe_force_load_balance``)."""
+    the router's scores for those experts, so the router trains; the routing bias stays put
+    (torchtitan's ``--debug.moe_force_load_balance``)."""
 
 
 @dataclass

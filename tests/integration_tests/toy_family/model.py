@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.distributed import precision
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.fsdp import apply_fsdp, mixed_precision_policy
 from torchtitan.models.spec import ParallelizeContext
@@ -57,7 +58,7 @@ def parallelize_toy(model: ToyModel, context: ParallelizeContext) -> nn.Module:
         model,
         model.layers.values(),
         dims.mesh("dp_shard_cp"),
-        mp_policy=mixed_precision_policy(t.mixed_precision_param, t.mixed_precision_reduce),
+        mp_policy=mixed_precision_policy(precision.compute_dtype(t), t.mixed_precision_reduce),
         reshard_after_forward=context.parallelism.fsdp_reshard_after_forward,
         cpu_offload=t.enable_cpu_offload,
     )

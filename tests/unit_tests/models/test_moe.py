@@ -146,6 +146,18 @@ def test_forced_balance_routes_round_robin_weighted_by_the_routers_scores():
     assert unforced.router(x.view(6, 32), layer.expert_bias)[1].eq(0).any(-1).all()
 
 
+@pytest.mark.parametrize("impl", ["loop", "grouped_mm", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_shapes_only_forward_runs_on_every_path(impl, dtype):
+    """Pipeline stages and dry runs run the experts on meta tensors (no counts to read): bf16
+    parameters (--training.dtype) on the loop path took the loop, which reads the counts."""
+    with torch.device("meta"):
+        experts = routed_experts.GroupedExperts(64, 32, 4, impl).to(dtype)
+        x = torch.empty(10, 64, dtype=dtype)
+        counts = torch.empty(4, dtype=torch.int64)
+    assert experts(x, counts).shape == (10, 64)
+
+
 def test_capacity_drops_the_lowest_weighted_routings_beyond_it():
     layer = _layer(capacity_factor=0.5, load_balance_coeff=0)
     x = torch.randn(1, 32, 32)

@@ -82,7 +82,7 @@ class GroupedExperts(nn.Module):
             mesh = self.partial_output_mesh
             biases[1] = sum_gradients(biases[1], mesh) / mesh.size()
         act = self.activation
-        if no_values(x) and dtype != torch.bfloat16:
+        if no_values(x) and not (dtype == torch.bfloat16 and self.uses_grouped_mm(dtype)):
             # Shapes only (dry runs, pipeline shape inference): the grouped GEMM's meta kernel
             # takes bf16 only and the loop needs values; one expert gives the same shapes.
             w1, w2, w3 = (w[0] for w in weights)

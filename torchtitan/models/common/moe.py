@@ -313,7 +313,8 @@ def update_expert_biases(
     direction = torch.sign(mean - counts)  # +1 below the mean load, -1 above
     changes = []
     for (_, m), d in zip(layers, direction, strict=True):
-        coeff = m.args.load_balance_coeff
+        # Forced routings (--moe.force_load_balance) are nothing the bias should learn from.
+        coeff = 0.0 if m.args.force_load_balance else m.args.load_balance_coeff
         if coeff > 0:
             m.expert_bias += coeff * d
             changes.append(coeff * d.abs().mean())
