@@ -1,9 +1,9 @@
 """Moves a batch through the model parts: the one place that knows how a step's compute runs.
 
 The ``BatchRunner`` owns everything that wraps the model's forward and backward: bf16 autocast
-(``distributed.precision``: when no data-parallel policy casts already), loss parallelism under tensor
-parallelism, the loss scale, and when gradients are reduced across gradient-accumulation
-batches. The scale is applied inside the loss function (:class:`ScaledLoss`), the one place a
+(when ``distributed.precision`` says no data-parallel policy casts already), loss parallelism
+under tensor parallelism, the loss scale, and when gradients are reduced across
+gradient-accumulation batches. The scale is applied inside the loss function (:class:`ScaledLoss`), the one place a
 pipeline schedule, which calls the loss itself, can apply it too. The pipeline schedule and the
 context-parallel split of each batch (:meth:`BatchRunner.local_part`) live here: this is the
 only module that asks whether pipeline or context parallelism is on. The trainer decides *what*

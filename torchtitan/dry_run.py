@@ -18,7 +18,7 @@ from torchtitan.components import lora
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
-from torchtitan.distributed import ParallelDims, pipeline_split, pipeline_timeline, precision
+from torchtitan.distributed import ParallelDims, pipeline_split, pipeline_timeline
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.models.spec import get_model_spec
 from torchtitan.tools import memory_estimate
@@ -159,10 +159,7 @@ def _probe_step(trainer: Trainer, depth: int | None) -> dict[str, dict[str, int]
     batch_size = t.local_batch_size
     if trainer.parallel_dims.pp_enabled:
         with torch.device("meta"):
-            model = precision.cast_parameters_(
-                trainer.model_spec.build_model(args), precision.param_dtype(t)
-            )
-            model_parts = [trainer.model_spec.parallelize(model, context)]
+            model_parts = [trainer.model_spec.parallelize(trainer.build_meta_model(args), context)]
         batch_size = config.parallelism.pipeline_parallel_microbatch_size
     else:
         model_parts, _ = trainer.build_model_parts(args, context)

@@ -199,6 +199,13 @@ class Trainer:
         """The chat template of ``--training.data_format chat`` (else ``None``)."""
         return self.data.chat_template if self.data is not None else None
 
+    def build_meta_model(self, args: Any) -> nn.Module:
+        """The whole model for ``args`` on the meta device, its parameters in
+        ``--training.dtype``, before any parallelism."""
+        with torch.device("meta"):
+            model = self.model_spec.build_model(args)
+        return precision.cast_parameters_(model, precision.param_dtype(self.config.training))
+
     def build_model_parts(
         self, args: Any, context: ParallelizeContext
     ) -> tuple[list[nn.Module], list["PipelineStage"]]:
@@ -206,10 +213,7 @@ class Trainer:
         part without pipeline parallelism; else this rank's stages, cut by the model's
         pipeline split, each parallelized, and their ``PipelineStage`` wrappers."""
         dims, p, t = context.parallel_dims, context.parallelism, context.training
-        with torch.device("meta"):
-            model = precision.cast_parameters_(
-                self.model_spec.build_model(args), precision.param_dtype(t)
-            )
+        model = self.build_meta_model(args)
         if not dims.pp_enabled:
             return [self.model_spec.parallelize(model, context)], []
         layout = pipeline_split.pipeline_layout(p, args.n_layers)

@@ -21,17 +21,17 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
+from torchtitan.distributed import precision
+
 try:
     from torch.distributed._composable.replicate_with_fsdp import replicate as _replicate
 except ImportError:  # pragma: no cover - older torch
     _replicate = None
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 def mixed_precision_policy(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(
-        param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype]
+        param_dtype=precision.DTYPES[param_dtype], reduce_dtype=precision.DTYPES[reduce_dtype]
     )
 
 
