@@ -26,7 +26,10 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.config.execution import Compile
 from torchtitan.config.job_config import Float8 as Float8Config
+from torchtitan.config.job_config import Training
+from torchtitan.distributed import ParallelDims, precision
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.tools.versions import torch_version
@@ -47,6 +50,22 @@ def cpu_takes_row_scales() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def apply_to_model_part(
+    model: nn.Module,
+    config: Float8Config,
+    training: Training,
+    parallel_dims: ParallelDims,
+    compile_config: Compile,
+) -> None:
+    """``--float8.*`` in a family's ``parallelize``, first (the parallel plans then wrap the
+    float8 linears): :func:`apply_float8` with the run's autocast, and scalar CPU kernels
+    where the blocks are compiled in bf16 (:func:`scalar_cpu_kernels`)."""
+    apply_float8(model, config, autocast=precision.uses_autocast(parallel_dims, training))
+    compiled = compile_config.enable and "model" in compile_config.components
+    if compiled and precision.compute_dtype(training) == "bfloat16":
+        scalar_cpu_kernels()
 
 
 def apply_float8(model: nn.Module, config: Float8Config, *, autocast: bool) -> None:

@@ -17,9 +17,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtitan.components import lora
-from torchtitan.components.float8 import apply_float8, scalar_cpu_kernels
-from torchtitan.distributed import precision
+from torchtitan.components import float8, lora
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.tensor_parallel import (
@@ -42,11 +40,7 @@ def parallelize_deepseek_v3(model: nn.Module, context: ParallelizeContext) -> nn
     dims, parallelism = context.parallel_dims, context.parallelism
     experts = routed_experts(model)
     if context.float8.enable:  # first: the parallel plans then wrap float8 linears
-        bf16 = precision.compute_dtype(context.training) == "bfloat16"
-        autocast = precision.uses_autocast(dims, context.training)
-        apply_float8(model, context.float8, autocast=autocast)
-        if bf16 and context.compile.enable and "model" in context.compile.components:
-            scalar_cpu_kernels()
+        float8.apply_to_model_part(model, context.float8, context.training, dims, context.compile)
     if dims.tp_enabled:
         apply_tp(
             model,

@@ -28,7 +28,6 @@ from torch.distributed.tensor.parallel import (
 
 from torchtitan.components import float8, lora
 from torchtitan.components.float8 import tp_style
-from torchtitan.distributed import precision
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.tensor_parallel import (
@@ -51,11 +50,7 @@ def parallelize_llama3(model: nn.Module, context: ParallelizeContext) -> nn.Modu
     dims, parallelism, compile = context.parallel_dims, context.parallelism, context.compile
     experts = routed_experts(model)
     if context.float8.enable:  # first: the parallel plans then wrap float8 linears
-        bf16 = precision.compute_dtype(context.training) == "bfloat16"
-        autocast = precision.uses_autocast(dims, context.training)
-        float8.apply_float8(model, context.float8, autocast=autocast)
-        if bf16 and compile.enable and "model" in compile.components:
-            float8.scalar_cpu_kernels()
+        float8.apply_to_model_part(model, context.float8, context.training, dims, compile)
     if dims.tp_enabled:
         tp_mesh = dims.mesh("tp")
         sequence_parallel = parallelism.enable_sequence_parallel
