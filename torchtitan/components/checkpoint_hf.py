@@ -53,6 +53,7 @@ from torchtitan.components.tokenizer_export import save_hf_tokenizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed import local_tensor
 from torchtitan.tools.logging import logger
+from torchtitan.tools.module_names import clean_name
 from torchtitan.tools.paths import resolve_path
 
 MAX_SHARD_BYTES = 5 * 2**30
@@ -155,7 +156,7 @@ def load_hf_(model_parts: Sequence[nn.Module], adapter, folder: str | os.PathLik
         for name, tensor in _mapped_tensors(part, adapter):
             if lora.is_adapter_name(name):  # the HF model is the frozen one: they keep their init
                 continue
-            ours = lora.clean_name(name)
+            ours = clean_name(name)
             sources = adapter.source_names(ours, available)
             missing = [s for s in sources if s not in available]
             if missing:
@@ -177,7 +178,7 @@ def load_hf_(model_parts: Sequence[nn.Module], adapter, folder: str | os.PathLik
                 tensor.copy_(full)
         if full_state:
             adapters = {
-                lora.clean_name(n) for n, _ in part.named_parameters() if lora.is_adapter_name(n)
+                clean_name(n) for n, _ in part.named_parameters() if lora.is_adapter_name(n)
             }
             local_tensor.copy_full_state_(part, full_state, leave_out=adapters)
     logger.info(f"Loaded {len(available)} tensors of the Hugging Face model {folder}")
@@ -237,7 +238,7 @@ def save_hf(
                 continue
             full = _full(param)
             owner = part.get_submodule(name.rpartition(".")[0])
-            ours = lora.clean_name(name)
+            ours = clean_name(name)
             if lora.is_adapted(owner) and name.endswith(".weight"):
                 a, b = _full(owner.lora_a), _full(owner.lora_b)
                 if peft is not None and writer:
@@ -390,7 +391,7 @@ def _mapped_tensors(part: nn.Module, adapter) -> list[tuple[str, torch.Tensor]]:
     buffers = []
     for name, buffer in part.named_buffers():
         try:
-            adapter.hf_names(lora.clean_name(name))
+            adapter.hf_names(clean_name(name))
         except KeyError:
             continue
         buffers.append((name, buffer))
@@ -404,10 +405,10 @@ def _state_without_a_place(part: nn.Module, adapter) -> list[str]:
     lost = []
     for name, buffer in persistent_buffers(part):
         try:
-            adapter.hf_names(lora.clean_name(name))
+            adapter.hf_names(clean_name(name))
         except KeyError:
             if bool(buffer.detach().ne(0).any()):
-                lost.append(lora.clean_name(name))
+                lost.append(clean_name(name))
     return lost
 
 

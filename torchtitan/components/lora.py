@@ -28,9 +28,9 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import LoRA
+from torchtitan.tools.module_names import clean_name
 
 ADAPTER_NAMES = ("lora_a", "lora_b")
-_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
 class _LoRAMixin:
@@ -64,14 +64,6 @@ def is_adapted(module: nn.Module) -> bool:
 def is_adapter_name(name: str) -> bool:
     """Whether a parameter name (``...wq.lora_a``) is an adapter's."""
     return name.rsplit(".", 1)[-1] in ADAPTER_NAMES
-
-
-def clean_name(name: str) -> str:
-    """A module or parameter name without the wrappers' parts (activation checkpointing,
-    compile): the name a state dict uses."""
-    for wrapper in _WRAPPERS:
-        name = name.replace(wrapper, "")
-    return name
 
 
 def _targeted(name: str, targets: list[str]) -> bool:

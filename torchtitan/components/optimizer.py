@@ -21,12 +21,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.lora import clean_name
 from torchtitan.components.muon import Muon, muon_takes
 from torchtitan.config.entries import ParamGroup
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.tools.logging import logger
+from torchtitan.tools.module_names import clean_name
 
 _CLASSES = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)

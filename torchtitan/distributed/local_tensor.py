@@ -38,6 +38,7 @@ from torch.distributed._local_tensor import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchtitan.tools.logging import logger
+from torchtitan.tools.module_names import clean_name
 
 _T = TypeVar("_T")
 
@@ -234,7 +235,7 @@ def load_full_model_(model: nn.Module, full: nn.Module) -> None:
         for name, param in list(module._parameters.items()):
             if param is None:
                 continue
-            key = _clean_name(prefix + name)
+            key = clean_name(prefix + name)
             if key not in full_params:
                 raise KeyError(f"{key} is in the parallelized model but not in the full one")
             if id(param) not in replaced:
@@ -243,7 +244,7 @@ def load_full_model_(model: nn.Module, full: nn.Module) -> None:
             module._parameters[name] = replaced[id(param)]
         for name, buf in list(module._buffers.items()):
             if buf is not None:
-                module._buffers[name] = full_buffers[_clean_name(prefix + name)].clone()
+                module._buffers[name] = full_buffers[clean_name(prefix + name)].clone()
 
 
 @torch.no_grad()
@@ -256,14 +257,14 @@ def copy_full_state_(
     values), buffers are taken where ``state`` has them. Copies in place: the optimizer keeps
     its parameters."""
     for name, param in model.named_parameters():
-        key = _clean_name(name)
+        key = clean_name(name)
         if key in leave_out:
             continue
         if key not in state:
             raise KeyError(f"{key} is in the model but not in the loaded state")
         param.copy_(_placed_like(param, state[key].to(param.dtype)))
     for name, buf in model.named_buffers():
-        key = _clean_name(name)
+        key = clean_name(name)
         if key in state:
             buf.copy_(replicate_to_ranks(state[key].to(buf.dtype).clone()))
 
@@ -276,10 +277,3 @@ def _placed_like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     if isinstance(param, DTensor):
         return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
     return replicate_to_ranks(full.clone())
-
-
-def _clean_name(name: str) -> str:
-    """Parameter names without the wrappers of activation checkpointing and compile."""
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
-        name = name.replace(wrapper, "")
-    return name

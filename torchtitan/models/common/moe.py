@@ -31,6 +31,7 @@ from torchtitan.models.common.experts import (
 )
 from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.moe_args import MoEArgs
+from torchtitan.tools.module_names import clean_name
 
 
 class Router(nn.Module):
@@ -269,18 +270,11 @@ def sequence_balance_loss(
 def moe_layers(model_parts: list[nn.Module]) -> list[tuple[str, MoE]]:
     """Every MoE layer of the model parts, with its name (``layers.3.moe``)."""
     return [
-        (_clean_name(name), m)
+        (clean_name(name), m)
         for part in model_parts
         for name, m in part.named_modules()
         if isinstance(m, MoE)
     ]
-
-
-def _clean_name(name: str) -> str:
-    """A module's name without the wrappers of activation checkpointing and compile."""
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod."):
-        name = name.replace(wrapper, "")
-    return name
 
 
 @torch.no_grad()
