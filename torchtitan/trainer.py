@@ -6,6 +6,7 @@ them; the trainer decides what a step is. Debugging modes (``dry_run.py``) use t
 build steps instead of adding branches here.
 """
 
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from torchtitan.batch_runner import Batch, BatchRunner
-from torchtitan.components import checkpoint_hf, float8, lora, preemption
+from torchtitan.components import anomaly, checkpoint_hf, float8, lora, preemption
 from torchtitan.components.chat_template import ChatTemplate
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_states import build_checkpoint_states
@@ -126,6 +127,11 @@ class Trainer:
             if dist_utils.fake_collectives()
             else StepWatchdog(config.job.dump_folder, self.rank)
         )
+        # Meaningless values (a dry run's) are not looked at.
+        self.detect_anomaly = config.debug.detect_anomaly and dist_utils.values_are_real()
+        if self.detect_anomaly:
+            per_op = anomaly.per_op_checks(self.parallel_dims, config.parallelism.fsdp_impl)
+            anomaly.start(per_op=per_op)
         self.checkpointer = None if on_meta else self.build_checkpointer()
         if self.checkpointer is not None and config.checkpoint.enable:
             self._load_checkpoint()
@@ -465,7 +471,8 @@ class Trainer:
         local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in batches)
         global_tokens = int(dist_utils.dist_reduce(local_tokens, "sum", self.loss_mesh))
         dp_size = self.loss_mesh.size() if self.loss_mesh is not None else 1
-        loss_sum = self.runner.forward_backward(batches, scale=dp_size / max(global_tokens, 1))
+        with self._watch_values():
+            loss_sum = self.runner.forward_backward(batches, scale=dp_size / max(global_tokens, 1))
         grad_norm = dist_utils.clip_grad_norm_(
             [p for part in self.model_parts for p in part.parameters()],
             self.config.training.max_norm,
@@ -498,6 +505,8 @@ class Trainer:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        if self.detect_anomaly:
+            anomaly.stop()
         if self.preemption is not None:
             self.preemption.close()
         if self.watchdog is not None:
@@ -524,8 +533,29 @@ class Trainer:
                 f"{local_loss}; update skipped ({self.skipped_steps} so far)"
             )
             return
-        last = self.checkpointer.last_complete() if self.checkpointer is not None else None
-        raise NonFiniteError.at_step(self.step, grad_norm.item(), self.rank, local_loss, last)
+        raise NonFiniteError.at_step(
+            self.step,
+            grad_norm.item(),
+            self.rank,
+            local_loss,
+            self._last_checkpoint(),
+            detecting=self.detect_anomaly,
+        )
+
+    def _last_checkpoint(self) -> object:
+        """The last complete checkpoint to resume from (``None``: none)."""
+        return self.checkpointer.last_complete() if self.checkpointer is not None else None
+
+    def _watch_values(self) -> contextlib.AbstractContextManager:
+        """``--debug.detect_anomaly``'s watch over a step's forward and backward."""
+        if not self.detect_anomaly:
+            return contextlib.nullcontext()
+        return anomaly.watch(
+            self.model_parts,
+            step=self.step,
+            rank=self.rank,
+            last_checkpoint=self._last_checkpoint,
+        )
 
     def _reports(self, step: int) -> bool:
         """Whether ``step`` logs a line (a validation step logs one too)."""

@@ -77,6 +77,14 @@ PREFLIGHT = [
         ["--parallelism.fsdp_impl", "simpel"],
         "--parallelism.fsdp_impl=simpel is not a choice: use one of auto, fsdp2, simple (did you mean simple?)",
     ),
+    (
+        ["--debug.detect_anomaly", "--compile.enable"],
+        "--debug.detect_anomaly checks each module's output eagerly, which a compiled block does not expose",
+    ),
+    (
+        ["--debug.detect_anomaly", "--debug.skip_nonfinite_steps"],
+        "--debug.skip_nonfinite_steps steps past it: choose one",
+    ),
 ]  # fmt: skip
 
 IN_RANK = [
@@ -165,7 +173,27 @@ def test_non_finite_step_exits_3_in_one_line(tmp_path):
     out = result.stdout + result.stderr
     assert result.returncode == 3, out[-3000:]
     assert "Traceback" not in out
-    assert "the gradient norm is" in out.splitlines()[-1]
+    line = out.splitlines()[-1]
+    assert "the gradient norm is" in line
+    assert "--debug.detect_anomaly finds the module where it starts" in line
+
+
+def test_detect_anomaly_names_where_the_step_went_non_finite(tmp_path):
+    """With tensor parallel (DTensor gradients, which autograd's own NaN check cannot read)
+    the gradient checks at the modules name the block whose output first received NaN and
+    the weights that blew up (a learning rate of 1e30 makes the final norm's backward NaN)."""
+    flags = ["--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0", "--training.steps"]
+    flags += ["4", "--debug.detect_anomaly", "--parallelism.tensor_parallel_degree", "2"]
+    result = run_train(tmp_path, *flags, ngpu=2)
+    out = result.stdout + result.stderr
+    assert result.returncode == 3, out[-3000:]
+    assert "Traceback" not in out
+    line = out.splitlines()[-1]
+    assert "step 2, rank " in line, line
+    assert "the gradient reaching the output of layers.5 (TransformerBlock) holds nan" in line
+    assert "(the last gradient found finite reached norm (RMSNorm))" in line, line
+    assert "in this rank's model, the largest parameter value is 1." in line, line
+    assert "e+30 (in " in line, line
 
 
 def test_log_rank_outside_the_world_is_refused(tmp_path):

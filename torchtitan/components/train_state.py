@@ -11,15 +11,38 @@ class NonFiniteError(RuntimeError):
 
     @classmethod
     def at_step(
-        cls, step: int, grad_norm: float, rank: int, local_loss: float, last_checkpoint: object
+        cls,
+        step: int,
+        grad_norm: float,
+        rank: int,
+        local_loss: float,
+        last_checkpoint: object,
+        *,
+        detecting: bool = False,
     ) -> "NonFiniteError":
         """The one line that stops the run, with what to do about it."""
+        found = (
+            " (--debug.detect_anomaly saw every forward output finite and no backward op return "
+            "NaN: a gradient overflowed)"
+            if detecting
+            else "; --debug.detect_anomaly finds the module where it starts"
+        )
         return cls(
             f"step {step}: the gradient norm is {grad_norm} (rank {rank}: its own loss is "
-            f"{local_loss}); last good checkpoint: "
+            f"{local_loss}){found}; last good checkpoint: "
             f"{last_checkpoint if last_checkpoint is not None else 'none'}. Lower "
             "--optimizer.lr, check the data, or pass --debug.skip_nonfinite_steps to skip such "
             "updates"
+        )
+
+    @classmethod
+    def located(cls, step: int, rank: int, what: str, last_checkpoint: object) -> "NonFiniteError":
+        """The one line of ``--debug.detect_anomaly``: where the first non-finite value came
+        from (``what``)."""
+        return cls(
+            f"step {step}, rank {rank}: {what}; last good checkpoint: "
+            f"{last_checkpoint if last_checkpoint is not None else 'none'}. Lower "
+            "--optimizer.lr or check the data (docs/debugging.md, Non-finite loss or gradients)"
         )
 
 

@@ -1,7 +1,7 @@
 """The pre-flight rules of single features (checkpointing, paths, float8, LoRA, data formats,
-validation, activation checkpointing, compile, and what ``COMM_MODE=local_tensor`` or
-DTensor-parametrized FSDP cannot run): each function returns ``(ok, message)`` pairs that
-``config/validation.py`` checks in its one pass. No torch.
+validation, activation checkpointing, compile, anomaly detection, and what
+``COMM_MODE=local_tensor`` or DTensor-parametrized FSDP cannot run): each function returns
+``(ok, message)`` pairs that ``config/validation.py`` checks in its one pass. No torch.
 """
 
 import os
@@ -201,6 +201,23 @@ def compile_checks(config: JobConfig) -> list[tuple[bool, str]]:
             or (compiled_blocks and p.tensor_parallel_degree > 1),
             "--parallelism.enable_async_tensor_parallel needs --parallelism.tensor_parallel_degree"
             " > 1 and --compile.enable (inductor performs the overlap): add both or remove it",
+        ),
+    ]
+
+
+def anomaly_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    """``--debug.detect_anomaly`` stops at the first non-finite value, checking it eagerly."""
+    d = config.debug
+    return [
+        (
+            not (d.detect_anomaly and config.compile.enable),
+            "--debug.detect_anomaly checks each module's output eagerly, which a compiled block "
+            "does not expose; drop --compile.enable for the rerun",
+        ),
+        (
+            not (d.detect_anomaly and d.skip_nonfinite_steps),
+            "--debug.detect_anomaly stops at the first non-finite value and "
+            "--debug.skip_nonfinite_steps steps past it: choose one",
         ),
     ]
 

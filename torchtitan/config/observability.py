@@ -114,6 +114,13 @@ class Debug:
     """Skip the update of a step whose gradient norm is NaN or infinite (counted as
     ``skipped_steps`` in the metrics) instead of stopping the run."""
 
+    detect_anomaly: bool = False
+    """Find where a step first goes NaN or infinite, and stop there naming it: every module's
+    output is checked in the forward (the first to turn finite inputs into NaN/inf is named,
+    with its parameters' largest magnitude), and autograd's anomaly mode names the backward
+    op that returned NaN with the model line of its forward. Several times slower: for a
+    rerun from the last good checkpoint. Not with ``--compile.enable``."""
+
     device_memory_gib: float = 80.0
     """Memory of one accelerator, against which ``COMM_MODE=fake_backend`` checks its
     per-rank memory estimate."""

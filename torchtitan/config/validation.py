@@ -131,6 +131,7 @@ def validate(config: JobConfig) -> None:
     checks += feature_rules.data_format_checks(config)
     checks += feature_rules.activation_checkpoint_checks(config)
     checks += feature_rules.compile_checks(config)
+    checks += feature_rules.anomaly_checks(config)
     checks += feature_rules.local_tensor_checks(config)
     if config.validation.enable:
         checks += feature_rules.validation_checks(config)
@@ -252,6 +253,11 @@ def ignored_settings(config: JobConfig, named: JobConfig | None = None) -> list[
             value = getattr(given, name)
             if not on and value != getattr(getattr(defaults, section), name):
                 notes.append(f"--{section}.{name} {value} is ignored without {switch}")
+    if config.debug.detect_anomaly and config.comm.mode == "fake_backend":
+        notes.append(
+            "--debug.detect_anomaly is ignored under COMM_MODE=fake_backend: a dry run's "
+            "values mean nothing (COMM_MODE=local_tensor computes them)"
+        )
     warmup, steps = config.lr_scheduler.warmup_steps, config.training.steps
     if warmup > steps:
         notes.append(

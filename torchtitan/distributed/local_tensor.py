@@ -209,6 +209,14 @@ def max_over_ranks(t: torch.Tensor) -> int:
         return max(int(v.max()) for v in values)
 
 
+def by_rank(t: torch.Tensor) -> list[tuple[int | None, torch.Tensor]]:
+    """Each simulated rank with its value of ``t`` (a ``LocalTensor``); ``[(None, t)]`` for a
+    plain tensor (this process's rank). Read them inside :func:`host_only`."""
+    if isinstance(t, LocalTensor):
+        return sorted(t._local_tensors.items())
+    return [(None, t)]
+
+
 def value_on_rank(t: torch.Tensor, rank: int) -> torch.Tensor:
     """What ``rank`` holds of ``t`` (a ``LocalTensor``); ``t`` itself for a plain tensor.
 
