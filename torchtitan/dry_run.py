@@ -159,10 +159,11 @@ def _probe_step(trainer: Trainer, depth: int | None) -> dict[str, dict[str, int]
     batch_size = t.local_batch_size
     if trainer.parallel_dims.pp_enabled:
         with torch.device("meta"):
-            model_parts = [trainer.model_spec.parallelize(trainer.build_meta_model(args), context)]
+            model = trainer.model_builder.meta_model(args)
+            model_parts = [trainer.model_spec.parallelize(model, context)]
         batch_size = config.parallelism.pipeline_parallel_microbatch_size
     else:
-        model_parts, _ = trainer.build_model_parts(args, context)
+        model_parts, _ = trainer.model_builder.parts(args, context, pp_rank=trainer.pp_rank)
     with memory_estimate.fake_tensor_mode():
         for part in model_parts:
             part.to_empty(device=trainer.device)

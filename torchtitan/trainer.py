@@ -9,10 +9,9 @@ build steps instead of adding branches here.
 import contextlib
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from torchtitan.batch_runner import Batch, BatchRunner
 from torchtitan.components import anomaly, checkpoint_hf, float8, lora, preemption
@@ -26,7 +25,6 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import (
     build_optimizers,
     changed_settings_note,
-    check_param_groups,
 )
 from torchtitan.components.run_data import RunData
 from torchtitan.components.run_events import RunEvents
@@ -39,9 +37,9 @@ from torchtitan.distributed import (
     context_parallel,
     local_tensor,
     pipeline_split,
-    precision,
 )
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.model_builder import ModelBuilder
 from torchtitan.models.spec import ParallelizeContext, get_model_spec
 from torchtitan.tools import comm_trace, host_syncs, memory_estimate, profiling
 from torchtitan.tools.gc import gc_every
@@ -50,7 +48,7 @@ from torchtitan.tools.memory_estimate import held_mib
 from torchtitan.tools.watchdog import StepWatchdog
 
 if TYPE_CHECKING:
-    from torch.distributed.pipelining import PipelineStage
+    pass
 
 
 class Trainer:
@@ -76,19 +74,24 @@ class Trainer:
         self._after_optimizer_step = self.model_spec.after_optimizer_step_for(config.model.flavor)
         self.data = None if on_meta else self.build_data()
         self.dataloader = None if on_meta else self.data.training_loader()
-        self.lora_layers = self._check_whole_model()
+        self.model_builder = ModelBuilder(self.model_spec, config, self.device)
+        self.lora_layers = self.model_builder.check_whole_model(self.model_args)
         self.parallelize_context = ParallelizeContext.from_config(config, self.parallel_dims)
-        self.model_parts, stages = self.build_model_parts(self.model_args, self.parallelize_context)
+        self.model_parts, stages = self.model_builder.parts(
+            self.model_args, self.parallelize_context, pp_rank=self.pp_rank
+        )
         self.stage_indices = [stage.stage_index for stage in stages]  # of each model part
         for part in self.model_parts:
             lora.check_added(part, config.lora, config.model.name)
-        self._log_parameters()
+        self.model_builder.log_parameters(self.model_parts, self.model_args, self.parallel_dims)
         if not on_meta:
             if self.device.type == "cpu":  # on a GPU the state lives in the device's memory
                 # Several ranks, or bf16 parameters, start from a one-process float32 init.
                 whole = self.parallel_dims.meshes_built or config.training.dtype != "float32"
                 memory_estimate.check_host_memory(self.model_parts, config, builds_whole=whole)
-            self.init_weights()
+            self.model_builder.init_weights(
+                self.model_parts, self.model_args, seed=self.seed, stage_indices=self.stage_indices
+            )
         self.runner = BatchRunner(
             self.model_parts,
             self.parallelize_context,
@@ -204,105 +207,6 @@ class Trainer:
     def chat_template(self) -> ChatTemplate | None:
         """The chat template of ``--training.data_format chat`` (else ``None``)."""
         return self.data.chat_template if self.data is not None else None
-
-    def build_meta_model(self, args: Any) -> nn.Module:
-        """The whole model for ``args`` on the meta device, its parameters in
-        ``--training.dtype``, before any parallelism."""
-        with torch.device("meta"):
-            model = self.model_spec.build_model(args)
-        return precision.cast_parameters_(model, precision.param_dtype(self.config.training))
-
-    def build_model_parts(
-        self, args: Any, context: ParallelizeContext
-    ) -> tuple[list[nn.Module], list["PipelineStage"]]:
-        """The model for ``args`` on the meta device, parallelized by the model's plans: one
-        part without pipeline parallelism; else this rank's stages, cut by the model's
-        pipeline split, each parallelized, and their ``PipelineStage`` wrappers."""
-        dims, p, t = context.parallel_dims, context.parallelism, context.training
-        model = self.build_meta_model(args)
-        if not dims.pp_enabled:
-            return [self.model_spec.parallelize(model, context)], []
-        layout = pipeline_split.pipeline_layout(p, args.n_layers)
-        pp_mesh = dims.mesh("pp")
-        names = self.model_spec.pipeline(args, layout.num_stages, p)
-        hidden_dtype, output_dtype = precision.pipeline_dtypes(dims, t)
-        # Imported here: torch.distributed.pipelining loads dynamo (0.6 s of a rank's
-        # start), which only pipelined runs need.
-        from torchtitan.distributed import pipeline_parallel
-
-        stages, parts = pipeline_parallel.build_stages(
-            model,
-            names,
-            local_stages=layout.stages_by_rank[self.pp_rank],
-            pp_mesh=pp_mesh,
-            parallelize=lambda part: self.model_spec.parallelize(part, context),
-            device=self.device,
-            microbatch_size=p.pipeline_parallel_microbatch_size,
-            seq_len=t.seq_len // dims.cp,
-            hidden_dtype=hidden_dtype,
-            output_dtype=output_dtype,
-            tp_mesh=dims.mesh("tp") if dims.tp_enabled else None,
-            sequence_parallel=p.enable_sequence_parallel,
-            loss_parallel=not p.disable_loss_parallel,
-        )
-        return parts, stages
-
-    def _check_whole_model(self) -> list[nn.Module]:
-        """What needs the whole model (on meta), checked before any pipeline split or dry-run
-        probe: ``--lora.target_modules`` that name no layer, ``--optimizer.param_groups``
-        entries no trainable parameter takes. Returns the linear layers LoRA adapts."""
-        c = self.config
-        if c.lora.rank <= 0 and not c.optimizer.param_groups:
-            return []
-        with torch.device("meta"):
-            model = self.model_spec.build_model(self.model_args)
-            layers = list(lora.targets(model, c.lora).values()) if c.lora.rank > 0 else []
-            check_param_groups(lora.add_adapters(model, c.lora), c.optimizer)
-        return layers
-
-    def _log_parameters(self) -> None:
-        named = [(n, p) for part in self.model_parts for n, p in part.named_parameters()]
-        n_params = sum(p.numel() for _, p in named)
-        c = self.config
-        line = f"Model {c.model.name} {c.model.flavor}: {n_params:,} parameters"
-        if self.parallel_dims.pp_enabled:  # this rank holds its stages: count the whole too
-            with torch.device("meta"):
-                whole = lora.add_adapters(self.model_spec.build_model(self.model_args), c.lora)
-            total = sum(p.numel() for p in whole.parameters())
-            line = f"Model {c.model.name} {c.model.flavor}: {total:,} parameters ({n_params:,} "
-            line += "in this rank's pipeline stages)"
-        if c.lora.rank > 0:
-            adapters = lora.adapter_count(named)
-            layers = sum(
-                1 for part in self.model_parts for m in part.modules() if lora.is_adapted(m)
-            )
-            line += (
-                f", of which {adapters:,} train: LoRA rank {c.lora.rank} on {layers} linear "
-                f"layers{' of this pipeline rank' if self.parallel_dims.pp_enabled else ''}"
-            )
-            if not (c.checkpoint.enable and c.checkpoint.initial_load_path):
-                logger.warning(
-                    "--lora.rank adapts a pretrained model, but no --checkpoint.initial_load_path "
-                    "is given: unless a checkpoint is resumed, the frozen weights stay random"
-                )
-        logger.info(line)
-
-    def init_weights(self) -> None:
-        """Materialise the model parts on the device with the seed's one-process weights."""
-
-        def build_full() -> nn.Module:
-            return lora.add_adapters(self.model_spec.build_model(self.model_args), self.config.lora)
-
-        dist_utils.init_model_weights(
-            self.model_parts,
-            build_full,
-            seed=self.seed,
-            stage_indices=self.stage_indices or None,
-            device=self.device,
-            after_init=lora.init_adapters if self.config.lora.rank > 0 else None,
-        )
-        for part in self.model_parts:
-            part.train()
 
     def build_metrics(self) -> MetricsProcessor:
         c = self.config
