@@ -23,6 +23,7 @@ from typing import Any, Literal
 import tomli
 import tyro
 
+from torchtitan.config import torchtitan_flags
 from torchtitan.config.errors import ConfigError, did_you_mean
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.validation import resolve_auto, validate, validate_launch
@@ -150,10 +151,10 @@ def apply_toml(config: JobConfig, path: str | os.PathLike) -> None:
         hints = typing.get_type_hints(type(section))
         for key, value in values.items():
             if key not in hints:
-                raise ConfigError(
-                    f"unknown field {section_name}.{key} in {path}"
-                    f"{did_you_mean(key, hints, prefix=section_name + '.')}"
+                hint = torchtitan_flags.hint(f"{section_name}.{key}") or did_you_mean(
+                    key, hints, prefix=section_name + "."
                 )
+                raise ConfigError(f"unknown field {section_name}.{key} in {path}{hint}")
             where = f"{section_name}.{key} in {path}"
             setattr(section, key, _coerce(value, hints[key], where))
 
@@ -169,8 +170,10 @@ def check_cli_flags(args: Sequence[str]) -> None:
         normalized = "--" + flag[2:].replace("-", "_")
         if normalized not in known:
             canonical = sorted(k for k in known if ".no_" not in k)
-            hint = did_you_mean(normalized, canonical)
             section, _, field = normalized.removeprefix("--no_").partition(".")
+            ours, _, theirs = normalized[2:].removeprefix("no_").partition(".")
+            hint = torchtitan_flags.hint(f"{ours}.{theirs.removeprefix('no_')}")
+            hint = hint or did_you_mean(normalized, canonical)
             if normalized.startswith("--no_") and f"--{section}.no_{field}" in known:
                 # --no-metrics.report, as other tools spell it: here no_ follows the section.
                 hint = f" (a flag turns off with no_ after its section: --{section}.no_{field})"

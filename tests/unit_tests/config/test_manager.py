@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from torchtitan.config import manager, torchtitan_flags
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import format_config, parse_args, to_toml, validate
@@ -165,6 +166,37 @@ def test_unknown_cli_flag_names_it_and_suggests(argv: str) -> None:
 def test_a_boolean_turned_off_before_its_section_is_shown_the_spelling(flag: str) -> None:
     expected = f"unknown flag {flag} (a flag turns off with no_ after its section: "
     assert expected + "--metrics.no_report)" in config_error(flag)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ("--debug.moe_force_load_balance", "here it is --moe.force_load_balance"),
+        ("--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path takes a Hugging Face"),
+        ("--checkpoint.no_initial_load_model_only", "always loads the model only"),
+        ("--parallelism.context_parallel_load_balancer headtail", "context_parallel_load_balance,"),
+    ],
+)
+def test_a_torchtitan_flag_is_answered_with_what_to_write_here(argv: str, expected: str) -> None:
+    flag = argv.split()[0]
+    message = config_error(*argv.split())
+    assert message.startswith(f"unknown flag {flag} (torchtitan 0.3.0's flag; "), message
+    assert expected in message and "did you mean" not in message
+
+
+def test_a_torchtitan_field_in_toml_is_answered_too(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, "[debug]\nprint_config = true\n")
+    message = config_error("--job.config_file", str(path))
+    assert "unknown field debug.print_config in " in message
+    assert "(torchtitan 0.3.0's flag; here: python -m torchtitan.config.manager" in message
+
+
+def test_the_flags_a_torchtitan_answer_names_exist() -> None:
+    known = manager._known_flags()
+    for name, answer in torchtitan_flags.MIGRATED.items():
+        assert f"--{name}" not in known, f"{name} is ours now: drop its entry"
+        for flag in re.findall(r"--[a-z_]+\.[a-z_]+", answer):
+            assert flag in known, f"{name}'s answer names {flag}, which is not a flag"
 
 
 def test_unknown_cli_flag_without_close_match_has_no_suggestion() -> None:

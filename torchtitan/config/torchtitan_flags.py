@@ -1,0 +1,44 @@
+"""Flags of torchtitan 0.3.0 that this project spells another way or does not need: an unknown
+flag (or TOML field) that is one of them is answered with what to write here instead of a
+spelling guess. No torch."""
+
+MIGRATED = {
+    "checkpoint.initial_load_in_hf": (
+        "not needed here: --checkpoint.initial_load_path takes a Hugging Face folder (found by "
+        "its config.json) as well as a checkpoint folder"
+    ),
+    "checkpoint.initial_load_in_hf_quantized": (
+        "not needed here: fp8 block-quantized Hugging Face weights are found from the folder's "
+        "config.json and loaded dequantized (docs/hf.md)"
+    ),
+    "checkpoint.initial_load_model_only": (
+        "not needed here: --checkpoint.initial_load_path always loads the model only; a run "
+        "resumes everything from its own --checkpoint.folder"
+    ),
+    "debug.moe_force_load_balance": "here it is --moe.force_load_balance",
+    "debug.print_config": (
+        "here: python -m torchtitan.config.manager --module M --config C [flags] prints the "
+        "resolved config, and every run writes it to <dump_folder>/config.toml"
+    ),
+    "metrics.disable_color_printing": "here it is --metrics.no_enable_color_printing",
+    "parallelism.context_parallel_load_balancer": (
+        "here it is --parallelism.context_parallel_load_balance, on by default (head-tail); "
+        "--parallelism.no_context_parallel_load_balance turns it off"
+    ),
+    "parallelism.pipeline_parallel_first_stage_less_layers": (
+        "not needed here: the default split weighs the embedding and output in blocks and "
+        "balances each stage's cost; --parallelism.pipeline_parallel_layers_per_stage or "
+        "--parallelism.module_fqns_per_model_part set it by hand (docs/pipeline.md)"
+    ),
+}
+"""``section.field`` of torchtitan 0.3.0 -> what to write here (or why nothing is needed)."""
+MIGRATED["parallelism.pipeline_parallel_last_stage_less_layers"] = MIGRATED[
+    "parallelism.pipeline_parallel_first_stage_less_layers"
+]
+
+
+def hint(name: str) -> str:
+    """`` (torchtitan 0.3.0's flag; ...)`` for one of its flags (``section.field``, without
+    dashes, underscores as written there), else an empty string."""
+    known = MIGRATED.get(name)
+    return f" (torchtitan 0.3.0's flag; {known})" if known else ""
