@@ -132,9 +132,12 @@ class Trainer:
         )
         # Meaningless values (a dry run's) are not looked at.
         self.detect_anomaly = config.debug.detect_anomaly and dist_utils.values_are_real()
+        self._per_op_checks = anomaly.per_op_checks(
+            self.parallel_dims, config.parallelism.fsdp_impl
+        )
         if self.detect_anomaly:
-            per_op = anomaly.per_op_checks(self.parallel_dims, config.parallelism.fsdp_impl)
-            anomaly.start(per_op=per_op)
+            what = anomaly.checked(self._per_op_checks)
+            logger.info(f"--debug.detect_anomaly: each step checks {what} (slower steps)")
         self.checkpointer = None if on_meta else self.build_checkpointer()
         if self.checkpointer is not None and config.checkpoint.enable:
             self._load_checkpoint()
@@ -409,8 +412,6 @@ class Trainer:
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        if self.detect_anomaly:
-            anomaly.stop()
         if self.preemption is not None:
             self.preemption.close()
         if self.watchdog is not None:
@@ -443,7 +444,7 @@ class Trainer:
             self.rank,
             local_loss,
             self._last_checkpoint(),
-            detecting=self.detect_anomaly,
+            checked=anomaly.checked(self._per_op_checks) if self.detect_anomaly else None,
         )
 
     def _last_checkpoint(self) -> object:
@@ -458,6 +459,7 @@ class Trainer:
             self.model_parts,
             step=self.step,
             rank=self.rank,
+            per_op=self._per_op_checks,
             last_checkpoint=self._last_checkpoint,
         )
 

@@ -2,6 +2,7 @@
 code 2, no Python traceback; before any rank starts where the rule needs no torch, and
 whichever rank refuses when a rank finds it. docs/troubleshooting.md lists the same cases."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -192,8 +193,8 @@ def test_detect_anomaly_names_where_the_step_went_non_finite(tmp_path):
     assert "step 2, rank " in line, line
     assert "the gradient reaching the output of layers.5 (TransformerBlock) holds nan" in line
     assert "(the last gradient found finite reached norm (RMSNorm))" in line, line
-    assert "in this rank's model, the largest parameter value is 1." in line, line
-    assert "e+30 (in " in line, line
+    largest = r"in this rank's model, the largest parameter value is 1\.\d+e\+30 \(in [\w.]+, "
+    assert re.search(largest + "this rank's shard\\)", line), line
 
 
 def test_log_rank_outside_the_world_is_refused(tmp_path):

@@ -11,8 +11,8 @@ and stops at the first non-finite value, with a :class:`NonFiniteError` (exit 3)
 - **backward, per op**: autograd's anomaly mode (``check_nan``) stops at the first backward
   function that returns NaN; its forward's traceback, which torch emits as a warning, gives the
   model's line. Torch's check cannot read a DTensor gradient (no sharding rule for
-  ``aten._is_any_true``), so runs whose activations are DTensors (tensor or context
-  parallel) go without it.
+  ``aten._is_any_true``) nor, simulated, a ``LocalTensor`` whose ranks differ, so such runs
+  go without it (:func:`per_op_checks`).
 - **backward, per module**: the gradient reaching each module's output is checked as it
   arrives; the first non-finite one was made by the backward of what consumes that output.
 
@@ -23,8 +23,10 @@ rank that finds it stops, and the launcher stops the others.
 """
 
 import contextlib
+import logging
 import os
 import re
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -33,42 +35,39 @@ from typing import TypeVar
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.components.train_state import NonFiniteError
-from torchtitan.distributed import local_tensor
+from torchtitan.distributed import local_tensor, simple_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.tools.logging import logger
 from torchtitan.tools.module_names import clean_name
 
 _BACKWARD_NAN = re.compile(r"Function '(\w+)' returned nan values in its (\d+)th output")
 _FORWARD_TRACE = "Traceback of forward call that caused the error"
+_ENABLED_NOTICE = "Anomaly Detection has been enabled"
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_PIPELINE_LOGGER = "torch.distributed.pipelining.schedules"
 _T = TypeVar("_T", bound=BaseException)
-
-
-def start(*, per_op: bool) -> None:
-    """Turn autograd's anomaly mode (with its NaN check of every backward function's output)
-    on for the whole process where it can read the gradients (``per_op_checks``): a
-    process-wide switch, which simulated pipeline ranks (threads) share rather than toggle."""
-    logger.info(
-        f"--debug.detect_anomaly: every module's output and gradient"
-        f"{' and every backward op' if per_op else ''} is checked for NaN/inf (a host read "
-        "each: slower steps)"
-    )
-    if per_op:
-        torch.autograd.set_detect_anomaly(True, check_nan=True)
-
-
-def stop() -> None:
-    torch.autograd.set_detect_anomaly(False)
 
 
 def per_op_checks(dims: ParallelDims, fsdp_impl: str) -> bool:
     """Whether autograd's per-op check can read this layout's gradients: not where the model
     computes with DTensors (tensor, context or expert parallel weights, DTensor-parametrized
-    sharding); FSDP2 and replicated data parallel compute on plain tensors."""
-    return not (dims.tp_enabled or dims.cp_enabled or dims.ep_enabled or fsdp_impl == "simple")
+    data parallelism) or ranks are simulated; FSDP2 and replicated data parallel compute on
+    plain tensors."""
+    dtensors = dims.tp_enabled or dims.cp_enabled or dims.ep_enabled
+    return not (
+        dtensors or (fsdp_impl == "simple" and dims.dp_enabled) or local_tensor.is_simulating()
+    )
+
+
+def checked(per_op: bool) -> str:
+    """What the watch checks, in words (for the log and the line of a gradient norm that it
+    did not see coming)."""
+    return "every module's output and the gradient reaching it for NaN/inf" + (
+        ", and every backward op's output for NaN" if per_op else ""
+    )
 
 
 @contextlib.contextmanager
@@ -77,39 +76,44 @@ def watch(
     *,
     step: int,
     rank: int,
+    per_op: bool,
     last_checkpoint: Callable[[], object],
 ) -> Iterator[None]:
-    """Check every module's output during the block (forward and backward of one step), and
-    turn the first non-finite value found into a ``NonFiniteError`` naming where it began."""
+    """Check every module's output and the gradient reaching it during the block (forward and
+    backward of one step), and each backward op with ``per_op``; turn the first non-finite
+    value into a ``NonFiniteError`` naming where it began. Leaves no hook, anomaly mode or
+    warning setting behind."""
     checks = _Checks()
     handles = [
-        module.register_forward_hook(checks.output_check(name, module, part), with_kwargs=True)
+        # Before FSDP's own hook reshards the weights: the module's whole weights are seen.
+        module.register_forward_hook(
+            checks.output_check(name, module, part), with_kwargs=True, prepend=True
+        )
         for part in model_parts
         for name, module in part.named_modules()
-        if "parametrizations" not in name  # what computes a parameter, not the model
+        if not isinstance(module, (ActivationWrapper, *simple_fsdp.PARAMETRIZATIONS))
     ]
     handles += [
         part.register_forward_pre_hook(checks.input_check(part), with_kwargs=True)
         for part in model_parts
     ]
-    # The forward traceback of a backward NaN comes as a warning; catching warnings swaps
-    # process-wide state, which only the main thread may do (pipeline threads go without).
-    capture = threading.current_thread() is threading.main_thread()
-    caught: list[warnings.WarningMessage] = []
+    # A multi-stage schedule that catches a stage's error logs it and its whole timetable.
+    pipeline_logger = logging.getLogger(_PIPELINE_LOGGER)
+    pipeline_logger.addFilter(_not_a_finding)
+    anomaly_mode = (
+        torch.autograd.set_detect_anomaly(True, check_nan=True)
+        if per_op
+        else contextlib.nullcontext()
+    )
+    forward_traces: list[str] = []
     try:
-        try:
-            with warnings.catch_warnings(record=True) if capture else contextlib.nullcontext() as w:
-                if capture:
-                    warnings.simplefilter("always")
-                    caught = w
-                yield
-        finally:
-            _replay(caught)  # once the filters are back
+        with anomaly_mode, _forward_traces_into(forward_traces):
+            yield
     except Exception as e:
         # Raised in a hook or by autograd, maybe wrapped on its way (a pipeline schedule).
         if (found := _in_chain(e, _Found)) is not None:
             what, where = found.what, found.rank if found.rank is not None else rank
-        elif (what := _backward_nan(e, caught)) is not None:
+        elif (what := _backward_nan(e, forward_traces)) is not None:
             where = rank
         else:
             raise
@@ -118,6 +122,7 @@ def watch(
             what += f"; in this rank's model, {_largest(_parameters(model_parts))}"
         raise NonFiniteError.located(step, where, what, last_checkpoint()) from None
     finally:
+        pipeline_logger.removeFilter(_not_a_finding)
         for handle in handles:
             handle.remove()
 
@@ -142,12 +147,24 @@ def _in_chain(error: BaseException, kind: type[_T]) -> _T | None:
     return next((e for e in _chain(error) if isinstance(e, kind)), None)
 
 
+def _not_a_finding(record: logging.LogRecord) -> bool:
+    """A log filter: drops what a pipeline schedule logs while it handles one of our
+    findings (raised in a hook, or anomaly mode's NaN); keeps the rest."""
+    error = sys.exc_info()[1]
+    if error is None:
+        return True
+    return _in_chain(error, _Found) is None and not any(
+        _BACKWARD_NAN.search(str(e)) for e in _chain(error)
+    )
+
+
 class _Checks:
     """The hooks of one step, and what they have seen so far."""
 
     def __init__(self):
         self.last_finite_gradient: str | None = None
-        """The module whose output's gradient was last found finite (backward order)."""
+        """The module whose output's gradient was last found finite in this backward."""
+        self.last_gradient: torch.Tensor | None = None
 
     def input_check(self, part: nn.Module) -> Callable:
         def hook(part: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -164,10 +181,12 @@ class _Checks:
         label = f"{clean_name(name)} ({_class(module)})" if name else f"the model ({_class(part)})"
 
         def gradient_check(grad: torch.Tensor) -> None:
-            if (bad := _first_nonfinite(grad)) is None:
-                self.last_finite_gradient = label
-                return
             after = self.last_finite_gradient
+            if (bad := _first_nonfinite(grad)) is None:
+                # A tensor that is the output of a module and of its parent keeps the inner name.
+                if grad is not self.last_gradient:
+                    self.last_finite_gradient, self.last_gradient = label, grad
+                return
             raise _Found(
                 f"the gradient reaching the output of {label} holds {bad[0]}, made in the "
                 "backward of what uses that output"
@@ -177,6 +196,8 @@ class _Checks:
             )
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+            if not name:  # a part's forward is done: its backward (micro-batch) starts afresh
+                self.last_finite_gradient = self.last_gradient = None
             bad = _first_nonfinite(output)
             if bad is None:
                 for leaf in pytree.tree_leaves(output):
@@ -184,7 +205,7 @@ class _Checks:
                         leaf.register_hook(gradient_check)
                 return
             kind, rank = bad
-            given = _first_nonfinite((args, kwargs))
+            given = _first_nonfinite((args, kwargs), rank=rank)
             if given is not None:
                 what = (
                     f"{label} got {given[0]} in its input, made by an op outside any module (in "
@@ -209,72 +230,98 @@ def _class(module: nn.Module) -> str:
     return next(c for c in type(module).__mro__ if not c.__module__.startswith(wrappers)).__name__
 
 
-def _first_nonfinite(tree: object) -> tuple[str, int | None] | None:
-    """``("nan" | "inf", simulated rank or None)`` of the first floating tensor in ``tree``
-    holding such a value on some rank; ``None`` when all are finite."""
-    for leaf in pytree.tree_leaves(tree):
-        if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
-            continue
-        local = leaf.to_local() if isinstance(leaf, DTensor) else leaf
-        with local_tensor.host_only():
-            for rank, value in local_tensor.by_rank(local):
-                if not bool(torch.isfinite(value).all()):
-                    return ("nan" if bool(torch.isnan(value).any()) else "inf"), rank
+def _values(t: torch.Tensor) -> list[tuple[int | None, torch.Tensor]]:
+    """``(simulated rank or None, this rank's values)`` of ``t``: a DTensor's local shard, each
+    simulated rank's value of a ``LocalTensor``. Read them inside ``host_only``."""
+    return local_tensor.by_rank((t.to_local() if isinstance(t, DTensor) else t).detach())
+
+
+def _first_nonfinite(tree: object, *, rank: int | None = None) -> tuple[str, int | None] | None:
+    """``("nan" | "inf", simulated rank or None)`` of the first floating (or complex) tensor
+    in ``tree`` holding such a value (on simulated rank ``rank`` only, if given); ``None`` when
+    all are finite."""
+    leaves = [
+        leaf
+        for leaf in pytree.tree_leaves(tree)
+        if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+    ]
+    with local_tensor.host_only():
+        for leaf in leaves:
+            for r, value in _values(leaf):
+                if (rank is None or r in (None, rank)) and not bool(torch.isfinite(value).all()):
+                    return ("nan" if bool(torch.isnan(value).any()) else "inf"), r
     return None
 
 
 def _largest(params: list[tuple[str, torch.Tensor]]) -> str:
-    """What parameters hold: the first non-finite one, or the largest magnitude and where."""
+    """What parameters hold: the first non-finite one, or the largest magnitude and where
+    (of this rank's shard, for a sharded one)."""
     sizes = []
-    for name, param in params:
-        local = param.to_local() if isinstance(param, DTensor) else param
-        with local_tensor.host_only():
-            for _, value in local_tensor.by_rank(local.detach()):
+    with local_tensor.host_only():
+        for name, param in params:
+            sharded = isinstance(param, DTensor) and any(
+                isinstance(p, Shard) for p in param.placements
+            )
+            where = clean_name(name) + (", this rank's shard" if sharded else "")
+            for _, value in _values(param):
                 if not bool(torch.isfinite(value).all()):
-                    return f"{clean_name(name)} holds non-finite values"
+                    return f"{where} holds non-finite values"
                 if value.numel():
-                    sizes.append((float(value.abs().max()), clean_name(name)))
+                    sizes.append((float(value.abs().max()), where))
     if not sizes:
         return "no parameter holds values"
-    size, name = max(sizes)
-    return f"the largest parameter value is {size:.3g} (in {name})"
+    size, where = max(sizes)
+    return f"the largest parameter value is {size:.3g} (in {where})"
 
 
 def _parameters(model_parts: Sequence[nn.Module]) -> list[tuple[str, torch.Tensor]]:
     return [named for part in model_parts for named in part.named_parameters()]
 
 
-def _backward_nan(error: BaseException, caught: list[warnings.WarningMessage]) -> str | None:
+@contextlib.contextmanager
+def _forward_traces_into(traces: list[str]) -> Iterator[None]:
+    """Keep anomaly mode's warnings (the forward traceback of a backward NaN, the notice that
+    it is on) out of the console, into ``traces``; every other warning is shown as usual
+    (the filters are untouched). Only the main thread swaps ``warnings.showwarning``, a
+    process-wide hook: simulated pipeline ranks (threads) go without the traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if _FORWARD_TRACE in text:
+            traces.append(text)
+        elif not text.startswith(_ENABLED_NOTICE):
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
+
+
+def _backward_nan(error: BaseException, forward_traces: list[str]) -> str | None:
     """What anomaly mode's error (anywhere in the chain) says, with the model line of its
     forward; ``None`` for another error."""
     for e in _chain(error):
         if (match := _BACKWARD_NAN.search(str(e))) is not None:
             function, output = match.groups()
             what = f"the backward of {function} returned nan in its output {output}"
-            line = _forward_line(caught)
+            line = _forward_line(forward_traces)
             return what + (f"; its forward: {line}" if line else "")
     return None
 
 
-def _forward_line(caught: list[warnings.WarningMessage]) -> str | None:
-    """The innermost frame outside torch of the forward traceback anomaly mode warned with:
-    ``path:line (code)``."""
-    for message in reversed(caught):
-        text = str(message.message)
-        if _FORWARD_TRACE not in text:
-            continue
-        frames = re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s+(.+)', text)
-        ours = [f for f in frames if not f[0].startswith(_TORCH_DIR)]
+def _forward_line(forward_traces: list[str]) -> str | None:
+    """The innermost frame of the last forward traceback that is neither torch's nor another
+    installed package's (torchao, peft): ``path:line (code)``, the model's line."""
+    for text in reversed(forward_traces):
+        frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s+(.+)', text)
+        ours = [f for f in frames if not f[0].startswith(_TORCH_DIR) and "-packages" not in f[0]]
         if ours:
             path, line, code = ours[-1]
             return f"{os.path.relpath(path)}:{line} ({code.strip()})"
     return None
-
-
-def _replay(caught: list[warnings.WarningMessage]) -> None:
-    """Warnings of the step other than anomaly mode's own, shown as they would have been."""
-    for w in caught:
-        text = str(w.message)
-        if _FORWARD_TRACE in text or text.startswith("Anomaly Detection has been enabled"):
-            continue
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

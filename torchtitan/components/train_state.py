@@ -18,13 +18,14 @@ class NonFiniteError(RuntimeError):
         local_loss: float,
         last_checkpoint: object,
         *,
-        detecting: bool = False,
+        checked: str | None = None,
     ) -> "NonFiniteError":
-        """The one line that stops the run, with what to do about it."""
+        """The one line that stops the run, with what to do about it. ``checked``: what
+        ``--debug.detect_anomaly`` checked in this step (and found finite)."""
         found = (
-            " (--debug.detect_anomaly saw every forward output finite and no backward op return "
-            "NaN: a gradient overflowed)"
-            if detecting
+            f" (--debug.detect_anomaly checked {checked} and found none: a parameter's "
+            "gradient, its reduction or the norm overflowed)"
+            if checked
             else "; --debug.detect_anomaly finds the module where it starts"
         )
         return cls(

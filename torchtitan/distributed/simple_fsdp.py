@@ -93,6 +93,11 @@ class _GatherOverDP(nn.Module):
         )
 
 
+PARAMETRIZATIONS = (_GatherOverDP,)
+"""The modules that compute a parameter (the gather over data-parallel ranks), not the model:
+what a walk over a model's modules may skip."""
+
+
 def _fsdp_dim(param: torch.Tensor, tp_placement: Placement | None) -> int | None:
     """The tensor dim FSDP shards: 0, or 1 when TP already shards dim 0; ``None`` (kept whole
     over dp, its gradient all-reduced) for a 1-D parameter TP splits: a column-parallel

@@ -1,5 +1,6 @@
 """``--debug.detect_anomaly``: the watch over a step names where the first NaN/inf came from."""
 
+import logging
 import warnings
 
 import pytest
@@ -28,12 +29,8 @@ class _Scaled(nn.Module):
 
 
 def _step(model: nn.Module, x: torch.Tensor, *, per_op: bool = True, last=lambda: "ckpt/step-4"):
-    anomaly.start(per_op=per_op)
-    try:
-        with anomaly.watch([model], step=5, rank=3, last_checkpoint=last):
-            model(x).sum().backward()
-    finally:
-        anomaly.stop()
+    with anomaly.watch([model], step=5, rank=3, per_op=per_op, last_checkpoint=last):
+        model(x).sum().backward()
 
 
 def _error(model: nn.Module, x: torch.Tensor, *, per_op: bool = True) -> str:
@@ -43,12 +40,102 @@ def _error(model: nn.Module, x: torch.Tensor, *, per_op: bool = True) -> str:
     return str(e.value)
 
 
+def _hooked(model: nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
 def test_a_finite_step_passes_and_leaves_no_hook_or_mode():
     model = _Scaled()
+    seen = []
+
+    def check(*args):
+        seen.append(torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled())
+
+    model.second.register_forward_hook(check)  # the model's own hook, which stays
     _step(model, torch.randn(2, 4))
+    assert seen == [True]  # anomaly mode was on during the step, and is off after it
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
-    assert not any(m._forward_hooks for m in model.modules())
-    assert not torch.is_anomaly_enabled()
+    assert len(model.second._forward_hooks) == 1 and not model.first._forward_hooks
+    assert not model._forward_pre_hooks and not torch.is_anomaly_enabled()
+
+
+def test_a_stopped_step_leaves_no_hook_or_mode_either():
+    _error(_SqrtOfZero(), torch.ones(2, 4))
+    model = _Scaled(between=float("nan"))
+    _error(model, torch.ones(2, 4))
+    assert not _hooked(model) and not torch.is_anomaly_enabled()
+
+
+def test_a_mode_turned_on_outside_stays_on():
+    with torch.autograd.set_detect_anomaly(True):
+        _step(_Scaled(), torch.ones(2, 4), per_op=True)
+        assert torch.is_anomaly_enabled()
+
+
+class _Router(nn.Module):
+    """Returns integer indices and scores beside its output, as an MoE router does; its
+    masked scores hold -inf only inside its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor):
+        scores = self.gate(x).masked_fill(torch.eye(4, dtype=torch.bool)[:2], float("-inf"))
+        top = scores.topk(2, dim=-1)
+        return x * top.values.sum(-1, keepdim=True).sigmoid(), top.indices, None
+
+
+def test_integer_and_empty_outputs_are_not_checked():
+    router = _Router()
+    with anomaly.watch([router], step=1, rank=0, per_op=True, last_checkpoint=lambda: None):
+        out, indices, _ = router(torch.ones(2, 4))
+        out.sum().backward()
+    assert indices.dtype == torch.int64
+
+
+def test_module_names_skip_activation_checkpointing_wrappers():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = nn.Sequential(nn.Linear(4, 4), checkpoint_wrapper(_SqrtAfterLinear()))
+    message = _error(model, torch.ones(2, 4), per_op=False)
+    assert "the gradient reaching the output of 1.linear (Linear) holds nan" in message, message
+    assert "(the last gradient found finite reached 1 (_SqrtAfterLinear))" in message, message
+
+
+def test_a_finding_wrapped_by_a_pipeline_schedule_is_named_and_its_log_dropped(caplog):
+    schedules = logging.getLogger("torch.distributed.pipelining.schedules")
+
+    class Wraps(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = _Scaled(between=float("inf"))
+
+        def forward(self, x):
+            try:
+                return self.inner(x)
+            except Exception as e:  # as torch's pipelining stages and schedules do
+                schedules.error("caught %s; the timetable follows", e)
+                raise RuntimeError("Failed to run stage forward") from e
+
+    with caplog.at_level(logging.ERROR, logger=schedules.name):
+        message = _error(Wraps(), torch.ones(2, 4))
+        schedules.error("after the step")
+    assert "inner.second (Linear) got inf in its input" in message, message
+    assert [r.getMessage() for r in caplog.records] == ["after the step"]
+
+
+def test_the_gradient_norm_line_says_what_was_checked():
+    line = str(
+        NonFiniteError.at_step(3, float("inf"), 0, 2.5, None, checked=anomaly.checked(False))
+    )
+    assert (
+        "(--debug.detect_anomaly checked every module's output and the gradient reaching it "
+        "for NaN/inf and found none: a parameter's gradient, its reduction or the norm "
+        "overflowed)"
+    ) in line, line
+    line = str(NonFiniteError.at_step(3, float("nan"), 0, 2.5, "ckpt/step-2"))
+    assert "; --debug.detect_anomaly finds the module where it starts;" in line, line
 
 
 def test_weights_that_blew_up_are_named_with_their_size():
@@ -121,6 +208,19 @@ def test_without_per_op_checks_the_gradient_reaching_a_module_is_checked():
         "step 5, rank 3: the gradient reaching the output of linear (Linear) holds nan, made in "
         "the backward of what uses that output"
     ), message
+
+
+def test_each_micro_batch_backward_starts_afresh():
+    """A NaN in the first gradient of the second backward names no module of the first."""
+    model = _Scaled()
+    with pytest.raises(NonFiniteError) as e:
+        with anomaly.watch([model], step=5, rank=3, per_op=False, last_checkpoint=lambda: None):
+            model(torch.ones(2, 4)).sum().backward()
+            (model(torch.ones(2, 4)) * 0).sqrt().sum().backward()  # the loss's backward: NaN
+    message = str(e.value)
+    # second's output is the model's too: the inner name is given
+    assert "the gradient reaching the output of second (Linear) holds nan, made in the " in message
+    assert "backward of what uses that output; in this rank's model" in message, message
 
 
 def test_other_errors_pass_through_and_other_warnings_are_still_shown():

@@ -71,3 +71,28 @@ def test_the_store_and_nccl_report_through_torchs_distributed_errors():
 )
 def test_other_errors_are_not_a_lost_peer(error):
     assert lost_peer(error) is None
+
+
+def test_a_schedules_log_of_a_lost_peer_is_dropped(caplog):
+    """A multi-stage pipeline schedule logs the error it catches and its whole timetable (90
+    lines): dropped for a lost peer, which the entry point reports in one line."""
+    import logging
+
+    from torchtitan.distributed import pipeline_parallel
+
+    schedules = logging.getLogger("torch.distributed.pipelining.schedules")
+    schedules.addFilter(pipeline_parallel._not_a_lost_peer)
+    try:
+        with caplog.at_level(logging.ERROR, logger=schedules.name):
+            for error in (RuntimeError(RESET), RuntimeError("a stage's own failure")):
+                try:
+                    raise error
+                except RuntimeError:
+                    schedules.error("caught %s", error)
+            schedules.error("outside any error")
+    finally:
+        schedules.removeFilter(pipeline_parallel._not_a_lost_peer)
+    assert [r.getMessage() for r in caplog.records] == [
+        "caught a stage's own failure",
+        "outside any error",
+    ]
