@@ -9,7 +9,6 @@ build steps instead of adding branches here.
 import contextlib
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,9 +45,6 @@ from torchtitan.tools.gc import gc_every
 from torchtitan.tools.logging import logger
 from torchtitan.tools.memory_estimate import held_mib
 from torchtitan.tools.watchdog import StepWatchdog
-
-if TYPE_CHECKING:
-    pass
 
 
 class Trainer:

@@ -170,9 +170,9 @@ def check_cli_flags(args: Sequence[str]) -> None:
         normalized = "--" + flag[2:].replace("-", "_")
         if normalized not in known:
             canonical = sorted(k for k in known if ".no_" not in k)
-            section, _, field = normalized.removeprefix("--no_").partition(".")
-            ours, _, theirs = normalized[2:].removeprefix("no_").partition(".")
-            hint = torchtitan_flags.hint(f"{ours}.{theirs.removeprefix('no_')}")
+            # --no_metrics.report -> metrics, report; --metrics.no_report -> metrics, no_report
+            section, _, field = normalized[2:].removeprefix("no_").partition(".")
+            hint = torchtitan_flags.hint(f"{section}.{field.removeprefix('no_')}")
             hint = hint or did_you_mean(normalized, canonical)
             if normalized.startswith("--no_") and f"--{section}.no_{field}" in known:
                 # --no-metrics.report, as other tools spell it: here no_ follows the section.

@@ -115,11 +115,12 @@ class Debug:
     ``skipped_steps`` in the metrics) instead of stopping the run."""
 
     detect_anomaly: bool = False
-    """Find where a step first goes NaN or infinite, and stop there naming it: every module's
-    output is checked in the forward (the first to turn finite inputs into NaN/inf is named,
-    with its parameters' largest magnitude), and autograd's anomaly mode names the backward
-    op that returned NaN with the model line of its forward. Several times slower: for a
-    rerun from the last good checkpoint. Not with ``--compile.enable``."""
+    """Find where a step first goes NaN or infinite, and stop there (exit 3) naming it: every
+    module's output and the gradient reaching it are checked (the first to turn finite inputs
+    into NaN/inf is named, with its parameters' largest magnitude), and where gradients are
+    plain tensors autograd's anomaly mode names the backward op that returned NaN with the
+    model line of its forward. A host read per module, so slower steps: for a rerun from the
+    last good checkpoint. Not with ``--compile.enable``."""
 
     device_memory_gib: float = 80.0
     """Memory of one accelerator, against which ``COMM_MODE=fake_backend`` checks its

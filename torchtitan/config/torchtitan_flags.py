@@ -2,6 +2,12 @@
 flag (or TOML field) that is one of them is answered with what to write here instead of a
 spelling guess. No torch."""
 
+_PIPELINE_SPLIT = (
+    "not needed here: the default split weighs the embedding and output in blocks and "
+    "balances each stage's cost; --parallelism.pipeline_parallel_layers_per_stage or "
+    "--parallelism.module_fqns_per_model_part set it by hand (docs/pipeline.md)"
+)
+
 MIGRATED = {
     "checkpoint.initial_load_in_hf": (
         "not needed here: --checkpoint.initial_load_path takes a Hugging Face folder (found by "
@@ -25,16 +31,10 @@ MIGRATED = {
         "here it is --parallelism.context_parallel_load_balance, on by default (head-tail); "
         "--parallelism.no_context_parallel_load_balance turns it off"
     ),
-    "parallelism.pipeline_parallel_first_stage_less_layers": (
-        "not needed here: the default split weighs the embedding and output in blocks and "
-        "balances each stage's cost; --parallelism.pipeline_parallel_layers_per_stage or "
-        "--parallelism.module_fqns_per_model_part set it by hand (docs/pipeline.md)"
-    ),
+    "parallelism.pipeline_parallel_first_stage_less_layers": _PIPELINE_SPLIT,
+    "parallelism.pipeline_parallel_last_stage_less_layers": _PIPELINE_SPLIT,
 }
 """``section.field`` of torchtitan 0.3.0 -> what to write here (or why nothing is needed)."""
-MIGRATED["parallelism.pipeline_parallel_last_stage_less_layers"] = MIGRATED[
-    "parallelism.pipeline_parallel_first_stage_less_layers"
-]
 
 
 def hint(name: str) -> str:
