@@ -79,6 +79,10 @@ PREFLIGHT = [
         "--parallelism.fsdp_impl=simpel is not a choice: use one of auto, fsdp2, simple (did you mean simple?)",
     ),
     (
+        ["--checkpoint.enable", "--checkpoint.no_initial_load_model_only"],
+        "--checkpoint.no_initial_load_model_only needs --checkpoint.initial_load_path: the step-N folder of the run to fork",
+    ),
+    (
         ["--debug.detect_anomaly", "--compile.enable"],
         "--debug.detect_anomaly checks each module's output eagerly, which a compiled block does not expose",
     ),

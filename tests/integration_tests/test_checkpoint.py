@@ -166,6 +166,37 @@ def test_initial_load_path_gives_way_to_the_folder_s_own_checkpoints(
     assert _losses(tmp_path)[6] == _losses(uninterrupted)[6]  # resumed from the folder's step 5
 
 
+def test_a_run_forks_another_at_its_step_and_goes_on_exactly(tmp_path, uninterrupted, capfd):
+    """--checkpoint.no_initial_load_model_only: everything of another run's step-10 (weights,
+    optimizer, schedule, data position, step) is read, so steps 11-20 in a new folder are the
+    other run's; the source is left as it was, and a resume reads the run's own folder."""
+    source = uninterrupted / "checkpoint" / "step-10"
+    before = {p: p.stat().st_mtime_ns for p in source.iterdir()}
+    fork = [
+        "--checkpoint.initial_load_path",
+        str(source),
+        "--checkpoint.no_initial_load_model_only",
+    ]
+    assert _train(tmp_path, "--training.steps", "15", *fork) == 0
+    assert f"Forked {source}: this run goes on from step 10" in capfd.readouterr().err
+    assert _train(tmp_path, "--training.steps", "20", *fork) == 0  # resumes its own step-15
+    assert f"--checkpoint.initial_load_path {source} is not used" in capfd.readouterr().err
+    want, got = _losses(uninterrupted), _losses(tmp_path)
+    assert sorted(got) == list(range(11, 21))
+    assert [got[s] for s in range(11, 21)] == [want[s] for s in range(11, 21)]
+    assert _steps(tmp_path) == ["step-15", "step-20"]
+    assert {p: p.stat().st_mtime_ns for p in source.iterdir()} == before
+
+    seed = tmp_path / "seed"
+    assert _train(seed, "--checkpoint.create_seed_checkpoint") == 0
+    weights = ["--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0")]
+    fork = [*weights, "--checkpoint.no_initial_load_model_only"]
+    assert _train(tmp_path / "weights", *fork) == 2
+    assert "it holds weights only (a seed checkpoint or a model-only save); drop " in (
+        capfd.readouterr().err
+    )
+
+
 def test_an_interrupted_save_is_never_loaded(tmp_path, capfd):
     assert _train(tmp_path, "--training.steps", "5") == 0
     (tmp_path / "checkpoint/step-5").rename(tmp_path / "checkpoint/step-5.tmp")

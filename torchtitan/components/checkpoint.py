@@ -181,11 +181,33 @@ class CheckpointManager:
                 f"the folder aside or use another --job.dump_folder; to use one of them anyway, "
                 "repair it and pass --checkpoint.load_step N"
             )
+        if c.initial_load_path and not c.initial_load_model_only:
+            return self._fork(Path(c.initial_load_path))
         if c.initial_load_path:
             self.weights.load_initial()
         else:
             logger.info(f"No checkpoint in {self.folder}: training from step 0")
         return 0
+
+    def _fork(self, path: Path) -> int:
+        """Everything of another run's full ``step-N`` (``--checkpoint.no_initial_load_model_only``):
+        this run goes on from step N."""
+        flag = f"--checkpoint.initial_load_path {path} with --checkpoint.no_initial_load_model_only"
+        if checkpoint_hf.is_hf_folder(path):
+            raise ConfigError(
+                f"{flag}: a Hugging Face folder holds weights only; drop "
+                "--checkpoint.no_initial_load_model_only to start from them at step 0"
+            )
+        if (problem := self._verify(path)) is not None:
+            raise ConfigError(f"{flag}: {problem}")
+        if saved_state_keys(path) == {"model"}:
+            raise ConfigError(
+                f"{flag}: it holds weights only (a seed checkpoint or a model-only save); drop "
+                "--checkpoint.no_initial_load_model_only to start from them at step 0"
+            )
+        step = self._load(path)
+        logger.info(f"Forked {path}: this run goes on from step {step} in {self.folder}")
+        return step
 
     def _verify(self, path: Path) -> str | None:
         """``verify`` with checksums, the files' CRCs split over the ranks (each reads its

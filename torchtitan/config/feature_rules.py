@@ -22,6 +22,16 @@ def checkpoint_checks(config: JobConfig) -> list[tuple[bool, str]]:
         (c.interval >= 1, f"--checkpoint.interval={c.interval} must be >= 1 (steps between saves)"),
         (c.keep_latest_k >= 0, f"--checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0"),
         (
+            c.initial_load_model_only or c.initial_load_path is not None,
+            "--checkpoint.no_initial_load_model_only needs --checkpoint.initial_load_path: the "
+            "step-N folder of the run to fork",
+        ),
+        (
+            c.initial_load_model_only or config.lora.rank <= 0,
+            "--checkpoint.no_initial_load_model_only with --lora.rank: LoRA reads its frozen "
+            "weights from --checkpoint.initial_load_path; resume a LoRA run from its own folder",
+        ),
+        (
             not unknown,
             f"--checkpoint.exclude_from_loading {' '.join(unknown)}: not a checkpoint part"
             f"{hint}; choose from {', '.join(CHECKPOINT_STATES)}",

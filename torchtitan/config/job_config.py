@@ -272,7 +272,15 @@ class Checkpoint:
 
     initial_load_path: str | None = None
     """Start from another run's checkpoint folder (weights only), or from a Hugging Face model
-    folder (``config.json`` + safetensors), read in any parallel layout."""
+    folder (``config.json`` + safetensors), read in any parallel layout. Read only while this
+    run's own folder has no checkpoint."""
+
+    initial_load_model_only: bool = True
+    """Read only the weights of ``--checkpoint.initial_load_path`` (the run starts at step 0).
+    Off (``--checkpoint.no_initial_load_model_only``), with a full ``step-N`` of another run:
+    read everything it holds less ``--checkpoint.exclude_from_loading`` (optimizer, LR
+    schedule, data position, step), so this run forks that one at step N and goes on in its
+    own folder."""
 
     load_only: bool = False
     """Load checkpoints but never save."""

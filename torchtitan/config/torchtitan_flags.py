@@ -17,10 +17,6 @@ MIGRATED = {
         "not needed here: fp8 block-quantized Hugging Face weights are found from the folder's "
         "config.json and loaded dequantized (docs/hf.md)"
     ),
-    "checkpoint.initial_load_model_only": (
-        "not needed here: --checkpoint.initial_load_path always loads the model only; a run "
-        "resumes everything from its own --checkpoint.folder"
-    ),
     "debug.moe_force_load_balance": "here it is --moe.force_load_balance",
     "debug.print_config": (
         "here: python -m torchtitan.config.manager --module M --config C [flags] prints the "

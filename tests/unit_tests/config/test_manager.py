@@ -173,7 +173,7 @@ def test_a_boolean_turned_off_before_its_section_is_shown_the_spelling(flag: str
     [
         ("--debug.moe_force_load_balance", "here it is --moe.force_load_balance"),
         ("--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path takes a Hugging Face"),
-        ("--checkpoint.no_initial_load_model_only", "always loads the model only"),
+        ("--checkpoint.no_initial_load_in_hf", "--checkpoint.initial_load_path takes a Hugging"),
         ("--parallelism.context_parallel_load_balancer headtail", "context_parallel_load_balance,"),
     ],
 )
