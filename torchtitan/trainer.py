@@ -146,7 +146,7 @@ class Trainer:
         )
         # After the load (a resume refused there leaves the previous run's config in place),
         # before this run's config is written over an earlier run's.
-        self.events.set_aside_if_new(self.step)
+        self.events.set_aside_if_new(resumed=self.step > 0 and not self.forked)
         if self.rank == 0 and not self.dry and (saved := save_resolved(config)) is not None:
             logger.info(f"Resolved config written to {saved}")
         self.preemption = None if on_meta else preemption.PreemptionWatch(
@@ -272,6 +272,11 @@ class Trainer:
     def step(self) -> int:
         return self.train_state.step
 
+    @property
+    def forked(self) -> bool:
+        """Whether the run started from another run's step (it continues none of its own)."""
+        return self.checkpointer is not None and self.checkpointer.forked_from is not None
+
     def create_seed_checkpoint(self) -> None:
         """Save the initial weights as ``step-0`` (model only): every later run, at any
         parallelism, that finds it starts from exactly these weights."""
@@ -290,10 +295,13 @@ class Trainer:
         self._last_step = stop
         span = f"{t.steps} steps" if stop == t.steps else f"up to step {stop} of {t.steps}"
         if self.step >= t.steps:
+            forked = self.forked
             logger.warning(
-                f"Nothing to train: the run resumed at step {self.step}, and --training.steps "
-                f"is {t.steps}; raise --training.steps to train on (docs/checkpoint.md), or "
-                "pick another --job.dump_folder for a new run"
+                f"Nothing to train: the run {'forked another' if forked else 'resumed'} at step "
+                f"{self.step}, and --training.steps is {t.steps}; raise --training.steps to "
+                "train on (docs/checkpoint.md), or "
+                + ("fork an earlier step" if forked else "pick another --job.dump_folder")
+                + " for a new run"
             )
             return
         logger.info(

@@ -168,33 +168,47 @@ def test_initial_load_path_gives_way_to_the_folder_s_own_checkpoints(
 
 def test_a_run_forks_another_at_its_step_and_goes_on_exactly(tmp_path, uninterrupted, capfd):
     """--checkpoint.no_initial_load_model_only: everything of another run's step-10 (weights,
-    optimizer, schedule, data position, step) is read, so steps 11-20 in a new folder are the
-    other run's; the source is left as it was, and a resume reads the run's own folder."""
-    source = uninterrupted / "checkpoint" / "step-10"
+    optimizer, schedule, data position, step) is read, here from a renamed copy, so steps
+    11-20 in a new folder are the other run's; the source is left as it was, an earlier run's
+    records in the folder are set aside, and a resume reads the run's own folder."""
+    source = tmp_path / "copies" / "base-at-10"
+    shutil.copytree(uninterrupted / "checkpoint" / "step-10", source)
     before = {p: p.stat().st_mtime_ns for p in source.iterdir()}
+    dump = tmp_path / "fork"
+    dump.mkdir()
+    (dump / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')  # an earlier run's
     fork = [
         "--checkpoint.initial_load_path",
         str(source),
         "--checkpoint.no_initial_load_model_only",
     ]
-    assert _train(tmp_path, "--training.steps", "15", *fork) == 0
+    assert _train(dump, "--training.steps", "15", *fork) == 0
     assert f"Forked {source}: this run goes on from step 10" in capfd.readouterr().err
-    assert _train(tmp_path, "--training.steps", "20", *fork) == 0  # resumes its own step-15
+    assert _train(dump, "--training.steps", "20", *fork) == 0  # resumes its own step-15
     assert f"--checkpoint.initial_load_path {source} is not used" in capfd.readouterr().err
-    want, got = _losses(uninterrupted), _losses(tmp_path)
+    want, got = _losses(uninterrupted), _losses(dump)
     assert sorted(got) == list(range(11, 21))
     assert [got[s] for s in range(11, 21)] == [want[s] for s in range(11, 21)]
-    assert _steps(tmp_path) == ["step-15", "step-20"]
+    assert _steps(dump) == ["step-15", "step-20"]
     assert {p: p.stat().st_mtime_ns for p in source.iterdir()} == before
+    (earlier,) = (dump / "earlier_runs").iterdir()
+    assert (earlier / "metrics.jsonl").read_text() == '{"step": 1, "loss": 9.0}\n'
 
+    # Refused in one line: weights alone, and a step inside this run's own dump folder (whose
+    # records, the source run's, stay where they are).
     seed = tmp_path / "seed"
     assert _train(seed, "--checkpoint.create_seed_checkpoint") == 0
-    weights = ["--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0")]
-    fork = [*weights, "--checkpoint.no_initial_load_model_only"]
-    assert _train(tmp_path / "weights", *fork) == 2
+    off = "--checkpoint.no_initial_load_model_only"
+    seed_step = str(seed / "checkpoint" / "step-0")
+    capfd.readouterr()
+    assert _train(tmp_path / "weights", "--checkpoint.initial_load_path", seed_step, off) == 2
     assert "it holds weights only (a seed checkpoint or a model-only save); drop " in (
         capfd.readouterr().err
     )
+    own = ["--checkpoint.initial_load_path", str(dump / "checkpoint" / "step-15")]
+    assert _train(dump, "--checkpoint.folder", "branch", *own, off) == 2
+    assert "that checkpoint is inside this run's --job.dump_folder" in capfd.readouterr().err
+    assert sorted(_losses(dump)) == list(range(11, 21))
 
 
 def test_an_interrupted_save_is_never_loaded(tmp_path, capfd):

@@ -45,7 +45,6 @@ from torchtitan.components.checkpoint_files import (
     CONFIG_FILE,
     FROZEN_SOURCE,
     MANIFEST,
-    STEP_DIR,
     complete_checkpoints,
     dcp_no_dist,
     free_bytes,
@@ -53,6 +52,7 @@ from torchtitan.components.checkpoint_files import (
     is_disk_full,
     is_os_error,
     manifest_entries,
+    manifest_step,
     safe_load,
     saved_state_keys,
     verify,
@@ -102,7 +102,8 @@ class CheckpointManager:
         self.config = config
         self.hf = hf
         """Hugging Face import/export for this model (``None``: the family has no adapter)."""
-        self.folder = Path(dump_folder) / config.folder
+        self.dump_folder = Path(dump_folder)
+        self.folder = self.dump_folder / config.folder
         self.states = states
         self.run_config = run_config  # resolved TOML, saved in every checkpoint
         self.chat_template = chat_template  # a fine-tuning run's, saved in every checkpoint
@@ -118,7 +119,10 @@ class CheckpointManager:
         self._stager = None if simulating else stager_for(config.async_mode, device_type)
         self._prestage: threading.Thread | None = None
         self.loaded_from: Path | None = None
-        """The full checkpoint this run resumed from (not a seed or initial load)."""
+        """The full checkpoint this run resumed (or forked) from (not a seed or initial load)."""
+        self.forked_from: Path | None = None
+        """Another run's full checkpoint this run started from (it continues no run of its own
+        folder)."""
         self._verdicts: dict[Path, str | None] = {}
         self.weights = WeightsLoader(
             model=states["model"],
@@ -193,6 +197,13 @@ class CheckpointManager:
         """Everything of another run's full ``step-N`` (``--checkpoint.no_initial_load_model_only``):
         this run goes on from step N."""
         flag = f"--checkpoint.initial_load_path {path} with --checkpoint.no_initial_load_model_only"
+        if self.dump_folder.resolve() in path.resolve().parents:
+            # This run's records would be the source run's (set aside as an earlier run's).
+            raise ConfigError(
+                f"{flag}: that checkpoint is inside this run's --job.dump_folder "
+                f"{self.dump_folder}; fork into another --job.dump_folder, or resume that run "
+                "there (drop --checkpoint.initial_load_path)"
+            )
         if checkpoint_hf.is_hf_folder(path):
             raise ConfigError(
                 f"{flag}: a Hugging Face folder holds weights only; drop "
@@ -205,7 +216,9 @@ class CheckpointManager:
                 f"{flag}: it holds weights only (a seed checkpoint or a model-only save); drop "
                 "--checkpoint.no_initial_load_model_only to start from them at step 0"
             )
-        step = self._load(path)
+        self._load(path)
+        self.forked_from = path
+        step = self.states["train_state"].step  # 0 when excluded from loading
         logger.info(f"Forked {path}: this run goes on from step {step} in {self.folder}")
         return step
 
@@ -260,7 +273,7 @@ class CheckpointManager:
             if missing is None:
                 raise
             raise ConfigError(_other_optimizer_message(path, missing)) from None
-        return int(STEP_DIR.match(path.name).group(1))
+        return manifest_step(path)
 
     # ---- saving ----------------------------------------------------------------------------
 

@@ -152,6 +152,12 @@ def manifest_entries(folder: Path) -> tuple[dict[str, int], dict[str, int]]:
     return sizes, crcs
 
 
+def manifest_step(path: Path) -> int:
+    """The step a complete (verified) checkpoint folder was saved at, as its manifest says
+    (whatever the folder is called: a fork may read a renamed copy)."""
+    return int(json.loads((path / MANIFEST).read_text())["step"])
+
+
 def saved_state_keys(path: Path) -> set[str]:
     """Top-level state names in a checkpoint (``model``, ``optimizer``, ...)."""
     return {fqn.split(".", 1)[0] for fqn in _metadata(path)}

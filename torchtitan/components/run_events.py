@@ -40,13 +40,14 @@ class RunEvents:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def is_new_run(self, first_step: int) -> bool:
-        """A start from step 0 that does not continue this run. Under the launcher a run has
-        one id on every attempt (``TITAN_RUN_ID``): new when no start event carries it (also
-        when an earlier attempt died before its first step). Without one, or on Slurm's
-        requeue (a new id for the same job), torchrun's restart and Slurm's requeue counts
-        say that it continues, even before its first checkpoint."""
-        if first_step != 0 or int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0:
+    def is_new_run(self, resumed: bool) -> bool:
+        """A start that does not continue this run: not ``resumed`` from a checkpoint of its
+        own folder (a fork of another run starts a run), and not a later attempt. Under the
+        launcher a run has one id on every attempt (``TITAN_RUN_ID``): new when no start event
+        carries it (also when an earlier attempt died before its first step). Without one, or
+        on Slurm's requeue (a new id for the same job), torchrun's restart and Slurm's requeue
+        counts say that it continues, even before its first checkpoint."""
+        if resumed or int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0:
             return False
         run = os.environ.get("TITAN_RUN_ID")
         if run is None:
@@ -89,10 +90,10 @@ class RunEvents:
             path.rename(moved)
         return target
 
-    def set_aside_if_new(self, step: int) -> None:
-        """A new run from ``step`` sets an earlier run's records aside (before it writes its
-        own config into the folder and before any rank's first metrics record)."""
-        if self.is_new_run(step) and (moved := self.set_aside_earlier_run()) is not None:
+    def set_aside_if_new(self, *, resumed: bool) -> None:
+        """A new run sets an earlier run's records aside (before it writes its own config
+        into the folder and before any rank's first metrics record)."""
+        if self.is_new_run(resumed) and (moved := self.set_aside_earlier_run()) is not None:
             logger.info(
                 f"A new run in {moved.parent.parent}: the earlier run's metrics, events, "
                 f"config and report are now in {moved}"

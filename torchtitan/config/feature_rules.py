@@ -249,6 +249,11 @@ def local_tensor_checks(config: JobConfig) -> list[tuple[bool, str]]:
             ),
             (not config.compile.enable, f"--compile.enable {why}; drop the flag"),
             (
+                config.checkpoint.initial_load_model_only,
+                f"--checkpoint.no_initial_load_model_only {why} (it reads model weights only); "
+                "drop it to start from that step's weights at step 0",
+            ),
+            (
                 config.training.num_workers == 0,
                 f"--training.num_workers {config.training.num_workers} {why} (the simulated "
                 "ranks' batches cannot cross from worker processes); use 0",

@@ -151,9 +151,9 @@ def apply_toml(config: JobConfig, path: str | os.PathLike) -> None:
         hints = typing.get_type_hints(type(section))
         for key, value in values.items():
             if key not in hints:
-                hint = torchtitan_flags.hint(f"{section_name}.{key}") or did_you_mean(
-                    key, hints, prefix=section_name + "."
-                )
+                hint = torchtitan_flags.hint(
+                    f"{section_name}.{key}", off=value is False
+                ) or did_you_mean(key, hints, prefix=section_name + ".")
                 raise ConfigError(f"unknown field {section_name}.{key} in {path}{hint}")
             where = f"{section_name}.{key} in {path}"
             setattr(section, key, _coerce(value, hints[key], where))
@@ -172,7 +172,8 @@ def check_cli_flags(args: Sequence[str]) -> None:
             canonical = sorted(k for k in known if ".no_" not in k)
             # --no_metrics.report -> metrics, report; --metrics.no_report -> metrics, no_report
             section, _, field = normalized[2:].removeprefix("no_").partition(".")
-            hint = torchtitan_flags.hint(f"{section}.{field.removeprefix('no_')}")
+            off = normalized.startswith("--no_") or field.startswith("no_")
+            hint = torchtitan_flags.hint(f"{section}.{field.removeprefix('no_')}", off=off)
             hint = hint or did_you_mean(normalized, canonical)
             if normalized.startswith("--no_") and f"--{section}.no_{field}" in known:
                 # --no-metrics.report, as other tools spell it: here no_ follows the section.

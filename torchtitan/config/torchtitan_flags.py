@@ -1,6 +1,6 @@
-"""Flags of torchtitan 0.3.0 that this project spells another way or does not need: an unknown
-flag (or TOML field) that is one of them is answered with what to write here instead of a
-spelling guess. No torch."""
+"""Flags of torchtitan 0.3.0 (and 0.2) that this project spells another way or does not need:
+an unknown flag (or TOML field) that is one of them is answered with what to write here
+instead of a spelling guess. No torch."""
 
 _PIPELINE_SPLIT = (
     "not needed here: the default split weighs the embedding and output in blocks and "
@@ -8,20 +8,23 @@ _PIPELINE_SPLIT = (
     "--parallelism.module_fqns_per_model_part set it by hand (docs/pipeline.md)"
 )
 
+_PRINT_CONFIG = (
+    "here: python -m torchtitan.config.manager --module M --config C [flags] prints the "
+    "resolved config, and every run writes it to <dump_folder>/config.toml"
+)
+
 MIGRATED = {
     "checkpoint.initial_load_in_hf": (
         "not needed here: --checkpoint.initial_load_path takes a Hugging Face folder (found by "
-        "its config.json) as well as a checkpoint folder"
+        "its config.json and safetensors) as well as a step-N folder"
     ),
     "checkpoint.initial_load_in_hf_quantized": (
         "not needed here: fp8 block-quantized Hugging Face weights are found from the folder's "
         "config.json and loaded dequantized (docs/hf.md)"
     ),
     "debug.moe_force_load_balance": "here it is --moe.force_load_balance",
-    "debug.print_config": (
-        "here: python -m torchtitan.config.manager --module M --config C [flags] prints the "
-        "resolved config, and every run writes it to <dump_folder>/config.toml"
-    ),
+    "debug.print_config": _PRINT_CONFIG,
+    "job.print_config": _PRINT_CONFIG,  # torchtitan 0.2's spelling
     "metrics.disable_color_printing": "here it is --metrics.no_enable_color_printing",
     "parallelism.context_parallel_load_balancer": (
         "here it is --parallelism.context_parallel_load_balance, on by default (head-tail); "
@@ -33,8 +36,13 @@ MIGRATED = {
 """``section.field`` of torchtitan 0.3.0 -> what to write here (or why nothing is needed)."""
 
 
-def hint(name: str) -> str:
+def hint(name: str, *, off: bool = False) -> str:
     """`` (torchtitan 0.3.0's flag; ...)`` for one of its flags (``section.field``, without
-    dashes, underscores as written there), else an empty string."""
+    dashes, underscores as written there), else an empty string. ``off``: a boolean of theirs
+    turned off (``--section.no_field``, ``field = false``), which is this project's default."""
     known = MIGRATED.get(name)
-    return f" (torchtitan 0.3.0's flag; {known})" if known else ""
+    if not known:
+        return ""
+    return (
+        f" (torchtitan 0.3.0's flag; {'leave it out: off is the default here' if off else known})"
+    )

@@ -10,22 +10,22 @@ from torchtitan.components.run_events import RunEvents
 
 
 @pytest.mark.parametrize(
-    ("step", "env", "new"),
+    ("resumed", "env", "new"),
     [
-        (0, {}, True),
-        (40, {}, False),  # resumed from a checkpoint
-        (0, {"TORCHELASTIC_RESTART_COUNT": "1"}, False),  # restarted before its first save
-        (0, {"SLURM_RESTART_COUNT": "2"}, False),  # requeued before its first save
+        (False, {}, True),  # from step 0, or forked from another run's step
+        (True, {}, False),  # resumed from a checkpoint of its own folder
+        (False, {"TORCHELASTIC_RESTART_COUNT": "1"}, False),  # restarted before its first save
+        (False, {"SLURM_RESTART_COUNT": "2"}, False),  # requeued before its first save
     ],
 )
 def test_without_a_run_id_the_launchers_counts_say_whether_a_run_continues(
-    tmp_path, monkeypatch, step, env, new
+    tmp_path, monkeypatch, resumed, env, new
 ):
     for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "TITAN_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert RunEvents(tmp_path, enabled=True).is_new_run(step) is new
+    assert RunEvents(tmp_path, enabled=True).is_new_run(resumed) is new
 
 
 def test_with_a_run_id_a_run_continues_only_once_it_started(tmp_path, monkeypatch):
@@ -38,16 +38,16 @@ def test_with_a_run_id_a_run_continues_only_once_it_started(tmp_path, monkeypatc
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')  # an older run's
     (tmp_path / "events.jsonl").write_text(json.dumps({"event": "start", "run": "old"}) + "\n")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert events.is_new_run(0)
-    events.set_aside_if_new(0)
+    assert events.is_new_run(False)
+    events.set_aside_if_new(resumed=False)
     events.start(0, world_size=2)
     assert (tmp_path / "earlier_runs").is_dir() and not (tmp_path / "metrics.jsonl").exists()
     # A later attempt of this run continues it, from step 0 too (no checkpoint yet).
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
-    assert not events.is_new_run(0)
+    assert not events.is_new_run(False)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # a requeue has a new id: counts decide
     monkeypatch.setenv("TITAN_RUN_ID", "20261127-190000")
-    assert not events.is_new_run(0)
+    assert not events.is_new_run(False)
 
 
 def test_an_earlier_run_is_set_aside_whole_and_never_overwritten(tmp_path, monkeypatch):

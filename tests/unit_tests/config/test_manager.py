@@ -173,7 +173,8 @@ def test_a_boolean_turned_off_before_its_section_is_shown_the_spelling(flag: str
     [
         ("--debug.moe_force_load_balance", "here it is --moe.force_load_balance"),
         ("--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path takes a Hugging Face"),
-        ("--checkpoint.no_initial_load_in_hf", "--checkpoint.initial_load_path takes a Hugging"),
+        ("--debug.no_moe_force_load_balance", "leave it out: off is the default here"),
+        ("--no-metrics.disable-color-printing", "leave it out: off is the default here"),
         ("--parallelism.context_parallel_load_balancer headtail", "context_parallel_load_balance,"),
     ],
 )
@@ -189,6 +190,9 @@ def test_a_torchtitan_field_in_toml_is_answered_too(tmp_path: Path) -> None:
     message = config_error("--job.config_file", str(path))
     assert "unknown field debug.print_config in " in message
     assert "(torchtitan 0.3.0's flag; here: python -m torchtitan.config.manager" in message
+    path = write_toml(tmp_path, "[debug]\nmoe_force_load_balance = false\n", name="off.toml")
+    message = config_error("--job.config_file", str(path))
+    assert "(torchtitan 0.3.0's flag; leave it out: off is the default here)" in message
 
 
 def test_the_flags_a_torchtitan_answer_names_exist() -> None:
@@ -605,6 +609,11 @@ def test_fsdp_impl_auto_resolves_by_comm_mode() -> None:
         ("--checkpoint.create_seed_checkpoint", "create_seed_checkpoint cannot run under"),
         ("--training.enable_cpu_offload", "--training.enable_cpu_offload cannot run under"),
         ("--training.num_workers 1", "--training.num_workers 1 cannot run under"),
+        (
+            "--checkpoint.enable --checkpoint.initial_load_path x "
+            "--checkpoint.no_initial_load_model_only",
+            "--checkpoint.no_initial_load_model_only cannot run under COMM_MODE=local_tensor",
+        ),
         (
             "--validation.enable --validation.sample_prompt def",
             "--validation.sample_prompt cannot run under COMM_MODE=local_tensor",
