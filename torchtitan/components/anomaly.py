@@ -39,7 +39,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Activati
 from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.components.train_state import NonFiniteError
-from torchtitan.distributed import local_tensor, simple_fsdp
+from torchtitan.distributed import local_tensor, pipeline_split, simple_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.tools.module_names import clean_name
 
@@ -47,7 +47,6 @@ _BACKWARD_NAN = re.compile(r"Function '(\w+)' returned nan values in its (\d+)th
 _FORWARD_TRACE = "Traceback of forward call that caused the error"
 _ENABLED_NOTICE = "Anomaly Detection has been enabled"
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_PIPELINE_LOGGER = "torch.distributed.pipelining.schedules"
 _T = TypeVar("_T", bound=BaseException)
 
 
@@ -98,7 +97,7 @@ def watch(
         for part in model_parts
     ]
     # A multi-stage schedule that catches a stage's error logs it and its whole timetable.
-    pipeline_logger = logging.getLogger(_PIPELINE_LOGGER)
+    pipeline_logger = logging.getLogger(pipeline_split.SCHEDULES_LOGGER)
     pipeline_logger.addFilter(_not_a_finding)
     anomaly_mode = (
         torch.autograd.set_detect_anomaly(True, check_nan=True)

@@ -32,7 +32,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.distributed import utils as dist_utils
-from torchtitan.distributed.pipeline_split import check_module_names
+from torchtitan.distributed.pipeline_split import SCHEDULES_LOGGER, check_module_names
 
 _STATIC_GRADS = "input_grads" in inspect.signature(PipelineStage.__init__).parameters
 
@@ -170,9 +170,6 @@ def _boundary(
     return local.requires_grad_(True)
 
 
-_SCHEDULES_LOGGER = "torch.distributed.pipelining.schedules"
-
-
 def _not_a_lost_peer(record: logging.LogRecord) -> bool:
     """A log filter: drops what a multi-stage schedule logs (the error, then its whole
     timetable, 90 lines) while it handles another rank's going away; the entry point says that
@@ -191,7 +188,7 @@ def build_schedule(
 ) -> _PipelineSchedule:
     """The schedule ``schedule`` (or the one written in ``csv_path``) over this rank's stages.
     ``loss_fn`` returns the scaled loss (gradients are not scaled again by the schedule)."""
-    logging.getLogger(_SCHEDULES_LOGGER).addFilter(_not_a_lost_peer)  # once: a set
+    logging.getLogger(SCHEDULES_LOGGER).addFilter(_not_a_lost_peer)  # once: a set
     if csv_path:
         # torch adds the sends, receives and gradient reductions to the compute actions.
         runtime = _PipelineScheduleRuntime(

@@ -16,6 +16,9 @@ from pathlib import Path
 from torchtitan.config.errors import ConfigError, did_you_mean
 from torchtitan.tools.logging import logger
 
+SCHEDULES_LOGGER = "torch.distributed.pipelining.schedules"
+"""Where torch's multi-stage schedules log an error they catch, with their whole timetable."""
+
 SCHEDULES = (
     "GPipe",
     "1F1B",
