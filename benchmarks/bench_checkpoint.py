@@ -88,7 +88,7 @@ def measure_async(flavor: str, saves: int, interval: int) -> list[dict[str, floa
             def written(_, figures=figures, done=done):
                 figures["write s"] = time.perf_counter() - done
 
-            checkpointer._pending.future.add_done_callback(written)
+            checkpointer.background.pending.future.add_done_callback(written)
 
         checkpointer.save = timed_save
         records = []

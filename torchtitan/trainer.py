@@ -6,14 +6,13 @@ them; the trainer decides what a step is. Debugging modes (``dry_run.py``) use t
 build steps instead of adding branches here.
 """
 
-import contextlib
 import time
 from collections.abc import Sequence
 
 import torch
 
 from torchtitan.batch_runner import Batch, BatchRunner
-from torchtitan.components import anomaly, checkpoint_hf, float8, lora, preemption
+from torchtitan.components import checkpoint_hf, float8, lora, preemption
 from torchtitan.components.chat_template import ChatTemplate
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_states import build_checkpoint_states
@@ -21,13 +20,14 @@ from torchtitan.components.dataloader import Tokenizer
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.lr_scheduler import build_lr_schedulers, resumed_note_for
 from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.nonfinite import NonFiniteSteps
 from torchtitan.components.optimizer import (
     build_optimizers,
     changed_settings_note,
 )
 from torchtitan.components.run_data import RunData
 from torchtitan.components.run_events import RunEvents
-from torchtitan.components.train_state import NonFiniteError, StepResult, TrainState
+from torchtitan.components.train_state import StepResult, TrainState
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import save_resolved, to_toml
@@ -116,7 +116,6 @@ class Trainer:
         )
         self.metrics = self.build_metrics()
         self.train_state = TrainState()
-        self.skipped_steps = 0
         self._last_step = config.training.steps  # of the current train() call
         self.model_metrics: dict[str, float] = {}
         """The model's own metrics of the last step (``ModelSpec.after_optimizer_step``)."""
@@ -126,14 +125,9 @@ class Trainer:
             if dist_utils.fake_collectives()
             else StepWatchdog(config.job.dump_folder, self.rank)
         )
-        # Meaningless values (a dry run's) are not looked at.
-        self.detect_anomaly = config.debug.detect_anomaly and dist_utils.values_are_real()
-        self._per_op_checks = anomaly.per_op_checks(
-            self.parallel_dims, config.parallelism.fsdp_impl
+        self.nonfinite = NonFiniteSteps(
+            config.debug, self.parallel_dims, config.parallelism.fsdp_impl, self.rank
         )
-        if self.detect_anomaly:
-            what = anomaly.checked(self._per_op_checks)
-            logger.info(f"--debug.detect_anomaly: each step checks {what} (slower steps)")
         self.checkpointer = None if on_meta else self.build_checkpointer()
         if self.checkpointer is not None and config.checkpoint.enable:
             self._load_checkpoint()
@@ -382,7 +376,7 @@ class Trainer:
         local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in batches)
         global_tokens = int(dist_utils.dist_reduce(local_tokens, "sum", self.loss_mesh))
         dp_size = self.loss_mesh.size() if self.loss_mesh is not None else 1
-        with self._watch_values():
+        with self.nonfinite.watch(self.model_parts, self.step, self._last_checkpoint):
             loss_sum = self.runner.forward_backward(batches, scale=dp_size / max(global_tokens, 1))
         grad_norm = dist_utils.clip_grad_norm_(
             [p for part in self.model_parts for p in part.parameters()],
@@ -397,8 +391,10 @@ class Trainer:
         stepped = not dist_utils.values_are_real() or bool(torch.isfinite(grad_norm))
         if stepped:
             self.optimizers.step()
-        else:
-            self._skip_nonfinite_step(result)
+        else:  # stops the run, or skips the update
+            local_loss = self._own(result.local_loss)
+            self.nonfinite.after_step(self.step, grad_norm, local_loss, self._last_checkpoint)
+            self.optimizers.zero_grad()
         self.lr_schedulers.step()
         # A skipped update moves and reports nothing (its routing counts join the next step's).
         self.model_metrics = {}
@@ -431,41 +427,9 @@ class Trainer:
         self.checkpointer.save(self.step, last=last)
         self.events.write("checkpoint", step=self.step, seconds=time.perf_counter() - start)
 
-    def _skip_nonfinite_step(self, result: StepResult) -> None:
-        """Stop the run on a non-finite gradient norm, or skip the update when asked to."""
-        local_loss, grad_norm = self._own(result.local_loss), result.grad_norm
-        if self.config.debug.skip_nonfinite_steps:
-            self.optimizers.zero_grad()
-            self.skipped_steps += 1
-            logger.warning(
-                f"Step {self.step}: gradient norm {grad_norm.item()}, this rank's loss "
-                f"{local_loss}; update skipped ({self.skipped_steps} so far)"
-            )
-            return
-        raise NonFiniteError.at_step(
-            self.step,
-            grad_norm.item(),
-            self.rank,
-            local_loss,
-            self._last_checkpoint(),
-            checked=anomaly.checked(self._per_op_checks) if self.detect_anomaly else None,
-        )
-
     def _last_checkpoint(self) -> object:
         """The last complete checkpoint to resume from (``None``: none)."""
         return self.checkpointer.last_complete() if self.checkpointer is not None else None
-
-    def _watch_values(self) -> contextlib.AbstractContextManager:
-        """``--debug.detect_anomaly``'s watch over a step's forward and backward."""
-        if not self.detect_anomaly:
-            return contextlib.nullcontext()
-        return anomaly.watch(
-            self.model_parts,
-            step=self.step,
-            rank=self.rank,
-            per_op=self._per_op_checks,
-            last_checkpoint=self._last_checkpoint,
-        )
 
     def _reports(self, step: int) -> bool:
         """Whether ``step`` logs a line (a validation step logs one too)."""
@@ -507,7 +471,7 @@ class Trainer:
             result.global_tokens, 1
         )
         loss_max = dist_utils.dist_reduce(result.local_loss, "max", self.loss_mesh)
-        extra = {"loss_local": local_loss, "skipped_steps": self.skipped_steps}
+        extra = {"loss_local": local_loss, "skipped_steps": self.nonfinite.skipped}
         extra |= self.model_metrics | validation
         idle = self.runner.take_pipeline_idle()
         if idle is not None:

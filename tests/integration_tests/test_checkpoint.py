@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from torchtitan.components import checkpoint, checkpoint_writer
+from torchtitan.components import checkpoint_async, checkpoint_writer
 from torchtitan.components.checkpoint import complete_checkpoints
 from torchtitan.train import main
 
@@ -339,7 +339,7 @@ def test_background_staging_is_joined_before_the_optimizer_step(
         stagers.append(checkpoint_writer.reusable(_SlowStager(options)))
         return stagers[-1]
 
-    monkeypatch.setattr(checkpoint, "stager_for", stager)
+    monkeypatch.setattr(checkpoint_async, "stager_for", stager)
     mode = ["--checkpoint.async_mode", "async_with_pinned_mem"]
     assert _train(tmp_path, "--training.steps", "10", *mode) == 0
     assert _train(tmp_path, "--training.steps", "20", "--checkpoint.load_step", "5", *mode) == 0

@@ -12,7 +12,7 @@ Loading checks the manifest first, so a torn or corrupt checkpoint is skipped wi
 when resuming from the latest, and is an error when asked for by step. What is saved (the
 state objects) is in ``checkpoint_states``; what is on disk in ``checkpoint_files``; loading
 model weights alone (seed checkpoints, initial loads, LoRA's frozen weights) in
-``checkpoint_weights``.
+``checkpoint_weights``; saving in the background (async modes) in ``checkpoint_async``.
 
 What is saved: ``model`` and ``optimizer`` (DCP state-dict APIs, so any sharding loads into any
 other), ``lr_scheduler``, ``dataloader`` (one entry per data-parallel rank) and ``train_state``
@@ -20,15 +20,12 @@ other), ``lr_scheduler``, ``dataloader`` (one entry per data-parallel rank) and 
 """
 
 import copy
-import dataclasses
 import json
 import os
 import re
 import shutil
-import threading
 import time
 import tomllib
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +38,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.components import checkpoint_hf
 from torchtitan.components.chat_template import TEMPLATE_FILE
+from torchtitan.components.checkpoint_async import BackgroundSaves
 from torchtitan.components.checkpoint_files import (
     CONFIG_FILE,
     FROZEN_SOURCE,
@@ -61,12 +59,7 @@ from torchtitan.components.checkpoint_files import (
 )
 from torchtitan.components.checkpoint_states import match_dataloader_layout
 from torchtitan.components.checkpoint_weights import WeightsLoader
-from torchtitan.components.checkpoint_writer import (
-    CheckpointWriter,
-    close_stager,
-    lower_priority,
-    stager_for,
-)
+from torchtitan.components.checkpoint_writer import CheckpointWriter
 from torchtitan.components.optimizer import Optimizers
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
@@ -77,12 +70,6 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.memory_estimate import format_bytes, local_bytes
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclasses.dataclass
-class _Pending:
-    step: int
-    future: Future
 
 
 class CheckpointManager:
@@ -108,16 +95,8 @@ class CheckpointManager:
         self.run_config = run_config  # resolved TOML, saved in every checkpoint
         self.chat_template = chat_template  # a fine-tuning run's, saved in every checkpoint
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self._pending: _Pending | None = None
-        self._async_group = None
-        simulating = local_tensor.is_simulating()  # reads only: nothing to save in the background
-        if config.async_mode != "disabled" and dist.is_initialized() and not simulating:
-            # Saving in the background on the training process group would interleave its
-            # collectives with the training step's: give it its own gloo group.
-            self._async_group = dist.new_group(backend="gloo")
-        self._staging: Future | None = None
-        self._stager = None if simulating else stager_for(config.async_mode, device_type)
-        self._prestage: threading.Thread | None = None
+        self.background = BackgroundSaves(config.async_mode, device_type)
+        """Async saves: the one in flight, its staging copy, the stager and its own group."""
         self.loaded_from: Path | None = None
         """The full checkpoint this run resumed (or forked) from (not a seed or initial load)."""
         self.forked_from: Path | None = None
@@ -303,17 +282,9 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        self._join_prestage()
-        if self.config.async_mode != "disabled" and not last:
-            response = dcp.async_save(
-                state,
-                storage_writer=CheckpointWriter(str(tmp), background=True),
-                process_group=self._async_group,
-                async_stager=self._stager,
-                no_dist=dcp_no_dist(),
-            )
-            self._staging = getattr(response, "staging_completion", None)
-            self._pending = _Pending(step, getattr(response, "upload_completion", response))
+        self.background.join_prestage()
+        if self.background.enabled and not last:
+            self.background.start(state, tmp, step)
             return
         try:
             dcp.save(state, storage_writer=CheckpointWriter(str(tmp)), no_dist=dcp_no_dist())
@@ -333,54 +304,24 @@ class CheckpointManager:
             )
 
     def wait_for_staging(self) -> None:
-        """Block until the state of an ``async_with_pinned_mem`` save is copied to host memory.
-
-        That copy runs on a side stream while the next step computes; call this before the
-        optimizer updates the weights it is reading."""
-        if self._staging is not None:
-            staging, self._staging = self._staging, None
-            staging.result()
+        """Before the optimizer step: the state of an ``async_with_pinned_mem`` save is copied."""
+        self.background.wait_for_staging()
 
     def poll(self) -> None:
         """Finalize a background save that has finished; once the optimizer has state, start
         allocating the async staging buffers in the background (cheap; call every step)."""
-        if self._pending is not None and self._pending.future.done():
+        pending = self.background.pending
+        if pending is not None and pending.future.done():
             self.finish_pending()
-        if self._prestage is None and self._stager is not None and not self.config.load_only:
+        if not self.config.load_only:
             optimizers = self.states.get("optimizer")
             # An optimizer without state would be stepped (lr 0) by DCP to create it.
             if isinstance(optimizers, Optimizers) and optimizers.has_state:
-                self._start_prestage()
-
-    def _start_prestage(self) -> None:
-        """Stage the state once, at the lowest priority while training goes on, so that the
-        host buffers exist before the first save (allocating 1.25 GB of them took 0.6-0.9 s
-        of the first save on a 2-core CPU host). What this copies is never written: every
-        save copies the state again, into the same buffers."""
-        state = {
-            k: v.state_dict() if isinstance(v, Stateful) else v for k, v in self.states.items()
-        }
-        stager = self._stager
-
-        def allocate() -> None:
-            lower_priority()
-            try:
-                staged = stager.stage(state)
-                if isinstance(staged, Future):
-                    staged.result()
-            except Exception as e:  # the first save allocates them instead
-                logger.warning(f"Could not allocate checkpoint staging buffers ahead: {e}")
-
-        self._prestage = threading.Thread(target=allocate, name="checkpoint-prestage", daemon=True)
-        self._prestage.start()
-
-    def _join_prestage(self) -> None:
-        if self._prestage is not None:
-            self._prestage.join()
+                self.background.prestage_once(self.states)
 
     def _wait_for_previous(self, step: int, *, last: bool) -> None:
         """Finish the previous background save; say so when the training loop had to wait."""
-        pending = self._pending
+        pending = self.background.pending
         busy = pending is not None and not pending.future.done()
         start = time.perf_counter()
         self.finish_pending()
@@ -392,9 +333,9 @@ class CheckpointManager:
             )
 
     def finish_pending(self) -> None:
-        if self._pending is None:
+        pending = self.background.take_pending()
+        if pending is None:
             return
-        pending, self._pending = self._pending, None
         try:
             pending.future.result()
             self._finalize(pending.step)
@@ -488,8 +429,7 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.finish_pending()
-        self._join_prestage()
-        close_stager(self._stager)
+        self.background.close()
 
 
 def _barrier() -> None:

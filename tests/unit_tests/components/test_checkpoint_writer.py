@@ -131,8 +131,8 @@ def test_staging_buffers_are_allocated_in_the_background_after_the_first_step(tm
         device_type="cpu",
     )
     callers = []
-    stage = manager._stager.stage
-    manager._stager.stage = lambda state: (
+    stage = manager.background.stager.stage
+    manager.background.stager.stage = lambda state: (
         callers.append(threading.current_thread().name) or stage(state)
     )
     try:
@@ -141,7 +141,7 @@ def test_staging_buffers_are_allocated_in_the_background_after_the_first_step(tm
         model(torch.randn(2, 4)).sum().backward()
         optimizer.step()
         manager.poll()
-        manager._join_prestage()
+        manager.background.join_prestage()
         assert callers == ["checkpoint-prestage"]
         manager.poll()  # once per run
         with torch.no_grad():

@@ -1,0 +1,75 @@
+"""What a run does about NaN and infinite values: ``--debug.detect_anomaly``'s watch over each
+step's forward and backward (:mod:`torchtitan.components.anomaly`), and what follows a
+non-finite gradient norm: the run stops in one line (exit 3), or with
+``--debug.skip_nonfinite_steps`` the update is skipped and counted."""
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from torchtitan.components import anomaly
+from torchtitan.components.train_state import NonFiniteError
+from torchtitan.config.job_config import Debug
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.tools.logging import logger
+
+
+class NonFiniteSteps:
+    """One run's watch and verdicts; ``skipped`` counts the updates skipped so far."""
+
+    def __init__(self, debug: Debug, dims: ParallelDims, fsdp_impl: str, rank: int):
+        # Meaningless values (a dry run's) are not looked at.
+        self.detect = debug.detect_anomaly and dist_utils.values_are_real()
+        self.per_op = anomaly.per_op_checks(dims, fsdp_impl)
+        self.skip = debug.skip_nonfinite_steps
+        self.rank = rank
+        self.skipped = 0
+        if self.detect:
+            what = anomaly.checked(self.per_op)
+            logger.info(f"--debug.detect_anomaly: each step checks {what} (slower steps)")
+
+    def watch(
+        self,
+        model_parts: Sequence[nn.Module],
+        step: int,
+        last_checkpoint: Callable[[], object],
+    ) -> contextlib.AbstractContextManager:
+        """Around a step's forward and backward: ``--debug.detect_anomaly``'s checks (else
+        nothing)."""
+        if not self.detect:
+            return contextlib.nullcontext()
+        return anomaly.watch(
+            model_parts,
+            step=step,
+            rank=self.rank,
+            per_op=self.per_op,
+            last_checkpoint=last_checkpoint,
+        )
+
+    def after_step(
+        self,
+        step: int,
+        grad_norm: torch.Tensor,
+        local_loss: float,
+        last_checkpoint: Callable[[], object],
+    ) -> None:
+        """After a step whose gradient norm is not finite: raise the ``NonFiniteError`` that
+        stops the run, or, when skipping, count the step and say so (the caller drops its
+        gradients)."""
+        if not self.skip:
+            raise NonFiniteError.at_step(
+                step,
+                grad_norm.item(),
+                self.rank,
+                local_loss,
+                last_checkpoint(),
+                checked=anomaly.checked(self.per_op) if self.detect else None,
+            )
+        self.skipped += 1
+        logger.warning(
+            f"Step {step}: gradient norm {grad_norm.item()}, this rank's loss "
+            f"{local_loss}; update skipped ({self.skipped} so far)"
+        )
