@@ -307,8 +307,9 @@ class Trainer:
         self.events.start(first_step, self.parallel_dims.world_size)
         self.metrics.start_run(first_step=first_step, last_step=stop)
         where = dict(dump_folder=self.config.job.dump_folder, rank=self.rank, first_step=first_step)
+        graphs = None if self.dry else where["dump_folder"]  # a dry run writes nothing there
         with (
-            gc_every(t.gc_freq) as gc_tick,
+            gc_every(t.gc_freq, debug=t.gc_debug, dump_folder=graphs, rank=self.rank) as gc_tick,
             profiling.maybe_enable_profiling(self.config.profiling, **where) as profiler,
             profiling.maybe_enable_memory_snapshot(self.config.profiling, **where) as snapshots,
         ):

@@ -12,6 +12,8 @@ import pytest
 import torch
 from launch import REPO, SMALL, clean_env, records, run_train
 
+from torchtitan.tools.gc import GC_DEBUG_FOLDER
+
 pytestmark = pytest.mark.integration
 # Memory snapshots (or, on CPU, the memory timeline) of step 2.
 SNAPSHOT = [
@@ -83,10 +85,20 @@ def fsdp_tp_run(tmp_path_factory):
         "2",
         "--profiling.profiler_warmup",
         "0",
+        "--training.gc_debug",
         ngpu=4,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return dump, result.stdout + result.stderr
+
+
+def test_fsdp_x_tp_steps_leave_no_tensor_in_a_reference_cycle(fsdp_tp_run):
+    """Every step's garbage was looked at (--training.gc_debug): no tensor was held by a
+    cycle, so each is freed when the step drops it (tests/unit_tests/tools/test_gc.py shows
+    the report of one that is)."""
+    tmp_path, out = fsdp_tp_run
+    assert "--training.gc_debug: collecting every step" in out
+    assert "in reference cycles" not in out and not (tmp_path / GC_DEBUG_FOLDER).exists()
 
 
 def test_comm_trace_and_profiler_traces_fsdp_x_tp(fsdp_tp_run):

@@ -167,6 +167,11 @@ class Training:
     """Run Python garbage collection every N steps (automatic collection is disabled during
     training to avoid random pauses); 0 keeps Python's automatic collection."""
 
+    gc_debug: bool = False
+    """Collect garbage every step and report the reference cycles that held tensors (memory
+    freed only by the collector, up to gc_freq steps late): one warning naming the tensors,
+    and the cycle's reference graph in <dump_folder>/gc_debug/. Slower steps; for leaks."""
+
     num_workers: int = 0
     """Dataloader worker processes per rank; 0 loads in the training process."""
 
