@@ -356,7 +356,7 @@ BY_ROW = ["--training.data_sharding", "by_row"]
 @pytest.fixture(scope="module")
 def fsdp_uninterrupted(tmp_path_factory) -> Path:
     dump = tmp_path_factory.mktemp("fsdp_uninterrupted")
-    full = _run_train(dump, "--training.steps", "20", *BY_ROW)
+    full = _run_train(dump, "--training.steps", "10", *BY_ROW)
     assert full.returncode == 0, full.stderr[-3000:]
     return dump
 
@@ -368,14 +368,15 @@ def test_fsdp_resume_from_an_async_save_is_bitwise_exact(tmp_path, fsdp_uninterr
     assert first.returncode == 0, first.stderr[-3000:]
     assert _steps(tmp_path) == ["step-5", "step-10"]
     # step-5 was written by the mode under test (the final step-10 save is always synchronous).
-    second = _run_train(tmp_path, "--training.steps", "20", "--checkpoint.load_step", "5", *mode)
+    second = _run_train(tmp_path, "--training.steps", "10", "--checkpoint.load_step", "5", *mode)
     assert second.returncode == 0, second.stderr[-3000:]
     want, got = _losses(fsdp_uninterrupted), _losses(tmp_path)
-    assert [got[s] for s in range(6, 21)] == [want[s] for s in range(6, 21)]
+    assert [got[s] for s in range(6, 11)] == [want[s] for s in range(6, 11)]
 
 
 def test_a_shuffled_dataset_mix_resumes_on_another_data_parallel_degree(tmp_path):
-    """A shuffled mix read by_row under FSDP 2, resumed in one process from its step 5: the
+    """A shuffled mix read by_row under FSDP 2, forked in one process at its step 5
+    (--checkpoint.no_initial_load_model_only, so the fork also goes into another layout): the
     data goes on where it was (the same global batches), so the losses follow the FSDP 2
     run's."""
     mix = [
@@ -391,9 +392,11 @@ def test_a_shuffled_dataset_mix_resumes_on_another_data_parallel_degree(tmp_path
     assert first.returncode == 0, first.stderr[-3000:]
     assert "Dataset mix (shares of the windows): python_docs 75.0%" in first.stderr
     one = tmp_path / "one"
-    _copy_step(fsdp, 5, one)
     rows = ["--training.local_batch_size", "8"]  # the same global batch
-    assert _train(one, "--training.steps", "10", *rows, *mix, *BY_ROW) == 0
+    fork = ["--checkpoint.initial_load_path", str(fsdp / "checkpoint" / "step-5")]
+    fork += ["--checkpoint.no_initial_load_model_only"]
+    assert _train(one, "--training.steps", "10", *rows, *mix, *BY_ROW, *fork) == 0
+    assert sorted(_losses(one)) == list(range(6, 11))
     want, got = _losses(fsdp), _losses(one)
     assert [got[s] for s in range(6, 11)] == pytest.approx(
         [want[s] for s in range(6, 11)], rel=1e-5

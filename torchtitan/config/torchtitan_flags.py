@@ -22,6 +22,14 @@ MIGRATED = {
         "not needed here: fp8 block-quantized Hugging Face weights are found from the folder's "
         "config.json and loaded dequantized (docs/hf.md)"
     ),
+    "debug.batch_invariant": (
+        "not built here (batch-invariant kernels); --debug.seed with --debug.deterministic "
+        "repeats a run bitwise in one layout, and docs/converging.md compares layouts"
+    ),
+    "debug.enable_structured_logging": (
+        "not needed here: every run writes metrics.jsonl, events.jsonl and a log per rank in "
+        "--job.dump_folder (docs/training.md)"
+    ),
     "debug.moe_force_load_balance": "here it is --moe.force_load_balance",
     "debug.print_config": _PRINT_CONFIG,
     "job.print_config": _PRINT_CONFIG,  # torchtitan 0.2's spelling
@@ -30,8 +38,20 @@ MIGRATED = {
         "here it is --parallelism.context_parallel_load_balance, on by default (head-tail); "
         "--parallelism.no_context_parallel_load_balance turns it off"
     ),
+    "parallelism.context_parallel_ptrr_mask_key": (
+        "not needed here: context parallelism balances head-tail "
+        "(--parallelism.context_parallel_load_balance); PTRR is not built"
+    ),
+    "parallelism.enable_fsdp_symm_mem": (
+        "not built here (FSDP collectives in CUDA symmetric memory)"
+    ),
+    "parallelism.spmd_backend": (
+        "not needed here: tensor, context and expert parallelism use DTensor, data parallelism "
+        "FSDP2 or DTensor parametrizations (--parallelism.fsdp_impl simple)"
+    ),
     "parallelism.pipeline_parallel_first_stage_less_layers": _PIPELINE_SPLIT,
     "parallelism.pipeline_parallel_last_stage_less_layers": _PIPELINE_SPLIT,
+    "training.disable_cuda_graphs": "not needed here: no step is captured in CUDA graphs",
 }
 """``section.field`` of torchtitan 0.3.0 -> what to write here (or why nothing is needed)."""
 
