@@ -36,6 +36,7 @@ from torchtitan.distributed import (
     precision,
     tensor_parallel,
 )
+from torchtitan.distributed.compile import backend as compile_backend
 from torchtitan.models.spec import ParallelizeContext
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ class BatchRunner:
         c = context.compile
         # Compiled, the vocab-sharded loss ignores loss_parallel and returns a wrong value.
         if c.enable and "loss" in c.components and not self.loss_parallel:
-            loss_fn = torch.compile(loss_fn, backend=c.backend)
+            loss_fn = torch.compile(loss_fn, backend=compile_backend(c))
         self.loss_fn = ScaledLoss(loss_fn)
         # Modules that add a loss term of their own (MoE balance losses) weigh it like the
         # tokens it was computed on: they read the gradient weight of one token's loss.

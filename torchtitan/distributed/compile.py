@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Compile, Parallelism
 from torchtitan.distributed.parallel_dims import ParallelDims
 
@@ -62,8 +63,25 @@ def apply_compile_around(
             setattr(inner, name, _compiled(child, config, tensor_parallel))
 
 
+def backend(config: Compile) -> str:
+    """``--compile.backend``, refused in one line where torch.compile has no backend of that
+    name (torch's own error comes from deep inside the first compile, on every rank)."""
+    from torch._dynamo.backends.registry import list_backends, lookup_backend
+    from torch._dynamo.exc import InvalidBackend
+
+    try:
+        lookup_backend(config.backend)
+    except InvalidBackend:
+        raise ConfigError(
+            f"--compile.backend {config.backend} is not a torch.compile backend here; use "
+            f"inductor (the default), eager or aot_eager to debug, or one of "
+            f"{', '.join(b for b in list_backends() if b != 'inductor')}"
+        ) from None
+    return config.backend
+
+
 def _compiled(module: nn.Module, config: Compile, tensor_parallel: bool) -> nn.Module:
-    compiled = torch.compile(module, backend=config.backend, fullgraph=True)
+    compiled = torch.compile(module, backend=backend(config), fullgraph=True)
     if tensor_parallel:
         compiled.register_forward_pre_hook(_copy_view_inputs, with_kwargs=True)
     return compiled

@@ -4,13 +4,16 @@ through activation checkpointing. That the compiled model trains as the eager on
 
 import dataclasses
 
+import pytest
 import torch
 from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import ActivationCheckpoint, Compile
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile_around
+from torchtitan.distributed.compile import backend as compile_backend
 from torchtitan.models.common.experts import GroupedExperts
 from torchtitan.models.common.moe import MoE
 from torchtitan.models.deepseek_v3 import flavors
@@ -41,3 +44,17 @@ def test_moe_blocks_compile_all_but_the_routed_experts_through_checkpointing():
     assert isinstance(inner.moe.router, OptimizedModule)
     assert isinstance(inner.moe.shared_experts, OptimizedModule)
     assert type(inner.moe.experts) is GroupedExperts
+
+
+def test_a_backend_torch_compile_lacks_is_refused_in_one_line():
+    assert compile_backend(Compile(backend="aot_eager")) == "aot_eager"
+    with pytest.raises(ConfigError) as refused:
+        apply_compile_around(
+            nn.Sequential(nn.Linear(2, 2)), Compile(backend="eager2"), eager=_eager
+        )
+    message = str(refused.value)
+    assert message.startswith(
+        "--compile.backend eager2 is not a torch.compile backend here; use inductor (the "
+        "default), eager or aot_eager to debug, or one of "
+    )
+    assert "cudagraphs" in message and "\n" not in message
