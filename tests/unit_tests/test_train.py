@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from torchtitan.components import float8
+from torchtitan.components.metrics import _WandbSink
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.precision import autocast_context
 from torchtitan.tools.logging import logger
@@ -382,6 +384,24 @@ def test_wandb_offline_run_records_the_logged_values(tmp_path, monkeypatch):
     for record in records:
         assert json.dumps(record["loss"]).encode() in data
     assert b"grad_norm" in data and b"tps" in data
+
+
+def test_wandb_without_an_account_is_refused_in_one_line(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a key
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with pytest.raises(ConfigError) as refused:
+        _WandbSink(str(tmp_path), 0)
+    message = str(refused.value)  # wandb's own reason between the parentheses
+    assert message.startswith("--metrics.enable_wandb: W&B could not start a run (")
+    assert "API key" in message and "\n" not in message
+    assert message.endswith(
+        "); run `wandb login` or set WANDB_API_KEY, or log without an account with "
+        f"WANDB_MODE=offline (the run's files go to {tmp_path}/wandb)"
+    )
 
 
 def test_forward_only_loss_equals_the_training_forward_and_leaves_no_trace(tmp_path):

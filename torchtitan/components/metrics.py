@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Metrics as MetricsConfig
 from torchtitan.tools.device import MemoryMonitor, peak_flops
 from torchtitan.tools.logging import logger
@@ -225,18 +226,26 @@ class _WandbSink(_Sink):
         try:
             import wandb
         except ImportError:
-            raise RuntimeError(
+            raise ConfigError(
                 "--metrics.enable_wandb needs wandb: pip install 'torchtitan[wandb]'"
             ) from None
         self._wandb = wandb
         os.environ.setdefault("WANDB_DIR", dump_folder)
-        self._run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "torchtitan"),
-            dir=dump_folder,
-            name=os.environ.get("WANDB_RUN_NAME"),
-            group=os.environ.get("WANDB_RUN_GROUP"),
-            config={"rank": rank},
-        )
+        try:
+            self._run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "torchtitan"),
+                dir=dump_folder,
+                name=os.environ.get("WANDB_RUN_NAME"),
+                group=os.environ.get("WANDB_RUN_GROUP"),
+                config={"rank": rank},
+            )
+        except wandb.errors.Error as e:  # no API key, no network, a bad entity or project
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(
+                f"--metrics.enable_wandb: W&B could not start a run ({reason}); run `wandb "
+                "login` or set WANDB_API_KEY, or log without an account with WANDB_MODE=offline "
+                f"(the run's files go to {dump_folder}/wandb)"
+            ) from None
 
     def write(self, record: dict[str, Any]) -> None:
         self._run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
