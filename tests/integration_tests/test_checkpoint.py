@@ -425,9 +425,7 @@ def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 def test_fsdp_x_tp_resume_is_bitwise_exact_from_async_and_sync_saves(tmp_path):
     """FSDP 2 x TP 2: an uninterrupted 8-step run saves step 4 asynchronously; a run resumed
     from it saves synchronously every 2 steps; a run resumed from that run's step 6 ends the
-    same. Losses after each resume and the final weights are bitwise equal. (One background
-    save: on a loaded 2-core host, saves every 2 steps at nice 19 made steps wait for each
-    other, 63 s -> 224 s.)"""
+    same. Losses after each resume and the final weights are bitwise equal."""
     layout = ["--parallelism.tensor_parallel_degree", "2"]
     steps = ["--training.steps", "8"]
 
