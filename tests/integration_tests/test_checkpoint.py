@@ -371,6 +371,9 @@ def test_fsdp_resume_from_an_async_save_is_bitwise_exact(tmp_path, fsdp_uninterr
     second = _run_train(tmp_path, "--training.steps", "10", "--checkpoint.load_step", "5", *mode)
     assert second.returncode == 0, second.stderr[-3000:]
     want, got = _losses(fsdp_uninterrupted), _losses(tmp_path)
+    records = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # The first run's steps 1-10, then the resumed run's own 6-10.
+    assert [r["step"] for r in records] == [*range(1, 11), *range(6, 11)]
     assert [got[s] for s in range(6, 11)] == [want[s] for s in range(6, 11)]
 
 

@@ -51,7 +51,9 @@ MIGRATED = {
     ),
     "parallelism.pipeline_parallel_first_stage_less_layers": _PIPELINE_SPLIT,
     "parallelism.pipeline_parallel_last_stage_less_layers": _PIPELINE_SPLIT,
-    "training.disable_cuda_graphs": "not needed here: no step is captured in CUDA graphs",
+    "training.disable_cuda_graphs": (
+        "not needed here: steps are captured in CUDA graphs only with --compile.backend cudagraphs"
+    ),
 }
 """``section.field`` of torchtitan 0.3.0 -> what to write here (or why nothing is needed)."""
 

@@ -11,6 +11,7 @@ tensor's holders are listed in a file next to the run's other dumps."""
 
 import contextlib
 import gc
+import reprlib
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -40,19 +41,8 @@ def gc_every(
     if freq <= 0 and not debug:
         yield lambda step: None
         return
-    gc.disable()
-    gc.collect(2 if debug else 1)  # the build's own cycles are not the training loop's
-    if debug:
-        # What exists now (modules, the model, the optimizer) is left out of every later
-        # collection: each step's full collection looks at the objects made since (a full
-        # collection of everything took 0.2 s per step on the debug model).
-        gc.freeze()
-        logger.info(
-            "--training.gc_debug: collecting every step; tensors held by reference cycles "
-            "will be named (slower steps)"
-        )
-
     ticked = [0]
+    frozen = debug and gc.get_freeze_count() == 0  # someone else's freeze stays theirs
 
     def tick(step: int) -> None:
         ticked[0] = step
@@ -61,12 +51,24 @@ def gc_every(
         elif step > 1 and step % freq == 0:
             gc.collect(1)
 
+    gc.disable()
     try:
+        gc.collect(2 if debug else 1)  # the build's own cycles are not the training loop's
+        if frozen:
+            # What exists now (modules, the model, the optimizer) is left out of every later
+            # collection: each step's full collection looks at the objects made since (a full
+            # collection of everything cost 0.48 s per step on the debug model).
+            gc.freeze()
+        if debug:
+            logger.info(
+                "--training.gc_debug: collecting every step; tensors held by reference cycles "
+                "will be named (slower steps)"
+            )
         yield tick
         if debug and ticked[0]:  # the last step's garbage
             report_tensor_cycles(ticked[0], dump_folder=dump_folder, rank=rank, after=True)
     finally:
-        if debug:
+        if frozen:
             gc.unfreeze()
         gc.enable()
 
@@ -79,14 +81,18 @@ def report_tensor_cycles(
     (``after``: the step just ended). Returns how many tensors were found."""
     previous = gc.get_debug()
     gc.set_debug(previous | gc.DEBUG_SAVEALL)
+    before = len(gc.garbage)  # what others left there stays theirs
     try:
         gc.collect(2)
-        garbage = list(gc.garbage)
-        gc.garbage.clear()
+        garbage = gc.garbage[before:]
+        del gc.garbage[before:]
     finally:
         gc.set_debug(previous)
     try:
         return _report(garbage, step, dump_folder, rank, after=after)
+    except Exception as e:  # finalized objects can fail any look; the run goes on
+        logger.warning(f"--training.gc_debug: could not look at step {step}'s garbage: {e!r}")
+        return 0
     finally:
         garbage.clear()
         gc.collect(2)  # now free them, and what they held
@@ -192,7 +198,7 @@ def _edge(holder: object, held: object) -> str:
     """How ``holder`` refers to ``held``: ``.name``, ``[key]``, ``[i]`` or a frame's local."""
     if isinstance(holder, dict):
         key = next((k for k, v in holder.items() if v is held), None)
-        return f"[{key!r}]" if key is not None else ""
+        return f"[{reprlib.repr(key)}]" if key is not None else ""
     if isinstance(holder, (list, tuple)):
         index = next((i for i, v in enumerate(holder) if v is held), None)
         return f"[{index}]" if index is not None else ""
