@@ -1,10 +1,10 @@
 """Checkpoints lose nothing: exact resume (1 process, FSDP, sync and async), torn checkpoints,
-a killed rank, resharding, seed checkpoints, and the flags that shape what is saved/loaded."""
+resharding, seed checkpoints, and the flags that shape what is saved/loaded. (A killed rank's
+job resuming from its last complete checkpoint: ``test_fault_tolerance.py``.)"""
 
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -349,31 +349,29 @@ def test_background_staging_is_joined_before_the_optimizer_step(
 
 
 # by_row data: the FSDP 2 checkpoints also reshard with their dataloader position (by_document
-# resume is covered by the FSDP 2 x TP 2 and kill tests).
+# resume is covered by the FSDP 2 x TP 2 test and test_fault_tolerance.py).
 BY_ROW = ["--training.data_sharding", "by_row"]
 
 
 @pytest.fixture(scope="module")
 def fsdp_uninterrupted(tmp_path_factory) -> Path:
+    """FSDP 2, 10 steps, saving step 5 in the background (the final step-10 save is always
+    synchronous)."""
     dump = tmp_path_factory.mktemp("fsdp_uninterrupted")
-    full = _run_train(dump, "--training.steps", "10", *BY_ROW)
+    full = _run_train(dump, "--training.steps", "10", "--checkpoint.async_mode", "async", *BY_ROW)
     assert full.returncode == 0, full.stderr[-3000:]
+    assert _steps(dump) == ["step-5", "step-10"]
     return dump
 
 
 def test_fsdp_resume_from_an_async_save_is_bitwise_exact(tmp_path, fsdp_uninterrupted):
-    # Synchronous saves under FSDP: the FSDP x TP test below, and one process.
+    # Synchronous saves under FSDP: the CP test below (FSDP over the CP ranks), and one process.
+    _copy_step(fsdp_uninterrupted, 5, tmp_path)
     mode = ["--checkpoint.async_mode", "async", *BY_ROW]
-    first = _run_train(tmp_path, "--training.steps", "10", *mode)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert _steps(tmp_path) == ["step-5", "step-10"]
-    # step-5 was written by the mode under test (the final step-10 save is always synchronous).
-    second = _run_train(tmp_path, "--training.steps", "10", "--checkpoint.load_step", "5", *mode)
-    assert second.returncode == 0, second.stderr[-3000:]
+    resumed = _run_train(tmp_path, "--training.steps", "10", *mode)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     want, got = _losses(fsdp_uninterrupted), _losses(tmp_path)
-    records = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    # The first run's steps 1-10, then the resumed run's own 6-10.
-    assert [r["step"] for r in records] == [*range(1, 11), *range(6, 11)]
+    assert sorted(got) == list(range(6, 11))
     assert [got[s] for s in range(6, 11)] == [want[s] for s in range(6, 11)]
 
 
@@ -425,114 +423,66 @@ def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def test_fsdp_x_tp_resume_is_bitwise_exact_from_async_and_sync_saves(tmp_path):
+def test_fsdp_x_tp_resume_is_bitwise_exact_from_an_async_save(tmp_path):
     """FSDP 2 x TP 2: an uninterrupted 8-step run saves step 4 asynchronously; a run resumed
-    from it saves synchronously every 2 steps; a run resumed from that run's step 6 ends the
-    same. Losses after each resume and the final weights are bitwise equal."""
-    layout = ["--parallelism.tensor_parallel_degree", "2"]
-    steps = ["--training.steps", "8"]
-
-    def run(dump: Path, *flags: str) -> None:
-        result = _run_train(dump, *layout, *steps, *flags, ngpu=4)
-        assert result.returncode == 0, result.stderr[-3000:]
-
-    full, from_async, from_sync = tmp_path / "full", tmp_path / "from_async", tmp_path / "from_sync"
-    run(full, "--checkpoint.async_mode", "async", "--checkpoint.interval", "4")
+    from it (saving synchronously; resumes from synchronous saves are the CP and EP tests')
+    ends the same: its losses and final weights bitwise equal. The checkpoint's by_document
+    dataloader positions are per data-parallel rank: one process refuses them in one line."""
+    layout = ["--parallelism.tensor_parallel_degree", "2", "--training.steps", "8"]
+    full, resumed, one = tmp_path / "full", tmp_path / "resumed", tmp_path / "one"
+    mode = ["--checkpoint.async_mode", "async", "--checkpoint.interval", "4"]
+    result = _run_train(full, *layout, *mode, ngpu=4)
+    assert result.returncode == 0, result.stderr[-3000:]
     assert _steps(full) == ["step-4", "step-8"]
-    _copy_step(full, 4, from_async)
-    run(from_async, "--checkpoint.async_mode", "disabled", "--checkpoint.interval", "2")
-    _copy_step(from_async, 6, from_sync)
-    run(from_sync, "--checkpoint.async_mode", "disabled", "--checkpoint.interval", "2")
-    want = _losses(full)
-    for dump, first in ((from_async, 5), (from_sync, 7)):
-        got = _losses(dump)
-        assert sorted(got) == list(range(first, 9)), dump
-        assert [got[s] for s in range(first, 9)] == [want[s] for s in range(first, 9)], dump
-        final = _weights(dump / "checkpoint" / "step-8")
-        reference = _weights(full / "checkpoint" / "step-8")
-        assert final.keys() == reference.keys()
-        for key, tensor in reference.items():
-            assert torch.equal(final[key], tensor), (dump.name, key)
-
-
-def test_fsdp_x_cp_resume_is_bitwise_exact_and_loads_without_cp(tmp_path):
-    """FSDP 2 x CP 2 (4 ranks): a run resumed from step 4 ends bitwise like the uninterrupted
-    one; the same checkpoint loaded by plain FSDP 2 (the same data-parallel ranks, no sequence
-    split) trains on with the same losses up to the attention's summation order."""
-    cp = ["--parallelism.context_parallel_degree", "2", "--checkpoint.interval", "2"]
-    steps = ["--training.steps", "8", *BY_ROW]
-    full, resumed, without_cp = tmp_path / "full", tmp_path / "resumed", tmp_path / "no_cp"
-    result = _run_train(full, *cp, *steps, ngpu=4)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert _steps(full) == ["step-2", "step-4", "step-6", "step-8"]
-    for dump in (resumed, without_cp):
+    for dump in (resumed, one):
         _copy_step(full, 4, dump)
-    result = _run_train(resumed, *cp, *steps, ngpu=4)
+    result = _run_train(resumed, *layout, "--checkpoint.interval", "2", ngpu=4)
     assert result.returncode == 0, result.stderr[-3000:]
-    result = _run_train(without_cp, *steps, ngpu=2)
-    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = resumed / "checkpoint" / "step-4"
+    assert f"Loading checkpoint {loaded} " in result.stdout + result.stderr
     want, got = _losses(full), _losses(resumed)
     assert sorted(got) == [5, 6, 7, 8]
     assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]
     final, reference = (_weights(d / "checkpoint" / "step-8") for d in (resumed, full))
-    assert all(torch.equal(final[k], t) for k, t in reference.items())
-    plain = _losses(without_cp)
-    assert [plain[s] for s in range(5, 9)] == pytest.approx(
-        [want[s] for s in range(5, 9)], rel=1e-5
-    )
+    assert final.keys() == reference.keys()
+    for key, tensor in reference.items():
+        assert torch.equal(final[key], tensor), key
 
-
-def test_killed_rank_resumes_from_the_last_complete_checkpoint(tmp_path):
-    # Bigger steps so the kill lands mid-run.
-    flags = [
-        "--training.steps",
-        "10",
-        "--checkpoint.interval",
-        "2",
-        "--training.local_batch_size",
-        "32",
-    ]
-    full = _run_train(tmp_path / "full", *flags)
-    assert full.returncode == 0, full.stderr[-3000:]
-    dump = tmp_path / "killed"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    launcher = subprocess.Popen(
-        ["./run_train.sh", *BASE, "--job.dump_folder", str(dump), *flags],
-        cwd=REPO,
-        env=env | {"NGPU": "2", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 300
-    while "step-4" not in _steps(dump) and time.time() < deadline and launcher.poll() is None:
-        time.sleep(0.05)
-    # run_train.sh execs torchrun, whose children are the ranks.
-    workers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True)
-    pids = [int(pid) for pid in workers.stdout.split()]
-    assert len(pids) == 2 and "step-10" not in _steps(dump), "the run ended before the kill"
-    os.kill(pids[-1], signal.SIGKILL)  # one rank dies mid-run
-    assert launcher.wait(timeout=300) != 0
-    survived = _steps(dump)
-    assert survived and "step-10" not in survived
-    resumed = _run_train(dump, *flags)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert (
-        f"Loading checkpoint {dump / 'checkpoint' / survived[-1]} "
-        in resumed.stdout + resumed.stderr
-    )
-    want, got = _losses(tmp_path / "full"), _losses(dump)
-    resumed_at = int(survived[-1].removeprefix("step-"))
-    assert [got[s] for s in range(resumed_at + 1, 11)] == [
-        want[s] for s in range(resumed_at + 1, 11)
-    ]
-
-    # These by_document positions are per-rank shards: one process refuses them in one line.
-    other_degree = _run_train(dump, *flags[:1], "12", *flags[2:], ngpu=1)
+    other_degree = _run_train(one, "--training.steps", "8", ngpu=1)
     assert other_degree.returncode != 0
     output = (other_degree.stdout + other_degree.stderr).splitlines()
     errors = [line for line in output if "data-parallel degree" in line]
     assert errors and "--checkpoint.exclude_from_loading dataloader" in errors[0], errors
     assert "by_row" in errors[0]
+
+
+def test_cp_resume_is_bitwise_exact_and_loads_without_cp(tmp_path):
+    """CP 2 (2 ranks: each sequence split in two, the weights FSDP-sharded over the CP ranks):
+    a run resumed from step 4 ends bitwise like the uninterrupted one; the same checkpoint
+    loaded by one process (the same data-parallel degree, no sequence split) trains on with the
+    same losses up to the attention's summation order. (FSDP 2 x CP 2 from an FSDP checkpoint:
+    test_fsdp_checkpoint_reshards_onto_other_layouts.)"""
+    cp = ["--parallelism.context_parallel_degree", "2", "--checkpoint.interval", "2"]
+    steps = ["--training.steps", "8", *BY_ROW]
+    full, resumed, without_cp = tmp_path / "full", tmp_path / "resumed", tmp_path / "no_cp"
+    result = _run_train(full, *cp, *steps)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _steps(full) == ["step-2", "step-4", "step-6", "step-8"]
+    for dump in (resumed, without_cp):
+        _copy_step(full, 4, dump)
+    result = _run_train(resumed, *cp, *steps)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _train(without_cp, *steps) == 0
+    want, got = _losses(full), _losses(resumed)
+    assert sorted(got) == [5, 6, 7, 8]
+    assert [got[s] for s in range(5, 9)] == [want[s] for s in range(5, 9)]
+    final, reference = (_weights(d / "checkpoint" / "step-8") for d in (resumed, full))
+    assert reference.keys() == final.keys()
+    assert all(torch.equal(final[k], t) for k, t in reference.items())
+    plain = _losses(without_cp)
+    assert [plain[s] for s in range(5, 9)] == pytest.approx(
+        [want[s] for s in range(5, 9)], rel=1e-5
+    )
 
 
 def test_fsdp_checkpoint_reshards_onto_other_layouts(tmp_path, fsdp_uninterrupted):
