@@ -202,8 +202,13 @@ def write_allocation_trace(profiler: torch.profiler.profile, path: Path) -> tupl
         ts = event.start_time_ns / 1000
         op = event.parent.name if event.parent is not None else ""
         total = fields.total_allocated
-        args = {"Device": str(fields.device), "Addr": fields.ptr, "Bytes": fields.alloc_size}
-        args |= {"Total Allocated": total, "Op": op}
+        args = {
+            "Device": str(fields.device),
+            "Addr": fields.ptr,
+            "Bytes": fields.alloc_size,
+            "Total Allocated": total,
+            "Op": op,
+        }
         at = {"pid": pid, "ts": ts}
         instant = {"ph": "i", "s": "t", "name": "[memory]", "tid": event.start_tid, "args": args}
         counter = {"ph": "C", "name": "Total Allocated", "args": {"bytes": total}}
