@@ -45,10 +45,10 @@ MOE = (
     "norm:weight_decay=0"
 )
 MOE_REFERENCE = ("ref_moe", 1, f"--training.local_batch_size 8 {MOE}")
-# Qwen3 cases train with Muon (the blocks' matrices orthogonalised whole on every rank, the rest
-# AdamW): TP's and FSDP's shards must give the one-process update. Two Newton-Schulz steps
-# instead of five: the same gathers and shards, 2.5x less of the iteration every rank repeats
-# (with five, qwen3moe_ep2_tp2 took 31 s of the 4-rank launch's 276).
+# Qwen3 cases train with Muon (the blocks' matrices orthogonalised whole, each by one rank of
+# those splitting it; the rest AdamW): TP's and FSDP's shards must give the one-process update.
+# Two Newton-Schulz steps instead of five: the same spreading and return of the stacks, 2.5x
+# less of the iteration (with five, qwen3moe_ep2_tp2 took 31 s of the 4-rank launch's 276).
 MUON = "--optimizer.name Muon --optimizer.lr 0.003 --optimizer.muon_ns_steps 2"
 QWEN3 = f"--module qwen3 --config qwen3_debugmodel {MUON}"
 QWEN3_REFERENCE = ("ref_qwen3", 1, f"--training.local_batch_size 8 {QWEN3}")

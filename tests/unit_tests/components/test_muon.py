@@ -1,19 +1,26 @@
 """Muon (``--optimizer.name Muon``): orthogonalised momentum for the blocks' matrices, AdamW
 for the rest, one schedule, exact resume."""
 
+import contextlib
 import copy
 import math
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed._local_tensor import LocalTensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
 
+from torchtitan.components import muon
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.muon import Muon, muon_takes, orthogonalise
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig, LRScheduler, Optimizer
 from torchtitan.config.validation import validate
+from torchtitan.distributed.local_tensor import local_tensor_mode
 
 CPU = torch.device("cpu")
 
@@ -68,6 +75,82 @@ def test_a_step_is_the_formula_and_close_to_torch_muon():
         [theirs], lr=0.02, momentum=0.95, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"
     ).step()
     torch.testing.assert_close(mine, theirs, atol=2e-3, rtol=0)  # theirs iterates in bf16
+
+
+def _two_steps(params, grads, comms=None):
+    """Two Muon steps, the second's update holding momentum; ``grads``: each step's gradients,
+    made before (only the steps run inside ``comms``)."""
+    optimizer = Muon(params, lr=0.02, weight_decay=0.1, ns_steps=3)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = g
+        with comms or contextlib.nullcontext():
+            optimizer.step()
+
+
+# (mesh, placements, shape, matrices, matrices each rank orthogonalises): FSDP's rows, TP's
+# columns, FSDP x TP, HSDP (the replicas repeat their shard group's work), EP's experts split
+# along their width too, EP's experts alone (whole where they lie: no collective).
+LAYOUTS = {
+    "fsdp": ((4,), (Shard(0),), (8, 12), 8, 2),
+    "tp_columns": ((4,), (Shard(1),), (8, 12), 4, 1),
+    "fsdp_x_tp": ((2, 2), (Shard(0), Shard(1)), (8, 12), 4, 1),
+    "hsdp": ((2, 2), (Replicate(), Shard(0)), (8, 12), 4, 2),
+    "ep_x_width": ((2, 2), (Shard(0), Shard(2)), (4, 8, 12), 2, 2),
+    "ep": ((4,), (Shard(0),), (4, 8, 12), 2, 2),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_sharded_matrices_are_split_among_the_ranks_and_step_as_one_process(layout, monkeypatch):
+    """Simulated ranks: the step is bitwise the one-process step, and each rank orthogonalises
+    only its share of the matrices (before: all of them, whole, on every rank)."""
+    mesh_shape, placements, shape, count, per_rank = LAYOUTS[layout]
+    torch.manual_seed(0)
+    weights = [torch.randn(shape) for _ in range(count)]
+    grads = [torch.randn(shape) for _ in range(count)]
+    expected = [nn.Parameter(w.clone()) for w in weights]
+    _two_steps(expected, [[g * s for g in grads] for s in (1.0, 0.5)])
+
+    orthogonalised = []
+
+    def counting(x, steps, eps=1e-7):
+        orthogonalised.append(x.numel() // (x.shape[-2] * x.shape[-1]))
+        return orthogonalise(x, steps, eps)
+
+    monkeypatch.setattr(muon, "orthogonalise", counting)
+    with local_tensor_mode(4):
+        mesh = init_device_mesh("cpu", mesh_shape)
+        params = [nn.Parameter(distribute_tensor(w, mesh, placements)) for w in weights]
+        sharded = [[distribute_tensor(g * s, mesh, placements) for g in grads] for s in (1.0, 0.5)]
+        comms = CommDebugMode()
+        _two_steps(params, sharded, comms)
+        got = [p.full_tensor().detach() for p in params]
+        got = [t.reconcile() if isinstance(t, LocalTensor) else t for t in got]
+    for want, have in zip(expected, got, strict=True):
+        assert torch.equal(have, want.detach())
+    assert sum(orthogonalised) == 2 * per_rank  # two steps
+    if layout == "ep":
+        assert comms.get_total_counts() == 0
+
+
+def test_a_stack_of_matrices_not_a_multiple_of_the_ranks_steps_as_one_process():
+    """5 matrices over 4 ranks: stacks of 4, then 1 (rank 0 takes it, the others none)."""
+    torch.manual_seed(0)
+    weights = [torch.randn(8, 12) for _ in range(5)]
+    grads = [torch.randn(8, 12) for _ in range(5)]
+    expected = [nn.Parameter(w.clone()) for w in weights]
+    _two_steps(expected, [[g * s for g in grads] for s in (1.0, 0.5)])
+    with local_tensor_mode(4):
+        mesh = init_device_mesh("cpu", (4,))
+        params = [nn.Parameter(distribute_tensor(w, mesh, [Shard(1)])) for w in weights]
+        _two_steps(
+            params,
+            [[distribute_tensor(g * s, mesh, [Shard(1)]) for g in grads] for s in (1.0, 0.5)],
+        )
+        got = [p.full_tensor().detach().reconcile() for p in params]
+    for want, have in zip(expected, got, strict=True):
+        assert torch.equal(have, want.detach())
 
 
 def test_the_blocks_matrices_take_muon_and_the_rest_adamw():
