@@ -67,9 +67,9 @@ def _rank(args: argparse.Namespace) -> None:
 
     import torchtitan.components.muon as muon
 
-    def counting(x: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:
+    def counting(x: torch.Tensor, steps: int, **kwargs) -> torch.Tensor:
         counted.append(x.numel() // (x.shape[-2] * x.shape[-1]))
-        return orthogonalise(x, steps, eps)
+        return orthogonalise(x, steps, **kwargs)
 
     times = {}
     for name, fn in (("split", split), ("every rank", every_rank)):

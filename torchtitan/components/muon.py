@@ -36,10 +36,12 @@ def muon_takes(name: str, param: torch.Tensor) -> bool:
     return param.ndim in (2, 3) and name.startswith("layers.") and not name.endswith("bias")
 
 
-def orthogonalise(update: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:
+def orthogonalise(
+    update: torch.Tensor, steps: int, eps: float = 1e-7, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Newton-Schulz approximation of ``U V^T`` for ``update = U S V^T`` (per matrix of the
-    last two dimensions), in float32."""
-    x = update.float()
+    last two dimensions), computed and returned in ``dtype``."""
+    x = update.to(dtype)
     transposed = x.size(-2) > x.size(-1)
     if transposed:
         x = x.mT
@@ -65,11 +67,14 @@ class Muon(torch.optim.Optimizer):
         nesterov: bool = True,
         weight_decay: float = 0.0,
         ns_steps: int = 5,
+        ns_dtype: torch.dtype = torch.float32,
     ):
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             ns_steps=ns_steps,
         )  # fmt: skip
+        # Not a param-group setting: a checkpoint's groups would otherwise carry it back.
+        self.ns_dtype = ns_dtype
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
@@ -96,7 +101,7 @@ class Muon(torch.optim.Optimizer):
                 updates.append(
                     p.grad.add(buffer, alpha=group["momentum"]) if group["nesterov"] else buffer
                 )
-            orthos = orthogonalise_updates(updates, group["ns_steps"])
+            orthos = orthogonalise_updates(updates, group["ns_steps"], self.ns_dtype)
             for p, ortho in zip(params, orthos, strict=True):
                 rows, columns = p.shape[-2:]
                 lr = group["lr"] * 0.2 * math.sqrt(max(rows, columns))
@@ -105,8 +110,11 @@ class Muon(torch.optim.Optimizer):
         return loss
 
 
-def orthogonalise_updates(updates: list[torch.Tensor], steps: int) -> list[torch.Tensor]:
-    """:func:`orthogonalise` of each update, in the update's dtype and placements.
+def orthogonalise_updates(
+    updates: list[torch.Tensor], steps: int, dtype: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
+    """:func:`orthogonalise` of each update (iterating in ``dtype``), returned in the update's
+    dtype and placements.
 
     Plain tensors, and DTensors whose placements keep the matrices whole, are orthogonalised
     where they lie. The others are grouped by mesh, placements and shape, in the order given
@@ -122,9 +130,9 @@ def orthogonalise_updates(updates: list[torch.Tensor], steps: int) -> list[torch
                 placements=[Replicate() if p.is_partial() else p for p in update.placements]
             )
         if not isinstance(update, DTensor):
-            out[i] = orthogonalise(update, steps).to(update.dtype)
+            out[i] = orthogonalise(update, steps, dtype=dtype).to(update.dtype)
         elif not _ranks_splitting_matrices(update):
-            local = orthogonalise(update.to_local(), steps).to(update.dtype)
+            local = orthogonalise(update.to_local(), steps, dtype=dtype).to(update.dtype)
             out[i] = _from_local(local, update)
         else:
             key = (update.device_mesh, tuple(update.placements), update.shape, update.dtype)
@@ -133,13 +141,15 @@ def orthogonalise_updates(updates: list[torch.Tensor], steps: int) -> list[torch
         share = math.prod(_ranks_splitting_matrices(updates[indices[0]]).values())
         for start in range(0, len(indices), share):
             batch = indices[start : start + share]
-            orthos = _orthogonalise_stack([updates[i] for i in batch], share, steps)
+            orthos = _orthogonalise_stack([updates[i] for i in batch], share, steps, dtype)
             for i, ortho in zip(batch, orthos, strict=True):
                 out[i] = ortho
     return out  # type: ignore[return-value]  (every index is filled above)
 
 
-def _orthogonalise_stack(updates: list[DTensor], share: int, steps: int) -> list[DTensor]:
+def _orthogonalise_stack(
+    updates: list[DTensor], share: int, steps: int, dtype: torch.dtype
+) -> list[DTensor]:
     """Updates of one mesh, placements and shape (at most ``share``, the ranks splitting each),
     stacked along a new first dimension and spread so that each rank holds whole matrices of
     the stack (the mesh dimensions that split a matrix split the stack instead; the others keep
@@ -159,7 +169,7 @@ def _orthogonalise_stack(updates: list[DTensor], share: int, steps: int) -> list
     local = torch.stack([u.to_local() for u in updates])
     stack = DTensor.from_local(local, mesh, stacked, run_check=False, shape=shape, stride=stride)
     mine = stack.redistribute(mesh, spread).to_local()
-    ortho = orthogonalise(mine, steps).to(first.dtype)
+    ortho = orthogonalise(mine, steps, dtype=dtype).to(first.dtype)
     ortho = DTensor.from_local(ortho, mesh, spread, run_check=False, shape=shape, stride=stride)
     back = ortho.redistribute(mesh, stacked).to_local()
     return [_from_local(t, first) for t in back.unbind(0)[:count]]

@@ -174,6 +174,7 @@ def build_optimizer(
             optimizer = Muon(
                 groups, lr=config.lr, momentum=config.muon_momentum,
                 weight_decay=config.weight_decay, ns_steps=config.muon_ns_steps,
+                ns_dtype=getattr(torch, config.muon_ns_dtype),
             )  # fmt: skip
         else:
             optimizer = _CLASSES["AdamW" if muon else config.name](
@@ -235,7 +236,7 @@ def changed_settings_note(current: OptimizerConfig, saved: OptimizerConfig | Non
         return None
     fields = (
         "name", "implementation", "weight_decay", "beta1", "beta2", "eps", "muon_momentum",
-        "muon_ns_steps", "param_groups",
+        "muon_ns_steps", "muon_ns_dtype", "param_groups",
     )  # fmt: skip
     changed = [
         f"--optimizer.{f} {getattr(saved, f)} -> {getattr(current, f)}"

@@ -215,6 +215,11 @@ class Optimizer:
     muon_ns_steps: int = 5
     """Newton-Schulz iterations of Muon's orthogonalisation."""
 
+    muon_ns_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Precision of the Newton-Schulz iteration: ``bfloat16``, as ``torch.optim.Muon`` and
+    most Muon implementations iterate, runs on a GPU's bf16 tensor cores; ``float32`` is
+    closer to the exact orthogonalisation."""
+
     param_groups: list[str] = field(default_factory=list)
     """Settings for some parameters, each ``REGEX:key=value[,key=value...]``: a trainable
     parameter whose name (``layers.0.attention_norm.weight``, as in checkpoints) the regex

@@ -59,6 +59,37 @@ def test_orthogonalise_pushes_singular_values_toward_one(shape):
             torch.testing.assert_close(ortho[e], orthogonalise(update[e], steps=5))
 
 
+def test_the_iteration_in_bfloat16_is_the_float32_one_to_bf16_precision():
+    torch.manual_seed(0)
+    update = torch.randn(4, 48, 16)
+    exact = orthogonalise(update, steps=5)
+    low = orthogonalise(update, steps=5, dtype=torch.bfloat16)
+    assert low.dtype == torch.bfloat16
+    assert 0 < (low.float() - exact).norm() / exact.norm() < 0.05
+    singular = torch.linalg.svdvals(low.float())
+    assert singular.min() > 0.5 and singular.max() < 1.3
+
+
+def test_muon_ns_dtype_sets_the_iterations_precision():
+    """``--optimizer.muon_ns_dtype bfloat16`` reaches the step: its update differs from the
+    float32 iteration's by bf16 rounding, not more."""
+    steps = {}
+    for dtype in ("float32", "bfloat16"):
+        torch.manual_seed(0)
+        model = Tiny()
+        optimizers = build_optimizers(
+            [model], Optimizer(name="Muon", lr=0.01, muon_ns_dtype=dtype), CPU
+        )
+        (muon_optimizer,) = [o for o in optimizers.optimizers if isinstance(o, Muon)]
+        assert muon_optimizer.ns_dtype == getattr(torch, dtype)
+        _loss(model).backward()
+        before = model.layers[0]["w"].weight.detach().clone()
+        optimizers.step()
+        steps[dtype] = model.layers[0]["w"].weight.detach() - before
+    change = (steps["bfloat16"] - steps["float32"]).norm() / steps["float32"].norm()
+    assert 0 < change < 0.1  # 5.5%: bf16's 8-bit mantissa, through five iterations
+
+
 def test_a_step_is_the_formula_and_close_to_torch_muon():
     torch.manual_seed(0)
     weight = nn.Parameter(torch.randn(6, 10))
@@ -114,9 +145,9 @@ def test_sharded_matrices_are_split_among_the_ranks_and_step_as_one_process(layo
 
     orthogonalised = []
 
-    def counting(x, steps, eps=1e-7):
+    def counting(x, steps, **kwargs):
         orthogonalised.append(x.numel() // (x.shape[-2] * x.shape[-1]))
-        return orthogonalise(x, steps, eps)
+        return orthogonalise(x, steps, **kwargs)
 
     monkeypatch.setattr(muon, "orthogonalise", counting)
     with local_tensor_mode(4):
