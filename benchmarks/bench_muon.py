@@ -8,7 +8,7 @@ keys and values ``dim/4 x dim``, FFN ``ffn x dim`` and back, ``ffn = 3 * dim``),
 along its rows as FSDP does (``Shard(0)`` over the ranks) and times the orthogonalisation of
 one step's updates, ``--ns_steps`` Newton-Schulz iterations, two ways:
 
-- ``split``: :func:`torchtitan.components.muon.orthogonalise_updates`, what ``Muon`` does:
+- ``split``: :func:`torchtitan.components.muon.orthogonalised`, what ``Muon`` does:
   each rank orthogonalises its share of every group of same-shaped matrices;
 - ``every rank``: what it did before, kept here as the baseline: every rank gathers each whole
   matrix, orthogonalises all of them, and keeps its shard.
@@ -41,7 +41,7 @@ def _rank(args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from torchtitan.components.muon import orthogonalise, orthogonalise_updates
+    from torchtitan.components.muon import orthogonalise, orthogonalised
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -63,7 +63,8 @@ def _rank(args: argparse.Namespace) -> None:
     counted = []
 
     def split() -> list[torch.Tensor]:
-        return orthogonalise_updates(updates, args.ns_steps)
+        done = {id(u): ortho for u, ortho in orthogonalised(updates, lambda u: u, args.ns_steps)}
+        return [done[id(u)] for u in updates]
 
     import torchtitan.components.muon as muon
 

@@ -4,11 +4,12 @@ blocks; embeddings, the output projection and every vector train with AdamW
 (:func:`muon_takes`).
 
 Sharded parameters (FSDP, TP, EP: DTensors) are orthogonalised whole, each matrix by one rank
-(:func:`orthogonalise_updates`): the updates of same-shaped matrices (the same projection of
+(:func:`orthogonalised`): the updates of same-shaped matrices (the same projection of
 every block) are stacked, the stack is redistributed so that each rank of the mesh dimensions
-that split the matrices holds a share of whole matrices (an all-to-all on CUDA; an all-gather
-and a local cut on gloo, which has no DTensor all-to-all), each rank runs the iteration on its
-share, and the results go back to the parameters' placements. Every layout so computes the
+that split the matrices holds a share of whole matrices (DTensor's plan: an all-to-all on CUDA
+where one mesh dimension splits them; all-gathers along a mesh dimension on gloo, and for
+some layouts split by two), each rank runs the iteration on its share, and the results go
+back to the parameters' placements. Every layout so computes the
 one-process update while the iteration is split among the ranks. A matrix whose placements
 leave its two dimensions whole (EP's experts, split only along the experts) is orthogonalised
 where it lies, with no collective. MoE experts' ``[experts, in, out]`` weights are orthogonalised
@@ -16,13 +17,17 @@ per expert.
 """
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.distributed._local_tensor import enabled_local_tensor_mode
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.torch_version import TorchVersion
+
+# torch 2.11's LocalTensor cannot multiply tensors whose shapes differ between simulated ranks.
+_PAD_SIMULATED_STACKS = TorchVersion(torch.__version__) < (2, 13)
 
 # Quintic Newton-Schulz coefficients (Keller Jordan's), tuned to drive singular values toward
 # 1 in few steps rather than to converge exactly.
@@ -81,6 +86,10 @@ class Muon(torch.optim.Optimizer):
                 if p.ndim not in (2, 3):
                     raise ValueError(f"Muon trains matrices; got a parameter of shape {p.shape}")
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("ns_dtype", torch.float32)  # torch's pickling leaves it out
+
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 (torch's signature)
         loss = None
@@ -88,21 +97,22 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params, updates = [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+
+            def update_of(p: torch.Tensor, group: dict = group) -> torch.Tensor:
+                """The momentum update of ``p`` (Nesterov's by default), made when its
+                orthogonalisation needs it (so only those of one stack live at a time)."""
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
                 buffer = state["momentum_buffer"]
-                buffer.mul_(group["momentum"]).add_(p.grad)
-                params.append(p)
-                updates.append(
-                    p.grad.add(buffer, alpha=group["momentum"]) if group["nesterov"] else buffer
-                )
-            orthos = orthogonalise_updates(updates, group["ns_steps"], self.ns_dtype)
-            for p, ortho in zip(params, orthos, strict=True):
+                grad = _placed_as(p.grad, p)
+                buffer.mul_(group["momentum"]).add_(grad)
+                if not group["nesterov"]:
+                    return buffer
+                return grad.add(buffer, alpha=group["momentum"])
+
+            params = [p for p in group["params"] if p.grad is not None]
+            for p, ortho in orthogonalised(params, update_of, group["ns_steps"], self.ns_dtype):
                 rows, columns = p.shape[-2:]
                 lr = group["lr"] * 0.2 * math.sqrt(max(rows, columns))
                 p.mul_(1 - group["lr"] * group["weight_decay"])
@@ -110,41 +120,46 @@ class Muon(torch.optim.Optimizer):
         return loss
 
 
-def orthogonalise_updates(
-    updates: list[torch.Tensor], steps: int, dtype: torch.dtype = torch.float32
-) -> list[torch.Tensor]:
-    """:func:`orthogonalise` of each update (iterating in ``dtype``), returned in the update's
-    dtype and placements.
+def orthogonalised(
+    params: list[torch.Tensor],
+    update_of: Callable[[torch.Tensor], torch.Tensor],
+    steps: int,
+    dtype: torch.dtype = torch.float32,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(param, orthogonalised update)`` for each of ``params``, the update
+    (``update_of(param)``) orthogonalised by :func:`orthogonalise` in ``dtype`` and returned in
+    the parameter's dtype and placements, each as soon as it is ready.
 
     Plain tensors, and DTensors whose placements keep the matrices whole, are orthogonalised
-    where they lie. The others are grouped by mesh, placements and shape, in the order given
-    (the same on every rank), and each group is cut into stacks of as many matrices as there
-    are ranks splitting them: every rank orthogonalises one matrix of each stack.
+    where they lie. The others are grouped by mesh, placements, shape and dtype, in the order
+    given (the same on every rank: the collectives follow it), and each group is cut into
+    stacks of as many matrices as there are ranks splitting them; every rank orthogonalises
+    one matrix of each stack.
     """
-    updates = list(updates)
-    out: list[torch.Tensor | None] = [None] * len(updates)
-    stacks: dict[tuple, list[int]] = {}
-    for i, update in enumerate(updates):
-        if isinstance(update, DTensor) and any(p.is_partial() for p in update.placements):
-            update = updates[i] = update.redistribute(
-                placements=[Replicate() if p.is_partial() else p for p in update.placements]
-            )
-        if not isinstance(update, DTensor):
-            out[i] = orthogonalise(update, steps, dtype=dtype).to(update.dtype)
-        elif not _ranks_splitting_matrices(update):
-            local = orthogonalise(update.to_local(), steps, dtype=dtype).to(update.dtype)
-            out[i] = _from_local(local, update)
-        else:
-            key = (update.device_mesh, tuple(update.placements), update.shape, update.dtype)
-            stacks.setdefault(key, []).append(i)
-    for indices in stacks.values():
-        share = math.prod(_ranks_splitting_matrices(updates[indices[0]]).values())
-        for start in range(0, len(indices), share):
-            batch = indices[start : start + share]
-            orthos = _orthogonalise_stack([updates[i] for i in batch], share, steps, dtype)
-            for i, ortho in zip(batch, orthos, strict=True):
-                out[i] = ortho
-    return out  # type: ignore[return-value]  (every index is filled above)
+    stacks: dict[tuple, list[DTensor]] = {}
+    for p in params:
+        if isinstance(p, DTensor) and _ranks_splitting_matrices(p):
+            key = (p.device_mesh, tuple(p.placements), p.shape, p.dtype)
+            stacks.setdefault(key, []).append(p)
+            continue
+        update = update_of(p)
+        local = update.to_local() if isinstance(update, DTensor) else update
+        ortho = orthogonalise(local, steps, dtype=dtype).to(p.dtype)
+        yield p, (_from_local(ortho, p) if isinstance(p, DTensor) else ortho)
+    for members in stacks.values():
+        share = math.prod(_ranks_splitting_matrices(members[0]).values())
+        for start in range(0, len(members), share):
+            batch = members[start : start + share]
+            updates = [update_of(p) for p in batch]
+            yield from zip(batch, _orthogonalise_stack(updates, share, steps, dtype), strict=True)
+
+
+def _placed_as(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``grad`` in ``param``'s placements (it may arrive otherwise, e.g. as partial sums, which
+    the momentum must not take as they are)."""
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        return grad.redistribute(placements=param.placements)
+    return grad
 
 
 def _orthogonalise_stack(
@@ -155,13 +170,13 @@ def _orthogonalise_stack(
     the stack (the mesh dimensions that split a matrix split the stack instead; the others keep
     their placement), orthogonalised there and returned to their placements."""
     first, count = updates[0], len(updates)
-    if enabled_local_tensor_mode() is not None:
-        # Simulated ranks (COMM_MODE=local_tensor): a stack of fewer matrices than ranks gives
-        # the ranks shares of different sizes, which torch 2.11's LocalTensor cannot multiply.
-        # Zero matrices fill it (they orthogonalise to zero and are dropped).
+    if _PAD_SIMULATED_STACKS and enabled_local_tensor_mode() is not None:
+        # Simulated ranks (COMM_MODE=local_tensor) on torch < 2.13: a stack of fewer matrices
+        # than ranks gives the ranks shares of different sizes, which that LocalTensor cannot
+        # multiply. Zero matrices fill it (they orthogonalise to zero and are dropped).
         updates = updates + [torch.zeros_like(first)] * (share - count)
     mesh, placements = first.device_mesh, first.placements
-    stacked = [_shifted(p) for p in placements]
+    stacked = [_shifted(p, first.ndim) for p in placements]
     splitting = _ranks_splitting_matrices(first)
     spread = [Shard(0) if d in splitting else p for d, p in enumerate(stacked)]
     shape = torch.Size((len(updates), *first.shape))
@@ -188,12 +203,13 @@ def _ranks_splitting_matrices(t: DTensor) -> dict[int, int]:
     }
 
 
-def _shifted(p: Placement) -> Placement:
-    """``p`` for the same tensor with a new first dimension in front."""
+def _shifted(p: Placement, ndim: int) -> Placement:
+    """``p`` (of a tensor of ``ndim`` dimensions) for the same tensor with a new first
+    dimension in front."""
     if isinstance(p, _StridedShard):  # before Shard: a subclass of it in torch 2.11
-        return _StridedShard(p.dim + 1, split_factor=p.split_factor)
+        return _StridedShard(p.dim % ndim + 1, split_factor=p.split_factor)
     if isinstance(p, Shard):
-        return Shard(p.dim + 1)
+        return Shard(p.dim % ndim + 1)
     return p
 
 

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 from torch.distributed._local_tensor import LocalTensor
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchtitan.components import muon
 from torchtitan.components.lr_scheduler import build_lr_schedulers
@@ -108,10 +109,10 @@ def test_a_step_is_the_formula_and_close_to_torch_muon():
     torch.testing.assert_close(mine, theirs, atol=2e-3, rtol=0)  # theirs iterates in bf16
 
 
-def _two_steps(params, grads, comms=None):
+def _two_steps(params, grads, comms=None, ns_dtype=torch.float32):
     """Two Muon steps, the second's update holding momentum; ``grads``: each step's gradients,
     made before (only the steps run inside ``comms``)."""
-    optimizer = Muon(params, lr=0.02, weight_decay=0.1, ns_steps=3)
+    optimizer = Muon(params, lr=0.02, weight_decay=0.1, ns_steps=3, ns_dtype=ns_dtype)
     for step_grads in grads:
         for p, g in zip(params, step_grads, strict=True):
             p.grad = g
@@ -119,13 +120,24 @@ def _two_steps(params, grads, comms=None):
             optimizer.step()
 
 
+def _place(tensor, mesh, placements):
+    """``tensor`` distributed as ``placements`` say; a ``_StridedShard`` (FSDP over a TP shard
+    of the same dimension) is reached from the TP layout, as FSDP2 makes it."""
+    if not any(isinstance(p, _StridedShard) for p in placements):
+        return distribute_tensor(tensor, mesh, placements)
+    tp_only = [Replicate() if isinstance(p, _StridedShard) else p for p in placements]
+    return distribute_tensor(tensor, mesh, tp_only).redistribute(mesh, placements)
+
+
 # (mesh, placements, shape, matrices, matrices each rank orthogonalises): FSDP's rows, TP's
-# columns, FSDP x TP, HSDP (the replicas repeat their shard group's work), EP's experts split
-# along their width too, EP's experts alone (whole where they lie: no collective).
+# columns, FSDP x TP (rowwise; columnwise, as FSDP2 shards a TP shard's rows again), HSDP (the
+# replicas repeat their shard group's work), EP's experts split along their width too, EP's
+# experts alone (whole where they lie: no collective).
 LAYOUTS = {
     "fsdp": ((4,), (Shard(0),), (8, 12), 8, 2),
     "tp_columns": ((4,), (Shard(1),), (8, 12), 4, 1),
     "fsdp_x_tp": ((2, 2), (Shard(0), Shard(1)), (8, 12), 4, 1),
+    "fsdp_x_tp_columns": ((2, 2), (_StridedShard(0, split_factor=2), Shard(0)), (8, 12), 4, 1),
     "hsdp": ((2, 2), (Replicate(), Shard(0)), (8, 12), 4, 2),
     "ep_x_width": ((2, 2), (Shard(0), Shard(2)), (4, 8, 12), 2, 2),
     "ep": ((4,), (Shard(0),), (4, 8, 12), 2, 2),
@@ -152,8 +164,8 @@ def test_sharded_matrices_are_split_among_the_ranks_and_step_as_one_process(layo
     monkeypatch.setattr(muon, "orthogonalise", counting)
     with local_tensor_mode(4):
         mesh = init_device_mesh("cpu", mesh_shape)
-        params = [nn.Parameter(distribute_tensor(w, mesh, placements)) for w in weights]
-        sharded = [[distribute_tensor(g * s, mesh, placements) for g in grads] for s in (1.0, 0.5)]
+        params = [nn.Parameter(_place(w, mesh, placements)) for w in weights]
+        sharded = [[_place(g * s, mesh, placements) for g in grads] for s in (1.0, 0.5)]
         comms = CommDebugMode()
         _two_steps(params, sharded, comms)
         got = [p.full_tensor().detach() for p in params]
@@ -166,7 +178,8 @@ def test_sharded_matrices_are_split_among_the_ranks_and_step_as_one_process(layo
 
 
 def test_a_stack_of_matrices_not_a_multiple_of_the_ranks_steps_as_one_process():
-    """5 matrices over 4 ranks: stacks of 4, then 1 (rank 0 takes it, the others none)."""
+    """5 matrices over 4 ranks: stacks of 4, then 1 (rank 0 takes it, the others none; on
+    torch 2.11 the simulation fills the stack with zero matrices)."""
     torch.manual_seed(0)
     weights = [torch.randn(8, 12) for _ in range(5)]
     grads = [torch.randn(8, 12) for _ in range(5)]
@@ -180,6 +193,43 @@ def test_a_stack_of_matrices_not_a_multiple_of_the_ranks_steps_as_one_process():
             [[distribute_tensor(g * s, mesh, [Shard(1)]) for g in grads] for s in (1.0, 0.5)],
         )
         got = [p.full_tensor().detach().reconcile() for p in params]
+    for want, have in zip(expected, got, strict=True):
+        assert torch.equal(have, want.detach())
+
+
+def test_a_group_of_many_layouts_and_partial_gradients_steps_as_one_process():
+    """One param group holding stacks of two layouts, EP experts, a replicated matrix whose
+    gradient arrives as partial sums, and a plain tensor, iterated in bf16: every result reaches
+    its own parameter (bitwise the one-process step)."""
+    torch.manual_seed(0)
+    layouts = [((Shard(0),), (8, 12))] * 3 + [((Shard(1),), (12, 8))] * 2
+    layouts += [((Shard(0),), (4, 8, 12)), ((Replicate(),), (6, 10)), (None, (5, 7))]
+    weights = [torch.randn(shape) for _, shape in layouts]
+    # Multiples of 1/8: the partial sums (quarters) add up exactly.
+    grads = [torch.randint(-8, 9, shape) / 8 for _, shape in layouts]
+    expected = [nn.Parameter(w.clone()) for w in weights]
+    _two_steps(expected, [[g * s for g in grads] for s in (1.0, 0.5)], ns_dtype=torch.bfloat16)
+    with local_tensor_mode(4):
+        mesh = init_device_mesh("cpu", (4,))
+
+        def place(t, placements, partial=False):
+            if placements is None:  # a plain tensor: the same on every rank
+                return t.clone()
+            if partial:
+                return DTensor.from_local(t / 4, mesh, [Partial()], run_check=False)
+            return distribute_tensor(t, mesh, placements)
+
+        params = [nn.Parameter(place(w, pl)) for w, (pl, _) in zip(weights, layouts, strict=True)]
+        sharded = [
+            [
+                place(g * s, pl, partial=pl == (Replicate(),))
+                for g, (pl, _) in zip(grads, layouts, strict=True)
+            ]
+            for s in (1.0, 0.5)
+        ]
+        _two_steps(params, sharded, ns_dtype=torch.bfloat16)
+        got = [p.full_tensor() if isinstance(p, DTensor) else p for p in params]
+        got = [t.detach().reconcile() if isinstance(t, LocalTensor) else t for t in got]
     for want, have in zip(expected, got, strict=True):
         assert torch.equal(have, want.detach())
 
