@@ -4,16 +4,15 @@ blocks; embeddings, the output projection and every vector train with AdamW
 (:func:`muon_takes`).
 
 Sharded parameters (FSDP, TP, EP: DTensors) are orthogonalised whole, each matrix by one rank
-(:func:`orthogonalised`): the updates of same-shaped matrices (the same projection of
-every block) are stacked, the stack is redistributed so that each rank of the mesh dimensions
-that split the matrices holds a share of whole matrices (DTensor's plan: an all-to-all on CUDA
-where one mesh dimension splits them; all-gathers along a mesh dimension on gloo, and for
-some layouts split by two), each rank runs the iteration on its share, and the results go
-back to the parameters' placements. Every layout so computes the
-one-process update while the iteration is split among the ranks. A matrix whose placements
-leave its two dimensions whole (EP's experts, split only along the experts) is orthogonalised
-where it lies, with no collective. MoE experts' ``[experts, in, out]`` weights are orthogonalised
-per expert.
+(:func:`orthogonalised`). The updates of same-shaped matrices (the same projection of every
+block) are stacked; the stack is redistributed so that each rank of the mesh dimensions that
+split the matrices holds a share of whole matrices (DTensor's plan: an all-to-all on CUDA where
+one mesh dimension splits them; all-gathers along a mesh dimension on gloo, and for some
+layouts split by two); each rank runs the iteration on its share, and the results go back to
+the parameters' placements. Every layout so computes the one-process update while the
+iteration is split among the ranks. A matrix whose placements leave its two dimensions whole
+(EP's experts, split only along the experts) is orthogonalised where it lies, with no
+collective. MoE experts' ``[experts, in, out]`` weights are orthogonalised per expert.
 """
 
 import math
