@@ -300,6 +300,9 @@ CASES = {
         f"{QWEN3} --training.local_batch_size 8 --parallelism.tensor_parallel_degree 2 "
         "--parallelism.no_enable_sequence_parallel",
     ),
+    # Muon's most common layout: FSDP's row shards, each stack of same-shaped updates spread so
+    # that each rank orthogonalises half of the matrices, whole.
+    "qwen3_fsdp2": (2, f"{QWEN3} --training.local_batch_size 4"),
     # Qwen3's MoE: TP splitting every expert's hidden width; EP across the TP ranks (each
     # routing its own sequence shard) with the experts FSDP-sharded over the rest; pipeline
     # stages with experts split by EP.
