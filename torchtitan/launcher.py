@@ -322,9 +322,9 @@ class _Dropping:
 if __name__ == "__main__":
     sys.stdout.flush()
     code = main()
-    # The line above is the user's last: interpreter shutdown can still print "Exception ignored
-    # in: ..." from some finalizer (seen once in CI after a preemption line, the object not
-    # named), so once everything is flushed the process ends without it.
+    # main()'s last line is the user's last: interpreter shutdown can still print "Exception
+    # ignored in: ..." from some finalizer (seen once in CI after a preemption line, the object
+    # not named), so once everything is flushed the process ends without it.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
