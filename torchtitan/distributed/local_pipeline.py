@@ -46,6 +46,7 @@ from torch.distributed import _local_tensor as lt
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from torchtitan.distributed import local_tensor
 from torchtitan.tools.logging import logger
 
 _REPLACED = (
@@ -147,7 +148,7 @@ class PipelineSimulation:
             try:
                 if self._failure is not None:  # another pipeline rank failed before this began
                     raise _Stopped()
-                with lt.LocalTensorMode(frozenset(self.ranks(pp_rank))) as mode:
+                with local_tensor.simulation_mode(frozenset(self.ranks(pp_rank))) as mode:
                     # What the mode restores when paused: the real functions, whatever
                     # another thread's mode had patched in when this one started.
                     originals.own_by(mode)

@@ -22,6 +22,7 @@ These helpers also work in a real multi-process run, where they act on this rank
 
 import contextlib
 import os
+import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import TypeVar
 
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.distributed import _local_tensor
 from torch.distributed._local_tensor import (
     LocalTensor,
     LocalTensorMode,
@@ -41,6 +43,57 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.module_names import clean_name
 
 _T = TypeVar("_T")
+
+
+def simulation_mode(ranks: int | frozenset[int]) -> LocalTensorMode:
+    """``LocalTensorMode`` over ``ranks`` (a world size, or the ranks themselves), with torch's
+    per-mode cache of mesh coordinates made safe first (:func:`_guard_mesh_coordinates`).
+    Every simulation in torchtitan enters its mode through here."""
+    _guard_mesh_coordinates()
+    return LocalTensorMode(ranks)
+
+
+def _guard_mesh_coordinates() -> None:
+    """Keep a dead mesh's coordinates from being handed to a new mesh.
+
+    Under ``LocalTensorMode`` (torch 2.11-2.13), ``DeviceMesh.get_coordinate`` caches each
+    mesh's per-rank coordinates in the mode under ``id(mesh)`` and never drops them. Meshes
+    come and go (``mesh["tp"]`` builds a new object each time); one made after another died
+    can get its address, hence its id, and silently receives the dead mesh's coordinates
+    (pytorch/pytorch#184526, fixed upstream by keying on the mesh's layout). In the EP x TP
+    simulation this showed as a rare wrong embedding gradient: the ``tp`` mesh of the
+    parameter gather landed on a dead ``(efsdp, ep)`` mesh, so the vocabulary shards of the
+    gradient went to ranks by their ``efsdp`` coordinate.
+
+    Wraps torch's implementation (installed once per process): each cache entry is tied to a
+    weak reference to the mesh that filled it, dropped when that mesh dies, and ignored if
+    another mesh asks under the same id. Harmless on a torch without the id-keyed cache.
+    """
+    local_mesh = getattr(_local_tensor, "_LocalDeviceMesh", None)
+    torch_get = getattr(local_mesh, "get_coordinate", None)
+    if torch_get is None or getattr(torch_get, "_torchtitan_guarded", False):
+        return
+
+    def get_coordinate(mesh):
+        mode = enabled_local_tensor_mode()
+        cache = getattr(mode, "_coordinate_cache", None)
+        if cache is not None:
+            owners = mode.__dict__.setdefault("_torchtitan_coordinate_owners", {})
+            key = id(mesh)
+            owner = owners.get(key)
+            if owner is None or owner() is not mesh:
+                cache.pop(key, None)
+
+                def forget(ref: weakref.ref, key: int = key) -> None:
+                    if owners.get(key) is ref:  # still this mesh's entry: drop both
+                        del owners[key]
+                        cache.pop(key, None)
+
+                owners[key] = weakref.ref(mesh, forget)
+        return torch_get(mesh)
+
+    get_coordinate._torchtitan_guarded = True
+    local_mesh.get_coordinate = staticmethod(get_coordinate)
 
 
 @contextlib.contextmanager
@@ -60,7 +113,7 @@ def local_tensor_mode(world_size: int) -> Iterator[LocalTensorMode]:
         )
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        with LocalTensorMode(world_size) as mode:
+        with simulation_mode(world_size) as mode:
             yield mode
     finally:
         dist.destroy_process_group()
@@ -85,7 +138,7 @@ def run(comm_mode: str, pipeline_degree: int, fn: Callable[[int], None]) -> None
         "per rank, one after the other). The metrics show rank 0's view."
     )
     if pipeline_degree == 1:
-        with LocalTensorMode(world_size):
+        with simulation_mode(world_size):
             fn(0)
         return
     from torchtitan.distributed import local_pipeline

@@ -43,8 +43,9 @@ class ParallelDims:
     pp: int
     ep: int
     world_size: int
-    # Filled by build_mesh: the world mesh ("world") and the flattened meshes by name.
-    _meshes: dict[str, "DeviceMesh"] = dataclasses.field(
+    # Filled by build_mesh: the world mesh ("world") and the flattened meshes by name; then by
+    # mesh(): every slice asked for, by name or tuple of names.
+    _meshes: dict[str | tuple[str, ...], "DeviceMesh"] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
@@ -231,8 +232,14 @@ class ParallelDims:
         mesh, e.g. ``mesh("dp_replicate", "dp_shard_cp")`` for HSDP. Needs ``build_mesh``."""
         if not self.meshes_built:
             raise RuntimeError("ParallelDims.mesh() needs build_mesh() first")
-        if len(names) == 1 and names[0] in self._meshes:
-            return self._meshes[names[0]]
+        key = names[0] if len(names) == 1 else names
+        if key not in self._meshes:
+            # Kept: slicing builds a new mesh object each time, and callers may compare meshes
+            # by identity (torch's simulated ranks once cached coordinates by id(mesh)).
+            self._meshes[key] = self._slice(names)
+        return self._meshes[key]
+
+    def _slice(self, names: tuple[str, ...]) -> "DeviceMesh":
         if "ep" in names or "efsdp" in names:  # e.g. ("dp_replicate", "efsdp"): HSDP of experts
             return self._meshes["experts"][names]
         if names == ("dp_replicate", "dp_shard_cp") and self.cp == 1:

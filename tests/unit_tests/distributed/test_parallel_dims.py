@@ -89,6 +89,13 @@ def test_build_mesh_names_and_flattened_dims():
         assert sizes == {"dp": 4, "dp_shard_cp": 2, "dp_cp": 4, "tp": 2, "pp": 2}
         # TP ranks are neighbours (innermost dimension).
         assert mesh["tp"].mesh.tolist() == [0, 1]
+        # Each slice is built once: the same object every time it is asked for.
+        assert dims.mesh("tp") is dims.mesh("tp")
+        assert dims.mesh("dp_replicate", "dp_shard_cp") is dims.mesh("dp_replicate", "dp_shard_cp")
+        assert dims.mesh("dp_replicate", "dp_shard_cp").mesh_dim_names == (
+            "dp_replicate",
+            "dp_shard",
+        )
     finally:
         dist.destroy_process_group()
 
