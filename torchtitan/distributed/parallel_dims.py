@@ -234,8 +234,8 @@ class ParallelDims:
             raise RuntimeError("ParallelDims.mesh() needs build_mesh() first")
         key = names[0] if len(names) == 1 else names
         if key not in self._meshes:
-            # Kept: slicing builds a new mesh object each time, and callers may compare meshes
-            # by identity (torch's simulated ranks once cached coordinates by id(mesh)).
+            # Kept: slicing builds a new mesh object each time, and identity matters (torch's
+            # simulated ranks cache coordinates by id(mesh): local_tensor.simulation_mode).
             self._meshes[key] = self._slice(names)
         return self._meshes[key]
 
