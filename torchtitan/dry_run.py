@@ -167,7 +167,9 @@ def _probe_step(trainer: Trainer, depth: int | None) -> dict[str, dict[str, int]
     with memory_estimate.fake_tensor_mode():
         for part in model_parts:
             part.to_empty(device=trainer.device)
-        optimizers = build_optimizers(model_parts, config.optimizer, trainer.device)
+        optimizers = build_optimizers(
+            model_parts, config.optimizer, trainer.device, seed=config.debug.seed
+        )
         runner = BatchRunner(
             model_parts, context, trainer.device, document_start=trainer.document_start
         )

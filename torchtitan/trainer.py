@@ -109,7 +109,9 @@ class Trainer:
             if stages
             else None
         )
-        self.optimizers = build_optimizers(self.model_parts, config.optimizer, self.device)
+        self.optimizers = build_optimizers(
+            self.model_parts, config.optimizer, self.device, seed=config.debug.seed
+        )
         float8.after_sharding(self.model_parts, self.optimizers, config.float8)
         self.lr_schedulers = build_lr_schedulers(
             self.optimizers, config.lr_scheduler, training_steps=config.training.steps
@@ -391,7 +393,7 @@ class Trainer:
         # The norm is global, so every rank takes the same branch.
         stepped = not dist_utils.values_are_real() or bool(torch.isfinite(grad_norm))
         if stepped:
-            self.optimizers.step()
+            self.optimizers.step(self.step)
         else:  # stops the run, or skips the update
             local_loss = self._own(result.local_loss)
             self.nonfinite.after_step(self.step, grad_norm, local_loss, self._last_checkpoint)

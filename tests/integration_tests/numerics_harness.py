@@ -92,6 +92,27 @@ class AllGatherBytes:
         return call
 
 
+def _replicas_differ(parts: list[torch.nn.Module]) -> tuple[int, list[str]]:
+    """How many DTensor parameters are replicated over some mesh dimension, and those whose
+    copies differ between that dimension's ranks (every rank calls this alike)."""
+    replicated, differ = 0, []
+    for part in parts:
+        for name, param in part.named_parameters():
+            if not isinstance(param, DTensor):
+                continue
+            for dim, placement in enumerate(param.placements):
+                if not placement.is_replicate() or param.device_mesh.size(dim) == 1:
+                    continue
+                replicated += 1
+                group = param.device_mesh.get_group(dim)
+                mine = param.to_local().detach().contiguous().flatten().view(torch.uint8)
+                copies = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(copies, mine, group=group)
+                if any(not torch.equal(copy, mine) for copy in copies):
+                    differ.append(_clean(name))
+    return replicated, differ
+
+
 def run_case(out_dir: Path, name: str, flags: list[str], *, trainer_data: bool = False) -> None:
     dump = out_dir / name
     trainer = Trainer(parse_args([*flags, "--job.dump_folder", str(dump)], console_outputs=False))
@@ -107,6 +128,7 @@ def run_case(out_dir: Path, name: str, flags: list[str], *, trainer_data: bool =
         for param_name, param in [*part.named_parameters(), *buffers]:
             full = param.full_tensor() if isinstance(param, DTensor) else param
             weights[_clean(param_name)] = full.detach().clone()
+    replicas = _replicas_differ(trainer.model_parts) if dist.is_initialized() else (0, [])
     if dist.is_initialized():  # pipeline stages hold different parameters: merge them
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, weights)
@@ -119,6 +141,7 @@ def run_case(out_dir: Path, name: str, flags: list[str], *, trainer_data: bool =
         lines = (dump / "metrics.jsonl").read_text().splitlines()
         records = [json.loads(line) for line in lines]
         saved = {"records": records, "weights": weights, "all_gather_bytes": all_gathers.bytes}
+        saved["replicated"], saved["replicas_differ"] = replicas
         torch.save(saved, out_dir / f"{name}.pt")
 
 

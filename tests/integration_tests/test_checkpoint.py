@@ -85,6 +85,18 @@ def test_resume_is_bitwise_exact_in_one_process(tmp_path, uninterrupted, async_m
     assert [got[s] for s in range(6, 21)] == [want[s] for s in range(6, 21)]
 
 
+def test_stochastic_rounding_resumes_bitwise(tmp_path):
+    """--optimizer.stochastic_rounding draws its bits from the step: a run resumed at step 5
+    rounds steps 6-8 as the uninterrupted run did."""
+    rounded = ["--training.steps", "8", "--training.dtype", "bfloat16"]
+    rounded += ["--optimizer.stochastic_rounding"]
+    assert _train(tmp_path / "whole", *rounded) == 0
+    _copy_step(tmp_path / "whole", 5, tmp_path / "resumed")
+    assert _train(tmp_path / "resumed", *rounded) == 0
+    want, got = _losses(tmp_path / "whole"), _losses(tmp_path / "resumed")
+    assert sorted(got) == [6, 7, 8] and [got[s] for s in got] == [want[s] for s in got]
+
+
 def test_bf16_resumes_bitwise_and_takes_a_float32_runs_checkpoint(tmp_path, uninterrupted):
     """--training.dtype bfloat16 saves its weights and AdamW's moments in bf16 and resumes
     exactly; a float32 run's checkpoint resumes in bf16, cast on load."""

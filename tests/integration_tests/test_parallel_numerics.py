@@ -481,6 +481,16 @@ FLOAT8_CASES["float8_tp2"] = (
 BF16 = "--training.dtype bfloat16"
 BF16_REFERENCE = ("ref_bf16", 1, f"--training.local_batch_size 8 {BF16}")
 BF16_MOE_REFERENCE = ("ref_bf16_moe", 1, f"--training.local_batch_size 8 {BF16} {MOE}")
+# Stochastic rounding draws its bits per shard: a layout rounds other weights up than one
+# process does, each within a bf16 step of the same float32 update.
+SR = f"{BF16} --optimizer.stochastic_rounding"
+BF16_SR_REFERENCE = ("ref_bf16_sr", 1, f"--training.local_batch_size 8 {SR}")
+BF16_SR_CASES = {
+    "bf16_sr_fsdp2_tp2": (
+        4,
+        f"--training.local_batch_size 4 {SR} --parallelism.tensor_parallel_degree 2",
+    ),
+}
 BF16_CASES = {
     "bf16_moe_ep2": (
         2,
@@ -535,11 +545,11 @@ def results(tmp_path_factory) -> Path:
     references = (REFERENCE, BLOCK_CAUSAL_REFERENCE, MOE_REFERENCE, QWEN3_REFERENCE)
     references += (QWEN3_MOE_REFERENCE, GPT_OSS_REFERENCE, LLAMA4_REFERENCE)
     references += (VALIDATION_REFERENCE, LORA_REFERENCE, SFT_REFERENCE)
-    references += (WHOLE_SPLIT, BF16_REFERENCE, BF16_MOE_REFERENCE)
+    references += (WHOLE_SPLIT, BF16_REFERENCE, BF16_MOE_REFERENCE, BF16_SR_REFERENCE)
     # Compiled cases first in each launch: on a cold compile cache, torch 2.13's partitioner
     # failed moe_fsdp2_tp2_compile_ac_ops ("Node tangents_2 was invalid, but is output") after
     # eight eager cases had run in the same processes; first, or alone, it compiles and passes.
-    cases = CASES | FLOAT8_CASES | BF16_CASES
+    cases = CASES | FLOAT8_CASES | BF16_CASES | BF16_SR_CASES
     cases = sorted(cases.items(), key=lambda case: "compile" not in case[0])
     one_process = [(n, f) for n, (r, f) in cases if r == 1]  # with the references
     _launch(out, 1, one_process + [(name, flags) for name, _, flags in references])
@@ -680,6 +690,17 @@ def test_float8_trains_close_to_float32(results, case):
     assert losses == pytest.approx(want, rel=0.02)
 
 
+def test_replicated_parameters_stay_equal_on_every_rank(results):
+    """Each rank updates its own copy of a replicated parameter (TP's norms, HSDP's and DDP's
+    replicas): at the end of every layout the copies are equal, also under stochastic
+    rounding, which draws the same bits for each copy."""
+    cases = CASES | FLOAT8_CASES | BF16_CASES | BF16_SR_CASES
+    saved = {case: _load(results, case) for case, (ranks, _) in cases.items() if ranks > 1}
+    assert saved["bf16_sr_fsdp2_tp2"]["replicated"] > 0  # the norms, over the TP ranks
+    differ = {case: s["replicas_differ"] for case, s in saved.items() if s["replicas_differ"]}
+    assert not differ
+
+
 @pytest.mark.parametrize("case", sorted(BF16_CASES))
 def test_bf16_layout_trains_like_one_process_in_bf16(results, case):
     reference = BF16_MOE_REFERENCE if case.startswith("bf16_moe_") else BF16_REFERENCE
@@ -704,3 +725,25 @@ def test_bf16_layout_trains_like_one_process_in_bf16(results, case):
         torch.testing.assert_close(got, want, rtol=0, atol=8e-3, msg=name)
     fp32 = _load(results, (MOE_REFERENCE if "moe" in case else REFERENCE)[0])["records"]
     assert ref["records"][-1]["loss"] != pytest.approx(fp32[-1]["loss"], rel=2e-4)
+
+
+@pytest.mark.parametrize("case", sorted(BF16_SR_CASES))
+def test_stochastic_rounding_trains_like_one_process_within_its_noise(results, case):
+    """--optimizer.stochastic_rounding under FSDP 2 x TP 2 against one process: the bits are
+    drawn per shard, so other weights round up than in one process, each step a bf16 step
+    apart at most; losses and weights agree within that noise, and the TP-replicated norms,
+    which rounding to nearest never moves at this LR (updates under half a bf16 step at
+    1.0), move (and stay equal on both TP ranks: the test above)."""
+    ref, run = _load(results, BF16_SR_REFERENCE[0]), _load(results, case)
+    nearest = _load(results, BF16_REFERENCE[0])
+    for got, want in zip(run["records"], ref["records"], strict=True):
+        # measured: 2.3e-4 at most; rounding to nearest ends 5.7e-4 from the reference
+        assert got["loss"] == pytest.approx(want["loss"], rel=5e-4), got["step"]
+    for name, want in ref["weights"].items():
+        # measured: 4 bf16 steps at most (a norm's weight at 1.0 rounded up 4 times in 6
+        # steps here, not there), 1.1e-3 on average
+        torch.testing.assert_close(run["weights"][name], want, rtol=0.05, atol=8e-3, msg=name)
+    norms = [name for name in ref["weights"] if name.endswith("norm.weight")]
+    for weights in (nearest["weights"], ref["weights"], run["weights"]):
+        moved = sum(int((weights[name] != 1).sum()) for name in norms)
+        assert moved > 100 if weights is not nearest["weights"] else moved == 0

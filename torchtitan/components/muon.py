@@ -25,6 +25,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.torch_version import TorchVersion
 
+from torchtitan.components.stochastic_rounding import Rounding, closure_loss, local, placed_as
+
 # torch 2.11's LocalTensor cannot multiply tensors whose shapes differ between simulated ranks.
 _PAD_SIMULATED_STACKS = TorchVersion(torch.__version__) < (2, 13)
 
@@ -72,6 +74,7 @@ class Muon(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         ns_steps: int = 5,
         ns_dtype: torch.dtype = torch.float32,
+        rounding: Rounding | None = None,
     ):
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
@@ -79,6 +82,8 @@ class Muon(torch.optim.Optimizer):
         )  # fmt: skip
         # Not a param-group setting: a checkpoint's groups would otherwise carry it back.
         self.ns_dtype = ns_dtype
+        # Stochastic rounding of bf16 weights (--optimizer.stochastic_rounding), or None.
+        self.rounding = rounding
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
@@ -88,13 +93,11 @@ class Muon(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("ns_dtype", torch.float32)  # torch's pickling leaves it out
+        self.__dict__.setdefault("rounding", None)
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 (torch's signature)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
 
             def update_of(p: torch.Tensor, group: dict = group) -> torch.Tensor:
@@ -104,7 +107,7 @@ class Muon(torch.optim.Optimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
                 buffer = state["momentum_buffer"]
-                grad = _placed_as(p.grad, p)
+                grad = placed_as(p.grad, p)
                 buffer.mul_(group["momentum"]).add_(grad)
                 if not group["nesterov"]:
                     return buffer
@@ -114,8 +117,14 @@ class Muon(torch.optim.Optimizer):
             for p, ortho in orthogonalised(params, update_of, group["ns_steps"], self.ns_dtype):
                 rows, columns = p.shape[-2:]
                 lr = group["lr"] * 0.2 * math.sqrt(max(rows, columns))
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(ortho, alpha=-lr)
+                decay = 1 - group["lr"] * group["weight_decay"]
+                if self.rounding is None:
+                    p.mul_(decay)
+                    p.add_(ortho, alpha=-lr)
+                    continue
+                weight = local(p).float().mul_(decay)
+                weight.add_(local(placed_as(ortho, p)).float(), alpha=-lr)
+                self.rounding.round_into_(p, weight.contiguous())
         return loss
 
 
@@ -151,14 +160,6 @@ def orthogonalised(
             batch = members[start : start + share]
             updates = [update_of(p) for p in batch]
             yield from zip(batch, _orthogonalise_stack(updates, share, steps, dtype), strict=True)
-
-
-def _placed_as(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """``grad`` in ``param``'s placements (it may arrive otherwise, e.g. as partial sums, which
-    the momentum must not take as they are)."""
-    if isinstance(grad, DTensor) and grad.placements != param.placements:
-        return grad.redistribute(placements=param.placements)
-    return grad
 
 
 def _orthogonalise_stack(

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.muon import Muon, muon_takes
+from torchtitan.components.stochastic_rounding import RoundedAdam, RoundedAdamW, Rounding
 from torchtitan.config.entries import ParamGroup
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
@@ -29,6 +30,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.module_names import clean_name
 
 _CLASSES = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
+_ROUNDED = {"AdamW": RoundedAdamW, "Adam": RoundedAdam}
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -58,9 +60,16 @@ class Optimizers(Stateful):
             else [[None] * len(o.param_groups) for o in self.optimizers]
         )
         self._post_step_hooks: list[Callable[[], object]] = []
+        self._steps = 0
 
-    def step(self) -> None:
+    def step(self, train_step: int | None = None) -> None:
+        """Step every optimizer; ``train_step`` (default: one more than the last) keys the
+        random bits of stochastic rounding, so a resumed run draws the bits it would have."""
+        self._steps = train_step if train_step is not None else self._steps + 1
         for optimizer in self.optimizers:
+            rounding = getattr(optimizer, "rounding", None)
+            if rounding is not None:
+                rounding.step = self._steps
             optimizer.step()
         for hook in self._post_step_hooks:
             hook()
@@ -113,13 +122,18 @@ class Optimizers(Stateful):
 
 
 def build_optimizers(
-    model_parts: Sequence[nn.Module], config: OptimizerConfig, device: torch.device
+    model_parts: Sequence[nn.Module],
+    config: OptimizerConfig,
+    device: torch.device,
+    *,
+    seed: int | None = None,
 ) -> Optimizers:
     """The optimizers of each model part (one; two with Muon: Muon and AdamW); call it after
-    sharding so states are sharded too."""
+    sharding so states are sharded too. ``seed``: of stochastic rounding's bits
+    (``--debug.seed``; None: 0)."""
     optimizers, settings, parts = [], [], []
     for index, part in enumerate(model_parts):
-        for optimizer, groups in build_optimizer(part, config, device):
+        for optimizer, groups in build_optimizer(part, config, device, seed=seed):
             optimizers.append(optimizer)
             settings.append(groups)
             parts.append(index)
@@ -127,7 +141,7 @@ def build_optimizers(
 
 
 def build_optimizer(
-    model: nn.Module, config: OptimizerConfig, device: torch.device
+    model: nn.Module, config: OptimizerConfig, device: torch.device, *, seed: int | None = None
 ) -> list[tuple[torch.optim.Optimizer, list[ParamGroup | None]]]:
     """Build over ``model``'s trainable parameters, grouped by ``--optimizer.param_groups``;
     call it after sharding so states are sharded too. Returns each optimizer (Adam or AdamW;
@@ -135,7 +149,8 @@ def build_optimizer(
     groups' entry (``None``: the section's own settings).
 
     ``implementation=auto`` picks the fused kernel (CUDA and CPU have one) and falls back to
-    ``foreach`` on other devices.
+    ``foreach`` on other devices. With ``stochastic_rounding`` the Adam step is computed per
+    parameter in float32 instead (``stochastic_rounding.adam_step_``), seeded by ``seed``.
     """
     implementation = config.implementation
     if implementation == "auto":
@@ -147,9 +162,11 @@ def build_optimizer(
     members: list[list[list[nn.Parameter]]] = [
         [[] for _ in range(len(entries) + 1)] for _ in (0, 1)
     ]
+    names: dict[int, str] = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
             name = clean_name(name)
+            names[id(param)] = name
             first = next((i for i, p in enumerate(patterns) if p.search(name)), len(entries))
             members[muon and muon_takes(name, param)][first].append(param)
     built = []
@@ -170,15 +187,19 @@ def build_optimizer(
                     settings.append(entry)
         if not groups:
             continue
+        rounding = Rounding(seed or 0, names) if config.stochastic_rounding else None
         if uses_muon:
             optimizer = Muon(
                 groups, lr=config.lr, momentum=config.muon_momentum,
                 weight_decay=config.weight_decay, ns_steps=config.muon_ns_steps,
-                ns_dtype=getattr(torch, config.muon_ns_dtype),
+                ns_dtype=getattr(torch, config.muon_ns_dtype), rounding=rounding,
             )  # fmt: skip
         else:
-            optimizer = _CLASSES["AdamW" if muon else config.name](
+            adam = "AdamW" if muon else config.name
+            kind = {"rounding": rounding} if rounding is not None else {}
+            optimizer = (_ROUNDED if rounding is not None else _CLASSES)[adam](
                 groups,
+                **kind,
                 lr=config.lr,
                 betas=(config.beta1, config.beta2),
                 eps=config.eps,

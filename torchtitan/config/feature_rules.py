@@ -284,6 +284,11 @@ def local_tensor_checks(config: JobConfig) -> list[tuple[bool, str]]:
                 "only reads checkpoints); drop the flag",
             ),
             (
+                not config.optimizer.stochastic_rounding,
+                f"--optimizer.stochastic_rounding {why} (each simulated rank would need its own "
+                "random bits); drop the flag or run real ranks",
+            ),
+            (
                 not config.validation.sample_prompt,
                 f"--validation.sample_prompt {why} (sampling reads each token on the host, "
                 "which simulated ranks hold apart); sample from the checkpoint of a real run "

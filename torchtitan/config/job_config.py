@@ -207,7 +207,8 @@ class Optimizer:
     """Decoupled weight decay (AdamW) or L2 penalty (Adam)."""
 
     implementation: Literal["auto", "for-loop", "foreach", "fused"] = "auto"
-    """Optimizer kernel: ``auto`` picks fused where the device supports it, else foreach."""
+    """Optimizer kernel: ``auto`` picks fused where the device supports it, else foreach.
+    ``stochastic_rounding`` steps with its own float32 loop instead."""
 
     muon_momentum: float = 0.95
     """Muon's momentum (Nesterov)."""
@@ -219,6 +220,14 @@ class Optimizer:
     """Precision of the Newton-Schulz iteration: ``bfloat16``, as ``torch.optim.Muon`` and
     most Muon implementations iterate, runs on a GPU's bf16 tensor cores; ``float32`` is
     closer to the exact orthogonalisation."""
+
+    stochastic_rounding: bool = False
+    """With ``--training.dtype bfloat16``: compute each new weight in float32 and round it to
+    bf16 at random, up with the probability of its distance from the value below, so that
+    updates smaller than half a bf16 step (weight decay, a decayed LR's) add up in expectation
+    instead of vanishing. The random bits depend only on ``--debug.seed`` (0 without one), the
+    step, the parameter and its shard: replicas stay equal and resumes are exact
+    (``docs/training.md``)."""
 
     param_groups: list[str] = field(default_factory=list)
     """Settings for some parameters, each ``REGEX:key=value[,key=value...]``: a trainable

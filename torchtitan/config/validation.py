@@ -53,6 +53,11 @@ def validate(config: JobConfig) -> None:
             "--optimizer.name Muon orthogonalises each matrix on the device, and "
             "--training.enable_cpu_offload keeps the parameters on the host; drop one",
         ),
+        (
+            not o.stochastic_rounding or t.dtype == "bfloat16",
+            "--optimizer.stochastic_rounding rounds bf16 parameters, and this run's are "
+            f"{t.dtype}; pass --training.dtype bfloat16 or drop it",
+        ),
         (0 <= o.beta2 < 1, f"--optimizer.beta2={o.beta2} must be in [0, 1)"),
         (0 < o.eps < math.inf, f"--optimizer.eps={o.eps} must be > 0 and finite"),
         (

@@ -618,11 +618,24 @@ def test_fsdp_impl_auto_resolves_by_comm_mode() -> None:
             "--validation.enable --validation.sample_prompt def",
             "--validation.sample_prompt cannot run under COMM_MODE=local_tensor",
         ),
+        (
+            "--training.dtype bfloat16 --optimizer.stochastic_rounding",
+            "--optimizer.stochastic_rounding cannot run under COMM_MODE=local_tensor",
+        ),
     ],
 )
 def test_what_local_tensor_cannot_simulate_is_refused(argv: str, expected: str) -> None:
     message = config_error("--comm.mode", "local_tensor", *argv.split())
     assert expected in message and "\n" not in message
+
+
+def test_stochastic_rounding_needs_bf16_parameters() -> None:
+    message = config_error("--optimizer.stochastic_rounding")
+    assert message == (
+        "--optimizer.stochastic_rounding rounds bf16 parameters, and this run's are float32; "
+        "pass --training.dtype bfloat16 or drop it"
+    )
+    parse("--optimizer.stochastic_rounding", "--training.dtype", "bfloat16")
 
 
 def test_cpu_offload_needs_fsdp2() -> None:
