@@ -128,7 +128,11 @@ def run_case(out_dir: Path, name: str, flags: list[str], *, trainer_data: bool =
         for param_name, param in [*part.named_parameters(), *buffers]:
             full = param.full_tensor() if isinstance(param, DTensor) else param
             weights[_clean(param_name)] = full.detach().clone()
-    replicas = _replicas_differ(trainer.model_parts) if dist.is_initialized() else (0, [])
+    replicas = (0, [])
+    if dist.is_initialized():  # every rank's view (pipeline stages hold other parameters)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, _replicas_differ(trainer.model_parts))
+        replicas = (sum(n for n, _ in everyone), sorted({d for _, ds in everyone for d in ds}))
     if dist.is_initialized():  # pipeline stages hold different parameters: merge them
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, weights)

@@ -257,7 +257,7 @@ def changed_settings_note(current: OptimizerConfig, saved: OptimizerConfig | Non
         return None
     fields = (
         "name", "implementation", "weight_decay", "beta1", "beta2", "eps", "muon_momentum",
-        "muon_ns_steps", "muon_ns_dtype", "param_groups",
+        "muon_ns_steps", "muon_ns_dtype", "stochastic_rounding", "param_groups",
     )  # fmt: skip
     changed = [
         f"--optimizer.{f} {getattr(saved, f)} -> {getattr(current, f)}"

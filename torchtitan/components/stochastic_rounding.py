@@ -71,12 +71,13 @@ def round_bits_(value: torch.Tensor, generator: torch.Generator) -> torch.Tensor
     its bit pattern, then dropped."""
     if value.dtype != torch.float32 or not value.is_contiguous():
         raise ValueError("round_bits_ takes a contiguous float32 tensor")
+    nan = value.isnan()  # its bits plus noise could wrap to a zero or an infinity
     bits = value.view(torch.int32)
     noise = torch.randint(
         0, 1 << 16, value.shape, dtype=torch.int32, device=value.device, generator=generator
     )
     bits.add_(noise).bitwise_and_(-65536)  # -65536: 0xFFFF0000, the bf16 bits
-    return value
+    return value.masked_fill_(nan, float("nan"))
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -105,12 +106,10 @@ def adam_step_(optimizer: torch.optim.Optimizer, rounding: Rounding, decoupled: 
                 continue
             state = _adam_state(optimizer.state[p], p, group)
             state["step"] += 1
-            step = state["step"]
-            if step.device.type == "cpu":
-                step = float(step)
-                correction1, correction2 = 1 - beta1**step, (1 - beta2**step) ** 0.5
-            else:  # fused keeps the count on the device: no host sync
-                correction1, correction2 = 1 - beta1**step, (1 - beta2**step).sqrt()
+            # As tensors: no host sync where fused keeps the count on the device, and no
+            # value read from the fake tensors of a dry run's probe step.
+            step = state["step"].to(torch.float64)
+            correction1, correction2 = 1 - beta1**step, (1 - beta2**step).sqrt()
             grad = local(placed_as(p.grad, p)).float()
             weight = local(p).float()
             if not decoupled and decay:
@@ -124,10 +123,7 @@ def adam_step_(optimizer: torch.optim.Optimizer, rounding: Rounding, decoupled: 
                 weight.mul_(1 - lr * decay)
             # Not in place: for float32 parameters the moments are these very tensors.
             denominator = second.sqrt().div_(correction2).add_(eps)
-            if isinstance(correction1, float):
-                weight.addcdiv_(first, denominator, value=-lr / correction1)
-            else:
-                weight.sub_(first.div(denominator).mul_(lr / correction1))
+            weight.sub_(first.div(denominator).mul_(lr / correction1))
             rounding.round_into_(p, weight.contiguous())
 
 

@@ -36,10 +36,14 @@ def test_a_rounding_is_one_of_the_two_neighbours_and_unbiased(value, fraction):
     assert (rounded == high).double().mean().item() == pytest.approx(fraction, abs=0.01)
 
 
-def test_values_bf16_holds_are_left_as_they_are():
+def test_values_bf16_holds_are_left_as_they_are_and_nan_stays_nan():
     values = torch.randn(10_000).bfloat16().float()
     values[:3] = torch.tensor([0.0, float("inf"), -float("inf")])
     assert torch.equal(round_bits_(values.clone(), torch.Generator().manual_seed(0)), values)
+    # NaNs whose bits plus any noise would wrap (to -0.0, +0.0 or inf without the mask)
+    nans = torch.tensor([0x7FFFFFFF, -1, 0x7F800001, 0x7FC00000], dtype=torch.int32)
+    nans = nans.repeat(1000).view(torch.float32)
+    assert round_bits_(nans.clone(), torch.Generator().manual_seed(0)).isnan().all()
     with pytest.raises(ValueError, match="contiguous float32"):
         round_bits_(torch.zeros(4, 4).t(), torch.Generator())
 
@@ -160,3 +164,14 @@ def test_muon_rounds_its_matrices_and_adamw_the_rest():
     # their mean's standard deviation is about 3.5e-4.
     norm = random["norm"].weight.float().mean().item()
     assert norm == pytest.approx(1 - 20 * 1e-4, abs=1.5e-3)
+
+
+def test_the_step_runs_on_a_dry_runs_fake_tensors():
+    """COMM_MODE=fake_backend probes a step on fake tensors: nothing may read a value."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        weight = nn.Parameter(torch.zeros(8, 8, dtype=torch.bfloat16))
+        optimizer = RoundedAdamW([weight], rounding=Rounding(0, {}), lr=1e-3, fused=True)
+        weight.grad = torch.ones_like(weight)
+        optimizer.step()
