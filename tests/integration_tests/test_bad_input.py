@@ -131,11 +131,21 @@ def _run(tmp_path: Path, flags: list[str], **env: str) -> subprocess.CompletedPr
     return run_train(dump, *flags, ngpu=2, timeout=120, **env)
 
 
-def _assert_one_line(result: subprocess.CompletedProcess, expected: str) -> str:
+LOST_PEER = "another rank went away during a collective"
+
+
+def _assert_one_line(
+    result: subprocess.CompletedProcess, expected: str, *, peers_may_say_so: bool = False
+) -> str:
+    """The one error line of a refused run. ``peers_may_say_so``: a rank waiting for the
+    refusing one in a collective may also say, in its own one line, that it went away (when
+    it notices before torchrun stops it: seen once in CI under load)."""
     out = result.stdout + result.stderr
     assert result.returncode == 2, out[-3000:]
     assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
     errors = [line for line in out.splitlines() if "error" in line.lower()]
+    if peers_may_say_so:
+        errors = [line for line in errors if LOST_PEER not in line]
     assert len(errors) == 1 and expected in errors[0], out[-3000:]
     return errors[0]
 
@@ -169,7 +179,7 @@ def test_only_rank_1_refuses_and_its_line_is_shown(tmp_path):
         text=True,
         timeout=120,
     )
-    line = _assert_one_line(result, "only rank 1 refuses this input")
+    line = _assert_one_line(result, "only rank 1 refuses this input", peers_may_say_so=True)
     assert line.startswith("[rank1] error:")
 
 
