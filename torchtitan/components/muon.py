@@ -151,8 +151,8 @@ def orthogonalised(
             stacks.setdefault(key, []).append(p)
             continue
         update = update_of(p)
-        local = update.to_local() if isinstance(update, DTensor) else update
-        ortho = orthogonalise(local, steps, dtype=dtype).to(p.dtype)
+        mine = local(update)
+        ortho = orthogonalise(mine, steps, dtype=dtype).to(p.dtype)
         yield p, (_from_local(ortho, p) if isinstance(p, DTensor) else ortho)
     for members in stacks.values():
         share = math.prod(_ranks_splitting_matrices(members[0]).values())
