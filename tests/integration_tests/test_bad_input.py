@@ -56,6 +56,10 @@ PREFLIGHT = [
         ["--training.dataset", "files", "--training.dataset_path", "{tmp}/shards/*.jsonl"],
         "*.jsonl: nothing there; give a file, glob or folder",
     ),
+    (
+        ["--training.dataset", "tokens", "--training.dataset_path", "{tmp}/tokens"],
+        "tokens does not exist, so no pre-tokenized data is there; write it with",
+    ),
     (["--training.stepz", "3"], "unknown flag --training.stepz (did you mean --training.steps?)"),
     (["--parallelism.data_parallel_replicate_degree", "3"], "world size 2 is not divisible"),
     (

@@ -66,11 +66,12 @@ class MixedDataset(IterableDataset, Stateful):
 
     def check_state(self, state: dict[str, Any]) -> None:
         """Refuse (one line) a saved state this mix cannot continue: one dataset's that the
-        mix does not name, or reader states of another format or window length (the readers
-        are built alike, so the first one judges)."""
+        mix does not name, or reader states of another format or window length (each judged
+        by the reader of its name; those of datasets the mix drops are not loaded)."""
         if "mix" in state:
-            for source_state in state["sources"]:
-                self.sources[0].check_state(source_state)
+            for label, source_state in zip(state["mix"], state["sources"], strict=True):
+                if label in self.labels:
+                    self.sources[self.labels.index(label)].check_state(source_state)
             return
         saved = self._single_source(state)
         if saved is None:
@@ -80,7 +81,7 @@ class MixedDataset(IterableDataset, Stateful):
                 f"({', '.join(self.labels)}); add it to the mix or pass "
                 "--checkpoint.exclude_from_loading dataloader"
             )
-        self.sources[0].check_state(state)
+        self.sources[saved].check_state(state)
 
     def _single_source(self, state: dict[str, Any]) -> int | None:
         """Which of this mix's datasets one dataset's saved state is (a state older than the

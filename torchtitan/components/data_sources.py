@@ -1,8 +1,10 @@
 """Where datasets come from: the registry of named datasets (``--training.dataset``), local
-json/jsonl/parquet/txt files (``files``), hub datasets streamed, and the fields each
-``--training.data_format`` reads from a row, checked when a dataset is opened. Bad files are
-named with their first bad line.
+json/jsonl/parquet/txt files (``files``), hub datasets streamed, pre-tokenized folders
+(``tokens``), and the fields each ``--training.data_format`` reads from a row, checked when a
+dataset is opened. Bad files are named with their first bad line.
 """
+
+from __future__ import annotations
 
 import dataclasses
 import glob
@@ -10,17 +12,29 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import datasets
-
+from torchtitan.components.token_shards import TokenFolder, open_folder
 from torchtitan.config.errors import ConfigError
 from torchtitan.tools.logging import logger
 from torchtitan.tools.paths import resolve_path
 
-HFDataset = datasets.Dataset | datasets.IterableDataset
+if TYPE_CHECKING:
+    import datasets
 
-# Progress bars from every rank garble the console; the trainer logs what it opens.
-datasets.disable_progress_bars()
+    HFDataset = datasets.Dataset | datasets.IterableDataset
+else:
+    HFDataset = Any  # named without importing ``datasets``
+
+
+def _datasets() -> Any:
+    """The ``datasets`` library, imported when documents are first read: a run of
+    pre-tokenized data never imports it (with pandas and pyarrow, half a second a rank)."""
+    import datasets
+
+    # Progress bars from every rank garble the console; the trainer logs what it opens.
+    datasets.disable_progress_bars()
+    return datasets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +43,8 @@ class DatasetSpec:
 
     path: str | None
     """Hub id or local path; ``--training.dataset_path`` overrides it."""
-    loader: Callable[[str], HFDataset]
+    loader: Callable[[str], Any]
+    """Opens ``path``: a ``datasets`` dataset of rows, or a pre-tokenized ``TokenFolder``."""
     text_key: str = "text"
     data_format: str = "text"
     """What its rows hold (``--training.data_format``): ``text``, ``chat``, ``prompt_completion``."""
@@ -38,7 +53,7 @@ class DatasetSpec:
 def _load_c4(split: str) -> Callable[[str], HFDataset]:
     def load(path: str) -> HFDataset:
         # Streaming: C4 is ~300 GB; nothing is downloaded ahead of use.
-        return datasets.load_dataset(path, name="en", split=split, streaming=True)
+        return _datasets().load_dataset(path, name="en", split=split, streaming=True)
 
     return load
 
@@ -76,6 +91,7 @@ def load_files(path: str) -> datasets.Dataset:
     where = f"--training.dataset_path {path}"
     if all(f.stat().st_size == 0 for f in files):
         raise ConfigError(f"{where}: {_names(files)} empty; point it at files with documents")
+    datasets = _datasets()  # imported first: its import sets its logger's level
     quiet = logging.getLogger("datasets")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # its own error line would come before ours
@@ -90,6 +106,11 @@ def load_files(path: str) -> datasets.Dataset:
     if len(data) == 0:
         raise ConfigError(f"{where}: {_names(files)} no documents")
     return data
+
+
+def load_tokens(path: str) -> Any:
+    """Open a folder ``scripts/pretokenize.py`` wrote (a ``TokenFolder``)."""
+    return open_folder(resolve_path(path), given=f"--training.dataset_path {path}")
 
 
 def _names(files: list[Path]) -> str:
@@ -142,6 +163,7 @@ DATASETS: dict[str, DatasetSpec] = {
         path="tests/assets/chat/validation.jsonl", loader=load_files, data_format="chat"
     ),
     "files": DatasetSpec(path=None, loader=load_files),
+    "tokens": DatasetSpec(path=None, loader=load_tokens),
 }
 
 FIELDS = {"text": ("text",), "chat": ("messages",), "prompt_completion": ("prompt", "completion")}
@@ -158,6 +180,12 @@ def check_format(
     if name not in DATASETS:
         raise ConfigError(f"{named} is not registered; choose one of {', '.join(DATASETS)}")
     spec = DATASETS[name]
+    if name == "tokens" and data_format != "text":
+        raise ConfigError(
+            f"{named}: pre-tokenized windows have no samples or roles, and "
+            f"--training.data_format {data_format} reads them from rows; point it at the "
+            "samples' json (files) or pass --training.data_format text"
+        )
     if name != "files" and spec.data_format != data_format:
         if entry:
             fix = "every dataset of a mix reads that format; drop it from the mix"
@@ -209,9 +237,11 @@ def open_dataset(
             f"{'its path' if entry else f'{flag}.dataset_path'} at a local copy of it"
         ) from None
     except (ConfigError, FileNotFoundError) as e:  # the files' own line, named as given
-        if entry is None:
+        if entry is None and flag == "--training":
             raise
         raise ConfigError(str(e).replace(f"--training.dataset_path {path}", source)) from None
+    if isinstance(data, TokenFolder):  # messages name it as this run does
+        return dataclasses.replace(data, label=source), spec.text_key
     features = getattr(data, "features", None)
     if features is not None:  # known before reading (files); a stream is checked per row
         wanted = (spec.text_key,) if data_format == "text" else FIELDS[data_format]

@@ -5,6 +5,9 @@ memory-mapped), each data-parallel rank keeps a disjoint shard (``split_dataset_
 every document is tokenized with BOS/EOS and the token stream is cut into windows of
 ``seq_len + 1`` tokens (inputs are the first ``seq_len``, labels the last ``seq_len``).
 ``state_dict()`` captures the exact read position, including tokens of a partly used document.
+Pre-tokenized folders (``--training.dataset tokens``) are read by ``token_windows`` instead,
+without ``datasets`` (imported only when documents are read: half a second of every rank's
+start).
 """
 
 import functools
@@ -13,16 +16,16 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-import datasets
 import numpy
 import torch
-from datasets.distributed import split_dataset_by_node
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.components.data_mix import MixedDataset
 from torchtitan.components.data_sources import HFDataset, open_dataset
+from torchtitan.components.token_shards import TokenFolder
+from torchtitan.components.token_windows import TokenWindows, contiguous_block, seed_text
 from torchtitan.config.entries import MixEntry
 from torchtitan.config.errors import ConfigError
 from torchtitan.tools.logging import logger
@@ -70,6 +73,9 @@ class TextDataset(IterableDataset, Stateful):
         the validation data); ``where``: who reads, in messages (default: this DP rank).
         ``shuffle_seed``: read the documents in a random order drawn from it, a new one each
         epoch (``None``: in the data's order)."""
+        import datasets
+        from datasets.distributed import split_dataset_by_node
+
         if isinstance(data, datasets.Dataset) and len(data) < dp_world_size:
             raise ConfigError(
                 f"dataset {name} has {len(data)} documents, fewer than the {dp_world_size} "
@@ -91,7 +97,7 @@ class TextDataset(IterableDataset, Stateful):
         # Shuffled: this rank's block of a permutation of every document, drawn per epoch.
         self._all = data
         self._block = (
-            _contiguous_block(len(data), dp_rank, dp_world_size) if not self._streaming else None
+            contiguous_block(len(data), dp_rank, dp_world_size) if not self._streaming else None
         )
         self._order: tuple[int, Any] | None = None  # (epoch, its document indices)
         self._tokenizer = tokenizer
@@ -221,6 +227,8 @@ class TextDataset(IterableDataset, Stateful):
             # A fresh split, not the first position loaded back: a dataloader worker's stream
             # picks its share of the shards when it starts (a loaded state would carry the
             # unsplit stream's, and the worker would read the other workers' shards).
+            from datasets.distributed import split_dataset_by_node
+
             rank, world = self._node
             self._data = split_dataset_by_node(self._all, rank=rank, world_size=world)
             self._data.set_epoch(epoch)
@@ -260,11 +268,17 @@ class TextDataset(IterableDataset, Stateful):
         seed = state.get("shuffle_seed")
         if seed != self._shuffle_seed:
             raise ConfigError(
-                f"dataloader state of {self.name} was saved {_seed_text(seed)}, this run reads "
-                f"{_seed_text(self._shuffle_seed)} (the saved position is in that order); "
-                f"resume {_seed_text(seed)} or pass --checkpoint.exclude_from_loading dataloader"
+                f"dataloader state of {self.name} was saved {seed_text(seed)}, this run reads "
+                f"{seed_text(self._shuffle_seed)} (the saved position is in that order); "
+                f"resume {seed_text(seed)} or pass --checkpoint.exclude_from_loading dataloader"
             )
         saved = state.get("format", "text")
+        if saved == "tokens":
+            raise ConfigError(
+                f"dataloader state of {state.get('dataset')} was saved reading pre-tokenized "
+                f"windows, this run reads documents of {self.name}; the position does not "
+                "carry over: pass --checkpoint.exclude_from_loading dataloader"
+            )
         if saved != self._format:
             raise ConfigError(
                 f"dataloader state was saved reading --training.data_format {saved}, this run "
@@ -281,22 +295,6 @@ class TextDataset(IterableDataset, Stateful):
             self._data.set_epoch(self._epoch)
             self._data.load_state_dict(state["stream"])
             self._loaded_stream_state = state["stream"]
-
-
-def _seed_text(seed: int | None) -> str:
-    return (
-        "without --training.shuffle_seed"
-        if seed is None
-        else f"with --training.shuffle_seed {seed}"
-    )
-
-
-def _contiguous_block(n: int, rank: int, world: int) -> tuple[int, int]:
-    """Rank ``rank``'s ``[start, stop)`` of ``n`` items split into ``world`` contiguous
-    blocks, the first ``n % world`` one longer (as ``split_dataset_by_node`` splits)."""
-    div, mod = divmod(n, world)
-    start = div * rank + min(rank, mod)
-    return start, start + div + (rank < mod)
 
 
 class _RowsOf:
@@ -338,6 +336,9 @@ class ParallelAwareDataloader(StatefulDataLoader, Stateful):
             collate_fn=collate_fn,
             drop_last=drop_last,
         )
+        for source in getattr(dataset, "sources", [dataset]):  # a mix's, or the one
+            if hasattr(source, "check_readers"):
+                source.check_readers(num_workers)
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
         self.sharding = sharding
@@ -446,21 +447,27 @@ def build_dataloader(
     """
     by_row = sharding == "by_row"
 
-    def windows_of(name: str, path: str | None, label: str, entry: str | None) -> TextDataset:
+    def windows_of(
+        name: str, path: str | None, label: str, entry: str | None
+    ) -> TextDataset | TokenWindows:
         data, text_key = open_dataset(name, path, data_format=data_format, flag=flag, entry=entry)
+        reader = {
+            "name": label,
+            "seq_len": seq_len,
+            "dp_rank": 0 if by_row else dp_rank,
+            "dp_world_size": 1 if by_row else dp_world_size,
+            "infinite": infinite,
+            "flag": flag,
+            "where": f"data-parallel rank {dp_rank} of {dp_world_size} (by_row)"
+            if by_row
+            else None,
+            "shuffle_seed": shuffle_seed,
+        }
+        if isinstance(data, TokenFolder):
+            data.check_tokenizer(tokenizer)
+            return TokenWindows(data, **reader)
         make = make_dataset or functools.partial(TextDataset, text_key=text_key)
-        return make(
-            data,
-            name=label,
-            tokenizer=tokenizer,
-            seq_len=seq_len,
-            dp_rank=0 if by_row else dp_rank,
-            dp_world_size=1 if by_row else dp_world_size,
-            infinite=infinite,
-            flag=flag,
-            where=f"data-parallel rank {dp_rank} of {dp_world_size} (by_row)" if by_row else None,
-            shuffle_seed=shuffle_seed,
-        )
+        return make(data, tokenizer=tokenizer, **reader)
 
     if mix:
         if not infinite:

@@ -112,8 +112,23 @@ def lora_checks(config: JobConfig) -> list[tuple[bool, str]]:
 
 
 def data_format_checks(config: JobConfig) -> list[tuple[bool, str]]:
-    t = config.training
+    t, v = config.training, config.validation
+    tokens = (
+        [
+            f"--training.dataset_mix {e}"
+            for e in t.dataset_mix
+            if e.startswith(("tokens=", "tokens:"))
+        ]
+        if t.dataset_mix
+        else ["--training.dataset tokens"] * (t.dataset == "tokens")
+    ) + ["--validation.dataset tokens"] * (v.enable and v.dataset == "tokens")
     return [
+        (
+            t.data_format == "text" or not tokens,
+            f"{tokens[0] if tokens else ''}: pre-tokenized windows have no samples or roles, "
+            f"and --training.data_format {t.data_format} reads them from rows; point it at the "
+            "samples' json (files) or pass --training.data_format text",
+        ),
         (
             t.chat_template is None or t.data_format == "chat",
             f"--training.chat_template does nothing with --training.data_format "

@@ -65,7 +65,9 @@ class Model:
 class Training:
     dataset: str = "python_docs"
     """Dataset name from the registry (``python_docs``, ``python_docs_validation``, ``c4``,
-    ``c4_validation``) or ``files`` with ``dataset_path`` pointing at json/jsonl/parquet/txt."""
+    ``c4_validation``), ``files`` with ``dataset_path`` pointing at json/jsonl/parquet/txt, or
+    ``tokens`` with ``dataset_path`` naming a folder ``scripts/pretokenize.py`` wrote (windows
+    memory-mapped, nothing tokenized during training)."""
 
     dataset_path: str | None = None
     """Overrides where the dataset is read from: a local copy of a hub dataset, or the
@@ -95,8 +97,8 @@ class Training:
         if not math.isfinite(sum(e.weight for e in entries)):
             raise ValueError("weights sum to infinity; use smaller ones (they are normalised)")
         for e in entries:
-            if e.name == "files" and e.path is None:
-                raise ValueError(f"{e.written}: files needs its path, files=PATH:WEIGHT")
+            if e.name in ("files", "tokens") and e.path is None:
+                raise ValueError(f"{e.written}: {e.name} needs its path, {e.name}=PATH:WEIGHT")
         return entries
 
     data_format: Literal["text", "chat", "prompt_completion"] = "text"

@@ -13,6 +13,7 @@ single feature's flags.
 import glob
 import math
 import os
+from pathlib import Path
 
 from torchtitan.config import feature_rules, sequence_rules
 from torchtitan.config.errors import ConfigError, did_you_mean
@@ -207,13 +208,50 @@ def validate_launch(config: JobConfig) -> None:
 
         find_template(str(tokenizer), config.training.chat_template)
     t, v = config.training, config.validation
-    datasets = [("--training.dataset_path", t.dataset_path, t.dataset == "files")]
+    datasets = [("--training.dataset_path", t.dataset_path, t.dataset)]
     if v.enable:
-        datasets.append(("--validation.dataset_path", v.dataset_path, v.dataset == "files"))
-    for flag, path, files in datasets:
-        if path is not None and _local_path_missing(path, files=files):
+        datasets.append(("--validation.dataset_path", v.dataset_path, v.dataset))
+    for flag, path, name in datasets:
+        if name == "tokens":
+            continue  # below
+        if path is not None and _local_path_missing(path, files=name == "files"):
             where = "" if os.path.isabs(path) else f" (looked in {os.getcwd()} and the repository)"
             raise ConfigError(f"{flag} {path}: nothing there{where}; give a file, glob or folder")
+    _check_token_folders(config, tokenizer)
+
+
+def _check_token_folders(config: JobConfig, tokenizer_path: Path) -> None:
+    """Pre-tokenized data (``tokens``) named for training, in the mix or for validation: its
+    folder complete, made with this run's tokenizer, at least one window long."""
+    t, v = config.training, config.validation
+    named = []  # (what names the folder, its path, the config section, its seq_len)
+    if t.dataset == "tokens" and not t.dataset_mix:
+        named.append((f"--training.dataset_path {t.dataset_path}", t.dataset_path, t))
+    for entry in t.mix() if t.dataset_mix else ():
+        if entry.name == "tokens":  # its path is given (``mix`` refuses one without)
+            named.append((f"--training.dataset_mix {entry.written}", entry.path, t))
+    if v.enable and v.dataset == "tokens":
+        named.append((f"--validation.dataset_path {v.dataset_path}", v.dataset_path, v))
+    if not named:
+        return
+    from torchtitan.components.token_shards import open_folder
+    from torchtitan.components.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(tokenizer_path)
+    for where, path, section in named:
+        flag = "--training" if section is t else "--validation"
+        if path is None:
+            raise ConfigError(
+                f"{flag}.dataset tokens needs {flag}.dataset_path: a folder that "
+                "scripts/pretokenize.py wrote"
+            )
+        folder = open_folder(resolve_path(path), given=where)
+        folder.check_tokenizer(tokenizer)
+        if folder.tokens < section.seq_len + 1:
+            raise ConfigError(
+                f"{where}: its {folder.tokens:,} tokens are less than one window of "
+                f"{flag}.seq_len {section.seq_len} + 1; use a shorter {flag}.seq_len or more data"
+            )
 
 
 def _local_path_missing(path: str, *, files: bool) -> bool:
