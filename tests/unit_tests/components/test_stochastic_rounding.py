@@ -2,7 +2,10 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from torchtitan.components.muon import Muon
 from torchtitan.components.optimizer import build_optimizers
@@ -60,6 +63,30 @@ def test_the_bits_depend_on_seed_step_and_parameter_name_only():
     assert torch.equal(first, bits(0, 1, "w"))  # another tensor of the same name
     for other in (bits(1, 1, "w"), bits(0, 2, "w"), bits(0, 1, "v")):
         assert not torch.equal(first, other)
+
+
+def test_shards_draw_their_own_bits_and_replicas_the_same(monkeypatch):
+    """The key holds the parameter's coordinates on its sharded mesh dimensions only: two
+    shards of one parameter round independently, two replicas alike (a 1-rank mesh whose
+    coordinate is set by hand stands for the ranks)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+
+        def bits(placements: list, coordinate: list[int]) -> torch.Tensor:
+            param = distribute_tensor(torch.zeros(4096, dtype=torch.bfloat16), mesh, placements)
+            rounding = Rounding(0, {id(param): "w"})
+            with monkeypatch.context() as patch:
+                patch.setattr(type(mesh), "get_coordinate", lambda self: coordinate)
+                rounding.round_into_(param, torch.full((4096,), 1 + 2**-8))  # a coin each
+            return param.to_local().clone()
+
+        sharded, replicated = [Shard(0), Replicate()], [Replicate(), Replicate()]
+        assert not torch.equal(bits(sharded, [0, 0]), bits(sharded, [1, 0]))  # two shards
+        assert torch.equal(bits(sharded, [0, 0]), bits(sharded, [0, 1]))  # tp replicas
+        assert torch.equal(bits(replicated, [0, 0]), bits(replicated, [1, 1]))
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
