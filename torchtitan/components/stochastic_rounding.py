@@ -35,16 +35,13 @@ class Rounding:
     def round_into_(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """Write float32 ``value`` (this rank's local values of ``param``, contiguous, owned:
         it is overwritten) into ``param``, rounded at random to ``param``'s dtype."""
-        mine = local(param)
-        if mine.dtype == torch.float32:
-            mine.copy_(value)
-            return
-        if mine.dtype != torch.bfloat16:
-            raise TypeError(f"stochastic rounding writes bf16 or float32, not {mine.dtype}")
-        generator = self._generator(value.device)
-        generator.manual_seed(self._key(param))
-        round_bits_(value, generator)
-        mine.copy_(value)  # exact: the low 16 bits are zero
+        write_rounded_(local(param), value, self.seeded(param))
+
+    def seeded(self, param: torch.Tensor) -> torch.Generator:
+        """The generator of ``param``'s bits at this step, at their start (draw them in one
+        fixed order)."""
+        generator = self._generator(local(param).device)
+        return generator.manual_seed(self._key(param))
 
     def _key(self, param: torch.Tensor) -> int:
         coordinates: list[int] = []
@@ -63,6 +60,18 @@ class Rounding:
         if device not in self._generators:
             self._generators[device] = torch.Generator(device=device)
         return self._generators[device]
+
+
+def write_rounded_(out: torch.Tensor, value: torch.Tensor, generator: torch.Generator) -> None:
+    """Write float32 ``value`` (contiguous, owned: overwritten) into ``out`` (bf16: rounded
+    at random with ``generator``'s next bits; float32: as it is)."""
+    if out.dtype == torch.float32:
+        out.copy_(value)
+        return
+    if out.dtype != torch.bfloat16:
+        raise TypeError(f"stochastic rounding writes bf16 or float32, not {out.dtype}")
+    round_bits_(value, generator)
+    out.copy_(value)  # exact: the low 16 bits are zero
 
 
 def round_bits_(value: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -93,14 +102,19 @@ def placed_as(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return grad
 
 
+CHUNK = 1 << 22
+"""Elements of a parameter stepped at a time: the step's float32 temporaries (about 24 bytes
+an element) stay near 100 MiB however large the local tensor is."""
+
+
 def adam_step_(optimizer: torch.optim.Optimizer, rounding: Rounding, decoupled: bool) -> None:
     """One step of Adam (AdamW with ``decoupled``), computed in float32 per parameter with the
     moments kept in the parameter's dtype, as torch's fused kernel does, and the new weight
     rounded at random. The state is torch's (``step``, ``exp_avg``, ``exp_avg_sq``), so a
-    checkpoint moves between runs with and without rounding."""
+    checkpoint moves between runs with and without rounding. Contiguous parameters step
+    ``CHUNK`` elements at a time, their bits drawn in order from one seeded generator."""
     for group in optimizer.param_groups:
-        beta1, beta2 = group["betas"]
-        lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+        hyper = (*group["betas"], group["lr"], group["eps"], group["weight_decay"], decoupled)
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -109,22 +123,43 @@ def adam_step_(optimizer: torch.optim.Optimizer, rounding: Rounding, decoupled: 
             # As tensors: no host sync where fused keeps the count on the device, and no
             # value read from the fake tensors of a dry run's probe step.
             step = state["step"].to(torch.float64)
-            correction1, correction2 = 1 - beta1**step, (1 - beta2**step).sqrt()
-            grad = local(placed_as(p.grad, p)).float()
-            weight = local(p).float()
-            if not decoupled and decay:
-                grad = grad.add(weight, alpha=decay)
-            exp_avg, exp_avg_sq = local(state["exp_avg"]), local(state["exp_avg_sq"])
-            first = exp_avg.float().lerp_(grad, 1 - beta1)
-            second = exp_avg_sq.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            exp_avg.copy_(first)
-            exp_avg_sq.copy_(second)
-            if decoupled:
-                weight.mul_(1 - lr * decay)
-            # Not in place: for float32 parameters the moments are these very tensors.
-            denominator = second.sqrt().div_(correction2).add_(eps)
-            weight.sub_(first.div(denominator).mul_(lr / correction1))
-            rounding.round_into_(p, weight.contiguous())
+            tensors = [local(placed_as(p.grad, p)), local(p)]
+            tensors += [local(state["exp_avg"]), local(state["exp_avg_sq"])]
+            generator = rounding.seeded(p)
+            if all(t.is_contiguous() for t in tensors):
+                flat = [t.view(-1) for t in tensors]
+                for start in range(0, flat[0].numel(), CHUNK):
+                    chunk = [t[start : start + CHUNK] for t in flat]
+                    _adam_update_(*chunk, step, hyper, generator)
+            else:
+                _adam_update_(*tensors, step, hyper, generator)
+
+
+def _adam_update_(
+    grad: torch.Tensor,
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    hyper: tuple,
+    generator: torch.Generator,
+) -> None:
+    """Adam's update of one (piece of a) local tensor, in float32, written back rounded."""
+    beta1, beta2, lr, eps, decay, decoupled = hyper
+    correction1, correction2 = 1 - beta1**step, (1 - beta2**step).sqrt()
+    grad, weight = grad.float(), param.float()
+    if not decoupled and decay:
+        grad = grad.add(weight, alpha=decay)
+    first = exp_avg.float().lerp_(grad, 1 - beta1)
+    second = exp_avg_sq.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    exp_avg.copy_(first)
+    exp_avg_sq.copy_(second)
+    if decoupled:
+        weight.mul_(1 - lr * decay)
+    # Not in place: for float32 parameters the moments are these very tensors.
+    denominator = second.sqrt().div_(correction2).add_(eps)
+    weight.sub_(first.div(denominator).mul_(lr / correction1))
+    write_rounded_(param, weight.contiguous(), generator)
 
 
 def _adam_state(state: dict[str, Any], p: torch.Tensor, group: dict[str, Any]) -> dict:

@@ -7,6 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from torchtitan.components import stochastic_rounding
 from torchtitan.components.muon import Muon
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.stochastic_rounding import (
@@ -63,6 +64,28 @@ def test_the_bits_depend_on_seed_step_and_parameter_name_only():
     assert torch.equal(first, bits(0, 1, "w"))  # another tensor of the same name
     for other in (bits(1, 1, "w"), bits(0, 2, "w"), bits(0, 1, "v")):
         assert not torch.equal(first, other)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_large_tensor_steps_in_chunks_as_it_would_whole(monkeypatch, dtype):
+    """Stepped ``CHUNK`` elements at a time (here 1,000 of 10,000, and a ragged last chunk),
+    the weights and moments are bitwise those of one piece: on CPU the bits drawn chunk after
+    chunk from one seeded generator are those drawn at once."""
+    torch.manual_seed(0)
+    weight, grads = torch.randn(10_001), [torch.randn(10_001) for _ in range(3)]
+
+    def steps(chunk: int) -> list[torch.Tensor]:
+        monkeypatch.setattr(stochastic_rounding, "CHUNK", chunk)
+        param = nn.Parameter(weight.to(dtype))
+        optimizer = RoundedAdamW([param], Rounding(0, {id(param): "w"}), lr=1e-2, weight_decay=0.1)
+        for grad in grads:
+            param.grad = grad.to(dtype)
+            optimizer.step()
+        state = optimizer.state[param]
+        return [param.detach(), state["exp_avg"], state["exp_avg_sq"]]
+
+    whole, chunked = steps(1 << 22), steps(1000)
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked, strict=True))
 
 
 def test_shards_draw_their_own_bits_and_replicas_the_same(monkeypatch):
