@@ -104,14 +104,16 @@ class TokenFolder:
         parts = ",".join(f"{s.tokens}:{s.crc32:08x}" for s in self.shards)
         return hashlib.sha256(parts.encode()).hexdigest()[:16]
 
+    def array(self, index: int) -> numpy.ndarray:
+        """Shard ``index`` memory-mapped read-only (an empty shard as an empty array)."""
+        shard, dtype = self.shards[index], _LITTLE[self.dtype]
+        if not shard.tokens:
+            return numpy.zeros(0, dtype=dtype)
+        return numpy.memmap(self.path / shard.file, dtype=dtype, mode="r")
+
     def arrays(self) -> list[numpy.ndarray]:
-        """The shards memory-mapped read-only, in order (an empty shard as an empty array)."""
-        return [
-            numpy.memmap(self.path / s.file, dtype=_LITTLE[self.dtype], mode="r")
-            if s.tokens
-            else numpy.zeros(0, dtype=_LITTLE[self.dtype])
-            for s in self.shards
-        ]
+        """Every shard, memory-mapped, in order."""
+        return [self.array(i) for i in range(len(self.shards))]
 
     def check_tokenizer(self, tokenizer: Tokenizer) -> None:
         """Refuse in one line a run whose tokenizer is not the one these tokens were made with

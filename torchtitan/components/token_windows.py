@@ -86,12 +86,14 @@ class TokenWindows(IterableDataset, Stateful):
         self._order: tuple[int, numpy.ndarray] | None = None  # (epoch, its window indices)
         self._epoch = 0
         self._sample_idx = 0  # next index into this epoch's order
-        self._arrays: list[numpy.ndarray] | None = None  # opened in the reading process
+        # Shards mapped as windows reach them, in the reading process (a run of 10^13 tokens
+        # has tens of thousands of shards; a worker maps only those it reads).
+        self._arrays: dict[int, numpy.ndarray] = {}
         self._starts = numpy.cumsum([0] + [s.tokens for s in folder.shards]).tolist()
 
     def __getstate__(self) -> dict[str, Any]:
         # Dataloader workers map the shards themselves (a pickled memmap would be a copy).
-        return {**self.__dict__, "_arrays": None, "_order": None}
+        return {**self.__dict__, "_arrays": {}, "_order": None}
 
     def _windows_of_epoch(self) -> Any:
         """This rank's window indices in reading order: its block, or (shuffled) its block of
@@ -136,13 +138,13 @@ class TokenWindows(IterableDataset, Stateful):
                 )
 
     def _read(self, window: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        if self._arrays is None:
-            self._arrays = self._folder.arrays()
         start, stop = window * self._window, (window + 1) * self._window
         shard = bisect.bisect_right(self._starts, start) - 1
         pieces = []
         while start < stop:  # a window crosses into the next shard at most a few times
             local = start - self._starts[shard]
+            if shard not in self._arrays:
+                self._arrays[shard] = self._folder.array(shard)
             piece = self._arrays[shard][local : local + stop - start]
             pieces.append(piece)
             start += len(piece)
