@@ -5,6 +5,7 @@ or flag is refused in one line."""
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import sys
@@ -166,6 +167,46 @@ def test_max_tokens_stops_at_a_document_boundary(tmp_path: Path, tokenizer: Any)
     assert folder.tokens >= 5000 and tokens[-1] == tokenizer.eos_id
     starts = numpy.flatnonzero(tokens == tokenizer.bos_id)
     assert len(starts) == folder.documents and starts[-1] < 5000  # the last one reached it
+
+
+def test_a_stream_is_read_in_order_and_cut_at_max_tokens(tmp_path: Path, tokenizer: Any) -> None:
+    """A local C4 copy (streamed, two shards) pre-tokenizes to its documents in order: the
+    windows are the streaming text loader's; ``--max_tokens`` takes its first documents."""
+    root = tmp_path / "c4"
+    (root / "en").mkdir(parents=True)
+    texts = [f"document {i}: " + "some words of text " * (40 + i) for i in range(12)]
+    for shard, part in enumerate((texts[:7], texts[7:])):
+        name = root / "en" / f"c4-train.{shard:05d}-of-00002.json.gz"
+        with gzip.open(name, "wt") as f:
+            f.writelines(json.dumps({"text": t, "url": "u", "timestamp": "t"}) + "\n" for t in part)
+    (root / "README.md").write_text(
+        "---\nconfigs:\n- config_name: en\n  data_files:\n  - split: train\n"
+        "    path: en/c4-train.*.json.gz\n---\n"
+    )
+    out = tmp_path / "c4_tokens"
+    assert (
+        pretokenize.main(["--out", str(out), "--dataset", "c4", "--dataset_path", str(root)]) == 0
+    )
+    folder = open_folder(out)
+    expected = [t for text in texts for t in tokenizer.encode(text, add_bos=True, add_eos=True)]
+    assert numpy.concatenate(folder.arrays()).tolist() == expected
+    text = build_dataloader(
+        dataset="c4", dataset_path=str(root), tokenizer=tokenizer, seq_len=63,
+        local_batch_size=2, dp_rank=0, dp_world_size=1,
+    )  # fmt: skip
+    windows = folder.tokens // 64 // 2
+    assert _rows(itertools.islice(text, windows)) == _rows(
+        itertools.islice(_loader(out, tokenizer, seq_len=63, local_batch_size=2), windows)
+    )
+    part = tmp_path / "c4_part"
+    flags = ["--dataset", "c4", "--dataset_path", str(root), "--max_tokens", "300"]
+    assert pretokenize.main(["--out", str(part), *flags]) == 0
+    lengths = numpy.cumsum([len(tokenizer.encode(t, add_bos=True, add_eos=True)) for t in texts])
+    documents = int(numpy.searchsorted(lengths, 300)) + 1  # the first to reach 300 tokens
+    assert (
+        open_folder(part).documents == documents
+        and open_folder(part).tokens == lengths[documents - 1]
+    )
 
 
 # --- reading --------------------------------------------------------------------------------
