@@ -5,7 +5,8 @@ Reads any dataset training reads (a registered name, ``files`` with a path, a lo
 frames every document with the tokenizer's bos and eos as the training loader does, and writes
 ``OUT/tokens-NNNNN.bin`` shards of whole documents plus ``OUT/meta.json``. Documents keep
 their order whatever ``--workers`` is (the output is byte-identical). Nothing existing is
-overwritten; an interrupted run leaves only ``OUT.partial``.
+overwritten; the folder is written as ``OUT.partial`` and renamed when complete (a failed or
+interrupted run removes its ``OUT.partial``; a killed one leaves it, and the next run says so).
 
     python scripts/pretokenize.py --out /tmp/python_docs_tokens
     python scripts/pretokenize.py --dataset files --dataset_path 'data/*.jsonl' \\
@@ -16,6 +17,7 @@ overwritten; an interrupted run leaves only ``OUT.partial``.
 import argparse
 import collections
 import multiprocessing
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -23,8 +25,13 @@ from typing import Any
 
 import numpy
 
-from torchtitan.components.data_sources import open_dataset
-from torchtitan.components.token_shards import ShardWriter, open_folder, tokenizer_fingerprint
+from torchtitan.components.data_sources import DATASETS, open_dataset
+from torchtitan.components.token_shards import (
+    ShardWriter,
+    TokenFolder,
+    open_folder,
+    tokenizer_fingerprint,
+)
 from torchtitan.components.token_shards import verify as verify_folder
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.config.errors import ConfigError
@@ -77,6 +84,36 @@ def pretokenize(
     tokenizer = build_tokenizer(resolve_path(tokenizer_path))
     data, text_key = open_dataset(dataset, dataset_path, data_format="text")
     writer = ShardWriter(out, vocab_size=tokenizer.vocab_size, shard_tokens=shard_tokens)
+    started = time.monotonic()
+    try:
+        folder = _write(writer, data, text_key, tokenizer, tokenizer_path=tokenizer_path,
+                        dataset=dataset, dataset_path=dataset_path, workers=workers,
+                        max_tokens=max_tokens)  # fmt: skip
+    except BaseException:  # this run's own unfinished folder, Ctrl-C included
+        shutil.rmtree(writer.partial, ignore_errors=True)
+        raise
+    seconds = time.monotonic() - started
+    print(
+        f"wrote {folder.tokens:,} tokens of {folder.documents:,} documents in "
+        f"{len(folder.shards)} shard(s) of {folder.dtype} to {out} in {seconds:.1f} s "
+        f"({folder.tokens / seconds:,.0f} tokens/s)"
+    )
+
+
+def _write(
+    writer: ShardWriter,
+    data: Any,
+    text_key: str,
+    tokenizer: Any,
+    *,
+    tokenizer_path: str,
+    dataset: str,
+    dataset_path: str | None,
+    workers: int,
+    max_tokens: int | None,
+) -> TokenFolder:
+    """Tokenize ``data``'s documents into ``writer`` and close it (``pretokenize``)."""
+    out = writer.folder
     started = last = time.monotonic()
     pending: collections.deque = collections.deque()
     context = multiprocessing.get_context("spawn")
@@ -115,8 +152,8 @@ def pretokenize(
         if pool is not None:
             pool.terminate()
     if writer.documents == 0:
-        raise ConfigError(f"dataset {dataset} has no documents; nothing written to {out}.partial")
-    folder = writer.close(
+        raise ConfigError(f"dataset {dataset} has no documents; nothing written to {out}")
+    return writer.close(
         tokenizer={
             "path": tokenizer_path,
             "vocab_size": tokenizer.vocab_size,
@@ -125,12 +162,6 @@ def pretokenize(
             "fingerprint": tokenizer_fingerprint(tokenizer),
         },
         source={"dataset": dataset, "path": dataset_path, "max_tokens": max_tokens},
-    )
-    seconds = time.monotonic() - started
-    print(
-        f"wrote {folder.tokens:,} tokens of {folder.documents:,} documents in "
-        f"{len(folder.shards)} shard(s) of {folder.dtype} to {out} in {seconds:.1f} s "
-        f"({folder.tokens / seconds:,.0f} tokens/s)"
     )
 
 
@@ -152,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--max_tokens", type=int, default=None,
-        help="stop at the first document boundary past this many tokens",
+        help="stop at the first document boundary at or past this many tokens",
     )  # fmt: skip
     args = parser.parse_args(argv)
     try:
@@ -170,13 +201,33 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("give --out (or --verify)")
         if args.workers < 1:
             raise ConfigError(f"--workers {args.workers} must be at least 1")
+        if args.max_tokens is not None and args.max_tokens < 1:
+            raise ConfigError(f"--max_tokens {args.max_tokens} must be positive")
+        if args.dataset == "tokens":
+            raise ConfigError(
+                "--dataset tokens is pre-tokenized already; give the documents it was made from"
+            )
+        kind = DATASETS[args.dataset].data_format if args.dataset in DATASETS else "text"
+        if kind != "text":
+            raise ConfigError(
+                f"--dataset {args.dataset} holds {kind} rows; pre-tokenized data is text "
+                "documents (fine-tuning samples are read from their rows in training)"
+            )
         pretokenize(
             dataset=args.dataset, dataset_path=args.dataset_path, tokenizer_path=args.tokenizer,
             out=args.out, workers=args.workers, shard_tokens=args.shard_tokens,
             max_tokens=args.max_tokens,
         )  # fmt: skip
     except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        # Training's flags named as this script spells them.
+        message = str(e)
+        for flag, here in (
+            ("--training.dataset_path", "--dataset_path"),
+            ("--training.dataset ", "--dataset "),
+            ("--model.tokenizer_path", "--tokenizer"),
+        ):
+            message = message.replace(flag, here)
+        print(f"error: {message}", file=sys.stderr)
         return 2
     return 0
 

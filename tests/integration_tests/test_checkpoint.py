@@ -46,11 +46,10 @@ def _run_train(dump: Path, *flags: str, ngpu: int = 2) -> subprocess.CompletedPr
     """``./run_train.sh`` into ``dump``, run once more from the same files if a rank died of a
     signal: torch 2.13's CPU build aborts a rank inside C++ now and then under load (SIGABRT
     at step 2 of a CP 2 run in one CI, not reproduced in 8 runs alone), as the numerics
-    harness's launches do."""
+    harness's launches do. A crash of ours that came only now and then would pass here too;
+    the retry prints the first attempt's stderr, so CI logs show it."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    before = dump.with_name(dump.name + ".before")
-    if dump.exists():
-        shutil.copytree(dump, before)
+    before = dump.with_name(dump.name + ".before")  # what the retry starts from
 
     def run() -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -62,14 +61,18 @@ def _run_train(dump: Path, *flags: str, ngpu: int = 2) -> subprocess.CompletedPr
             timeout=600,
         )
 
-    result = run()
-    if result.returncode != 0 and "was killed by SIG" in result.stderr:
-        print(f"a rank crashed; running again from the same files:\n{result.stderr[-3000:]}")
-        shutil.rmtree(dump, ignore_errors=True)
-        if before.exists():
-            shutil.copytree(before, dump)
+    try:
+        if dump.exists():
+            shutil.copytree(dump, before, dirs_exist_ok=True)
         result = run()
-    shutil.rmtree(before, ignore_errors=True)
+        if result.returncode != 0 and "was killed by SIG" in result.stderr:
+            print(f"a rank crashed; running again from the same files:\n{result.stderr[-3000:]}")
+            shutil.rmtree(dump, ignore_errors=True)
+            if before.exists():
+                shutil.copytree(before, dump)
+            result = run()
+    finally:
+        shutil.rmtree(before, ignore_errors=True)
     return result
 
 

@@ -254,7 +254,7 @@ class TextDataset(IterableDataset, Stateful):
 
     def check_state(self, state: dict[str, Any]) -> None:
         """Refuse (one line) a saved state this dataset cannot continue: a mix's, another
-        format."""
+        format, another shuffle seed, a shuffled one saved under another name."""
         if "mix" in state:
             mix = [
                 f"{label}:{w:g}" for label, w in zip(state["mix"], state["weights"], strict=True)
@@ -264,13 +264,6 @@ class TextDataset(IterableDataset, Stateful):
                 f"this run reads {self.name} alone (--training.dataset); resume with a mix (one "
                 f"that names {self.name} continues it where it was) or pass "
                 "--checkpoint.exclude_from_loading dataloader"
-            )
-        seed = state.get("shuffle_seed")
-        if seed != self._shuffle_seed:
-            raise ConfigError(
-                f"dataloader state of {self.name} was saved {seed_text(seed)}, this run reads "
-                f"{seed_text(self._shuffle_seed)} (the saved position is in that order); "
-                f"resume {seed_text(seed)} or pass --checkpoint.exclude_from_loading dataloader"
             )
         saved = state.get("format", "text")
         if saved == "tokens":
@@ -283,6 +276,21 @@ class TextDataset(IterableDataset, Stateful):
             raise ConfigError(
                 f"dataloader state was saved reading --training.data_format {saved}, this run "
                 f"reads {self._format}; resume with {saved} or pass "
+                "--checkpoint.exclude_from_loading dataloader"
+            )
+        seed = state.get("shuffle_seed")
+        if seed != self._shuffle_seed:
+            raise ConfigError(
+                f"dataloader state of {self.name} was saved {seed_text(seed)}, this run reads "
+                f"{seed_text(self._shuffle_seed)} (the saved position is in that order); "
+                f"resume {seed_text(seed)} or pass --checkpoint.exclude_from_loading dataloader"
+            )
+        named = state.get("dataset", self.name)
+        if seed is not None and named != self.name:
+            raise ConfigError(
+                f"dataloader state was saved reading {named}, this run names it {self.name}: "
+                "the shuffled order is drawn from the name as written, so the saved position "
+                f"would be in another order; write it as before ({named}) or pass "
                 "--checkpoint.exclude_from_loading dataloader"
             )
 

@@ -4,14 +4,15 @@ The folder's tokens are one stream, cut into windows of ``seq_len + 1`` tokens (
 first ``seq_len``, labels the last ``seq_len``; the stream's last ``< seq_len + 1`` tokens are
 left out each epoch). Nothing is tokenized and no document is parsed: a window is two slices of
 memory-mapped shards at most. In the data's order the windows are the ones the text loader
-packs from the same documents. Each data-parallel rank reads a contiguous block of the
-windows; ``--training.shuffle_seed`` draws a permutation of all windows each epoch and each
-rank reads its block of it. The position is a window index, so a resume is exact and costs
-nothing.
+packs from the same documents in its first epoch (it carries an epoch's last tokens into the
+next; these windows leave them out). Each data-parallel rank reads a contiguous block of the
+windows; ``--training.shuffle_seed`` permutes all windows each epoch (computed per index, no
+table held) and each rank reads its block of the permutation. The position is a window index,
+so a resume is exact and costs nothing.
 """
 
 import bisect
-import zlib
+import hashlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +42,45 @@ def seed_text(seed: int | None) -> str:
         if seed is None
         else f"with --training.shuffle_seed {seed}"
     )
+
+
+_M64 = (1 << 64) - 1
+
+
+def _mix64(value: int) -> int:
+    """A 64-bit mixing function (splitmix64's finaliser)."""
+    value = (value + 0x9E3779B97F4A7C15) & _M64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _M64
+    return value ^ (value >> 31)
+
+
+class Permutation:
+    """A keyed pseudo-random permutation of ``range(count)``, computed per position: a 4-round
+    Feistel network over the smallest even number of bits that holds ``count``, walked again
+    while it lands outside (at most 4x the domain, so about 4 steps at worst). Nothing of size
+    ``count`` is held: a numpy permutation of 10^9 windows would take 8 GB per reader."""
+
+    def __init__(self, count: int, key: int, start: int = 0, stop: int | None = None):
+        """Positions ``[start, stop)`` of the permutation (a rank's block of it)."""
+        self.count, self.key = count, key
+        self.start, self.stop = start, count if stop is None else stop
+        self._half = max(1, ((count - 1).bit_length() + 1) // 2)
+        self._keys = [_mix64(key + r) for r in range(4)]
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, i: int) -> int:
+        half, mask = self._half, (1 << self._half) - 1
+        x = self.start + i
+        while True:
+            left, right = x >> half, x & mask
+            for round_key in self._keys:
+                left, right = right, left ^ (_mix64(right ^ round_key) & mask)
+            x = (left << half) | right
+            if x < self.count:
+                return x
 
 
 class TokenWindows(IterableDataset, Stateful):
@@ -83,7 +123,6 @@ class TokenWindows(IterableDataset, Stateful):
         self._flag = flag
         self._infinite = infinite
         self._shuffle_seed = shuffle_seed
-        self._order: tuple[int, numpy.ndarray] | None = None  # (epoch, its window indices)
         self._epoch = 0
         self._sample_idx = 0  # next index into this epoch's order
         # Shards mapped as windows reach them, in the reading process (a run of 10^13 tokens
@@ -93,19 +132,18 @@ class TokenWindows(IterableDataset, Stateful):
 
     def __getstate__(self) -> dict[str, Any]:
         # Dataloader workers map the shards themselves (a pickled memmap would be a copy).
-        return {**self.__dict__, "_arrays": {}, "_order": None}
+        return {**self.__dict__, "_arrays": {}}
 
     def _windows_of_epoch(self) -> Any:
         """This rank's window indices in reading order: its block, or (shuffled) its block of
         this epoch's permutation of every window."""
         if self._shuffle_seed is None:
             return range(*self._block)
-        if self._order is None or self._order[0] != self._epoch:
-            # Seeded by the dataset's name too: the datasets of a mix draw different orders.
-            entropy = [self._shuffle_seed, self._epoch, zlib.crc32(self.name.encode())]
-            permutation = numpy.random.default_rng(entropy).permutation(self._count)
-            self._order = (self._epoch, permutation[slice(*self._block)].copy())
-        return self._order[1]
+        # Keyed by the shards' contents, not the path as written (``./data/x`` and ``data/x``
+        # must resume alike); the folders of a mix draw different orders.
+        text = f"{self._shuffle_seed}/{self._epoch}/{self._folder.identity}"
+        key = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+        return Permutation(self._count, key, *self._block)
 
     def check_readers(self, num_workers: int) -> None:
         """Refuse more dataloader workers than this rank has windows (a worker with none
@@ -168,10 +206,13 @@ class TokenWindows(IterableDataset, Stateful):
         documents', another shuffle seed's, another window length's or another folder's."""
         skip = "pass --checkpoint.exclude_from_loading dataloader"
         if "mix" in state:
+            mix = [
+                f"{label}:{w:g}" for label, w in zip(state["mix"], state["weights"], strict=True)
+            ]
             raise ConfigError(
-                f"dataloader state was saved reading --training.dataset_mix "
-                f"{' '.join(state['mix'])}, this run reads {self.name} alone; resume with a "
-                f"mix (one that names {self.name} continues it where it was) or {skip}"
+                f"dataloader state was saved reading --training.dataset_mix {' '.join(mix)}, "
+                f"this run reads {self.name} alone; resume with a mix (one that names "
+                f"{self.name} continues it where it was) or {skip}"
             )
         if state.get("format", "text") != "tokens":
             raise ConfigError(

@@ -238,6 +238,10 @@ def _check_token_folders(config: JobConfig, tokenizer_path: Path) -> None:
     from torchtitan.components.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(tokenizer_path)
+    world = os.environ.get("WORLD_SIZE", "1")
+    dp = 1
+    if world.isdigit():  # the launchers set it; a bad value was refused before this
+        dp = ParallelDims.from_config(config.parallelism, int(world)).dp_degree
     for where, path, section in named:
         flag = "--training" if section is t else "--validation"
         if path is None:
@@ -247,10 +251,20 @@ def _check_token_folders(config: JobConfig, tokenizer_path: Path) -> None:
             )
         folder = open_folder(resolve_path(path), given=where)
         folder.check_tokenizer(tokenizer)
-        if folder.tokens < section.seq_len + 1:
+        windows = folder.tokens // (section.seq_len + 1)
+        if windows < 1:
             raise ConfigError(
                 f"{where}: its {folder.tokens:,} tokens are less than one window of "
                 f"{flag}.seq_len {section.seq_len} + 1; use a shorter {flag}.seq_len or more data"
+            )
+        # Each data-parallel rank a block of the windows (by_row: all), each worker a share.
+        readers = (1 if t.data_sharding == "by_row" else dp) * max(1, t.num_workers)
+        if windows < readers:
+            raise ConfigError(
+                f"{where}: its {folder.tokens:,} tokens make {windows} windows of "
+                f"{flag}.seq_len {section.seq_len} + 1, fewer than the {readers} readers "
+                f"(data-parallel ranks x --training.num_workers); use a shorter "
+                f"{flag}.seq_len, fewer readers or more data"
             )
 
 

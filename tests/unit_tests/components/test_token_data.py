@@ -23,6 +23,7 @@ from torchtitan.components.token_shards import (
     tokenizer_fingerprint,
     verify,
 )
+from torchtitan.components.token_windows import Permutation
 from torchtitan.components.tokenizer import DEFAULT_TOKENIZER_PATH, build_tokenizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
@@ -127,6 +128,8 @@ def test_shards_hold_whole_documents(tmp_path: Path) -> None:
 
 
 def test_nothing_is_overwritten(small_tokens: Path, tmp_path: Path, capsys: Any) -> None:
+    """An existing folder or another run's ``.partial`` is refused; a run that fails removes
+    its own ``.partial`` (the next one starts clean)."""
     before = (small_tokens / "meta.json").read_text()
     assert pretokenize.main(["--out", str(small_tokens)]) == 2
     assert f"{small_tokens} exists; nothing is overwritten" in capsys.readouterr().err
@@ -134,6 +137,31 @@ def test_nothing_is_overwritten(small_tokens: Path, tmp_path: Path, capsys: Any)
     (tmp_path / "run.partial").mkdir()
     assert pretokenize.main(["--out", str(tmp_path / "run")]) == 2
     assert "run.partial exists" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n{"text": null}\n')
+    flags = ["--out", str(tmp_path / "failed"), "--dataset", "files", "--dataset_path", str(bad)]
+    assert pretokenize.main(flags) == 2
+    assert "a row has NoneType as 'text', not text" in capsys.readouterr().err
+    assert not (tmp_path / "failed.partial").exists() and not (tmp_path / "failed").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--dataset", "files"], "error: --dataset files needs --dataset_path"),
+        (["--dataset", "tokens"], "--dataset tokens is pre-tokenized already"),
+        (["--dataset", "chat_demo"], "--dataset chat_demo holds chat rows"),
+        (["--max_tokens", "0"], "--max_tokens 0 must be positive"),
+        (["--tokenizer", "nothing"], "error: --tokenizer=nothing: nothing does not exist"),
+    ],
+)
+def test_the_scripts_refusals_name_its_own_flags(
+    flags: list[str], expected: str, tmp_path: Path, capsys: Any
+) -> None:
+    assert pretokenize.main(["--out", str(tmp_path / "out"), *flags]) == 2
+    error = capsys.readouterr().err
+    assert expected in error and error.count("\n") == 1
+    assert not list(tmp_path.iterdir())
 
 
 def test_verify_finds_a_changed_byte(small_tokens: Path, tmp_path: Path, capsys: Any) -> None:
@@ -271,12 +299,60 @@ def test_resume_is_exact_across_the_epoch_boundary(
 
     loader = make()
     it = iter(loader)
-    _rows(itertools.islice(it, 7))  # 28 of the 36 windows of 1,024
+    _rows(itertools.islice(it, 7))  # 7 batches of the 9 of an epoch (36 windows of 1,024)
     saved = _saved(loader.state_dict(), tmp_path)
     want = _rows(itertools.islice(it, 6))  # into the second epoch
     resumed = make()
     resumed.load_state_dict(saved)
     assert _rows(itertools.islice(iter(resumed), 6)) == want
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 7, 1000, 4097, 65536])
+def test_the_permutation_is_one_of_every_index(count: int) -> None:
+    permutation = Permutation(count, key=12345)
+    order = [permutation[i] for i in range(count)]
+    assert sorted(order) == list(range(count))
+    if count > 3:
+        assert order != list(range(count))
+        assert order != [Permutation(count, key=54321)[i] for i in range(count)]
+    block = Permutation(count, 12345, count // 3, count // 2)  # a rank's block of it
+    assert [block[i] for i in range(len(block))] == order[count // 3 : count // 2]
+
+
+def test_a_shuffled_resume_does_not_depend_on_how_the_path_is_written(
+    small_tokens: Path, tokenizer: Any, tmp_path: Path
+) -> None:
+    """The order is keyed by the shards' contents: the folder named another way (a trailing
+    slash, ``./``, moved) continues exactly."""
+    loader = _loader(small_tokens, tokenizer, shuffle_seed=2)
+    it = iter(loader)
+    _rows(itertools.islice(it, 3))
+    saved = _saved(loader.state_dict(), tmp_path)
+    want = _rows(itertools.islice(it, 3))
+    moved = tmp_path / "moved"
+    _copy(small_tokens, moved)
+    for path in (f"{small_tokens}/", moved):
+        resumed = _loader(Path(path), tokenizer, shuffle_seed=2)
+        resumed.load_state_dict(saved)
+        assert _rows(itertools.islice(iter(resumed), 3)) == want
+
+
+def test_a_shuffled_text_state_saved_under_another_name_is_refused(
+    tokenizer: Any, tmp_path: Path
+) -> None:
+    """Text documents are shuffled by the dataset's name as written: the same file named
+    another way would continue in another order, so it is refused in one line."""
+    corpus = str(REPO / "tests/assets/corpus/validation.jsonl")
+    flags = dict(tokenizer=tokenizer, seq_len=SEQ, local_batch_size=2, dp_rank=0,
+                 dp_world_size=1, shuffle_seed=1)  # fmt: skip
+    loader = build_dataloader(dataset="files", dataset_path=corpus, **flags)
+    next(iter(loader))
+    saved = _saved(loader.state_dict(), tmp_path)
+    other = build_dataloader(
+        dataset="files", dataset_path=corpus.replace("/corpus/", "/corpus/./"), **flags
+    )
+    with pytest.raises(ConfigError, match=r"this run names it files=.*corpus/\./validation.jsonl"):
+        other.load_state_dict(saved)
 
 
 def test_by_row_ranks_read_the_one_process_batch(small_tokens: Path, tokenizer: Any) -> None:
@@ -402,14 +478,12 @@ def test_states_that_do_not_carry_over_are_refused(
          "saved with --training.seq_len 255, this run has 127"),
         (_loader(small_tokens, tokenizer, shuffle_seed=1), tokens,
          "was saved without --training.shuffle_seed, this run reads with --training.shuffle_seed 1"),
-        (_loader(corpus_tokens, tokenizer), {**tokens}, "other tokens than"),
+        (_loader(corpus_tokens, tokenizer), tokens, "other tokens than"),
         (build_dataloader(dataset="python_docs", dataset_path=None, tokenizer=tokenizer,
                           seq_len=SEQ, local_batch_size=4, dp_rank=0, dp_world_size=1),
          tokens, "was saved reading pre-tokenized windows, this run reads documents"),
     ]  # fmt: skip
     for loader, state, expected in refusals:
-        if "other tokens" in expected:  # the same name, another folder's contents
-            state["dp_rank_0"]["dataset_state"]["dataset"] = f"tokens={corpus_tokens}"
         with pytest.raises(ConfigError, match=expected.replace("(", r"\(")) as refused:
             loader.load_state_dict(state)
         assert "--checkpoint.exclude_from_loading dataloader" in str(refused.value)
@@ -427,6 +501,14 @@ def test_states_that_do_not_carry_over_are_refused(
           "--training.seq_len", "40000"],
          "--training.dataset_path {small}: its 37,581 tokens are less than one window of "
          "--training.seq_len 40000 + 1"),
+        (["--training.dataset", "tokens", "--training.dataset_path", "{small}",
+          "--training.seq_len", "20000", "--training.num_workers", "2"],
+         "--training.dataset_path {small}: its 37,581 tokens make 1 windows of "
+         "--training.seq_len 20000 + 1, fewer than the 2 readers"),
+        (["--validation.enable", "--validation.dataset", "tokens", "--validation.dataset_path",
+          "{small}", "--validation.seq_len", "512", "--training.num_workers", "80"],
+         "--validation.dataset_path {small}: its 37,581 tokens make 73 windows of "
+         "--validation.seq_len 512 + 1, fewer than the 80 readers"),
         (["--training.dataset_mix", "tokens:1"], "tokens:1: tokens needs its path, tokens=PATH"),
         (["--training.dataset_mix", "tokens={tmp}/nothing:1", "python_docs:1"],
          "--training.dataset_mix tokens={tmp}/nothing:1: {tmp}/nothing does not exist"),
