@@ -25,7 +25,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan.components.data_mix import MixedDataset
 from torchtitan.components.data_sources import HFDataset, open_dataset
 from torchtitan.components.token_shards import TokenFolder
-from torchtitan.components.token_windows import TokenWindows, contiguous_block, seed_text
+from torchtitan.components.token_windows import TokenWindows, check_seed, contiguous_block
 from torchtitan.config.entries import MixEntry
 from torchtitan.config.errors import ConfigError
 from torchtitan.tools.logging import logger
@@ -279,12 +279,7 @@ class TextDataset(IterableDataset, Stateful):
                 "--checkpoint.exclude_from_loading dataloader"
             )
         seed = state.get("shuffle_seed")
-        if seed != self._shuffle_seed:
-            raise ConfigError(
-                f"dataloader state of {self.name} was saved {seed_text(seed)}, this run reads "
-                f"{seed_text(self._shuffle_seed)} (the saved position is in that order); "
-                f"resume {seed_text(seed)} or pass --checkpoint.exclude_from_loading dataloader"
-            )
+        check_seed(self.name, seed, self._shuffle_seed)
         named = state.get("dataset", self.name)
         if seed is not None and named != self.name:
             raise ConfigError(

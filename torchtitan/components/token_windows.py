@@ -44,6 +44,16 @@ def seed_text(seed: int | None) -> str:
     )
 
 
+def check_seed(name: str, saved: int | None, seed: int | None) -> None:
+    """Refuse in one line a saved position of another shuffle order than this run's."""
+    if saved != seed:
+        raise ConfigError(
+            f"dataloader state of {name} was saved {seed_text(saved)}, this run reads "
+            f"{seed_text(seed)} (the saved position is in that order); resume "
+            f"{seed_text(saved)} or pass --checkpoint.exclude_from_loading dataloader"
+        )
+
+
 _M64 = (1 << 64) - 1
 
 
@@ -221,13 +231,7 @@ class TokenWindows(IterableDataset, Stateful):
                 f"reads pre-tokenized windows ({self.name}); the position does not carry over: "
                 f"{skip}"
             )
-        seed = state.get("shuffle_seed")
-        if seed != self._shuffle_seed:
-            raise ConfigError(
-                f"dataloader state of {self.name} was saved {seed_text(seed)}, this run reads "
-                f"{seed_text(self._shuffle_seed)} (the saved position is in that order); "
-                f"resume {seed_text(seed)} or {skip}"
-            )
+        check_seed(self.name, state.get("shuffle_seed"), self._shuffle_seed)
         if state["window_tokens"] != self._window:
             raise ConfigError(
                 f"dataloader state of {self.name} was saved with {self._flag}.seq_len "
