@@ -242,6 +242,7 @@ def _check_token_folders(config: JobConfig, tokenizer_path: Path) -> None:
     dp = 1
     if world.isdigit():  # the launchers set it; a bad value was refused before this
         dp = ParallelDims.from_config(config.parallelism, int(world)).dp_degree
+    seen: dict[str, str] = {}  # the training folders' contents (a mix's), by what named them
     for where, path, section in named:
         flag = "--training" if section is t else "--validation"
         if path is None:
@@ -258,14 +259,26 @@ def _check_token_folders(config: JobConfig, tokenizer_path: Path) -> None:
                 f"{flag}.seq_len {section.seq_len} + 1; use a shorter {flag}.seq_len or more data"
             )
         # Each data-parallel rank a block of the windows (by_row: all), each worker a share.
-        readers = (1 if t.data_sharding == "by_row" else dp) * max(1, t.num_workers)
+        by_row = t.data_sharding == "by_row"
+        readers = (1 if by_row else dp) * max(1, t.num_workers)
         if windows < readers:
+            who = (
+                "--training.num_workers"
+                if by_row
+                else "data-parallel ranks x --training.num_workers"
+            )
             raise ConfigError(
                 f"{where}: its {folder.tokens:,} tokens make {windows} windows of "
                 f"{flag}.seq_len {section.seq_len} + 1, fewer than the {readers} readers "
-                f"(data-parallel ranks x --training.num_workers); use a shorter "
-                f"{flag}.seq_len, fewer readers or more data"
+                f"({who}); use a shorter {flag}.seq_len, fewer readers or more data"
             )
+        if section is t and folder.identity in seen:
+            raise ConfigError(
+                f"{where}: the same tokens as {seen[folder.identity]}; a mix names each folder "
+                "once (they would read in the same order)"
+            )
+        if section is t:
+            seen[folder.identity] = where
 
 
 def _local_path_missing(path: str, *, files: bool) -> bool:

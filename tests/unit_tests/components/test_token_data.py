@@ -317,6 +317,8 @@ def test_the_permutation_is_one_of_every_index(count: int) -> None:
         assert order != [Permutation(count, key=54321)[i] for i in range(count)]
     block = Permutation(count, 12345, count // 3, count // 2)  # a rank's block of it
     assert [block[i] for i in range(len(block))] == order[count // 3 : count // 2]
+    with pytest.raises(IndexError):
+        permutation[count]  # outside: a walk from there might never come back below count
 
 
 def test_a_shuffled_resume_does_not_depend_on_how_the_path_is_written(
@@ -509,6 +511,14 @@ def test_states_that_do_not_carry_over_are_refused(
           "{small}", "--validation.seq_len", "512", "--training.num_workers", "80"],
          "--validation.dataset_path {small}: its 37,581 tokens make 73 windows of "
          "--validation.seq_len 512 + 1, fewer than the 80 readers"),
+        (["--training.dataset", "tokens", "--training.dataset_path", "{small}",
+          "--training.seq_len", "8192", "--training.data_sharding", "by_row",
+          "--training.num_workers", "5"],
+         "make 4 windows of --training.seq_len 8192 + 1, fewer than the 5 readers "
+         "(--training.num_workers)"),
+        (["--training.dataset_mix", "tokens={small}:1", "tokens={small}/:1"],
+         "--training.dataset_mix tokens={small}/:1: the same tokens as --training.dataset_mix "
+         "tokens={small}:1; a mix names each folder once"),
         (["--training.dataset_mix", "tokens:1"], "tokens:1: tokens needs its path, tokens=PATH"),
         (["--training.dataset_mix", "tokens={tmp}/nothing:1", "python_docs:1"],
          "--training.dataset_mix tokens={tmp}/nothing:1: {tmp}/nothing does not exist"),
@@ -534,6 +544,29 @@ def test_the_preflight_refuses_in_one_line(
         validate_launch(config)
     assert expected.format(**names) in str(refused.value)
     assert "\n" not in str(refused.value)
+
+
+def test_the_preflight_counts_the_data_parallel_ranks(
+    small_tokens: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """4 windows of 8,193 tokens: 4 ranks (FSDP 4) read one each; 2 workers each are too
+    many, as is a fifth rank."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    flags = ["--training.dataset", "tokens", "--training.dataset_path", str(small_tokens)]
+    flags += ["--training.seq_len", "8192"]
+    for extra, refused in ([], False), (["--training.num_workers", "2"], True):
+        config = parse_args([*flags, *extra], console_outputs=False)
+        validate(config)
+        if refused:
+            with pytest.raises(ConfigError, match="fewer than the 8 readers \\(data-parallel"):
+                validate_launch(config)
+        else:
+            validate_launch(config)
+    monkeypatch.setenv("WORLD_SIZE", "5")
+    config = parse_args(flags, console_outputs=False)
+    validate(config)
+    with pytest.raises(ConfigError, match="fewer than the 5 readers"):
+        validate_launch(config)
 
 
 def test_the_preflight_passes_a_sound_folder(small_tokens: Path) -> None:
