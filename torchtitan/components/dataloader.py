@@ -25,10 +25,14 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan.components.data_mix import MixedDataset
 from torchtitan.components.data_sources import HFDataset, open_dataset
 from torchtitan.components.token_shards import TokenFolder
-from torchtitan.components.token_windows import TokenWindows, check_seed, contiguous_block
+from torchtitan.components.token_windows import (
+    TokenWindows,
+    check_seed,
+    contiguous_block,
+    log_reloop,
+)
 from torchtitan.config.entries import MixEntry
 from torchtitan.config.errors import ConfigError
-from torchtitan.tools.logging import logger
 
 # torchdata 0.11 calls a deprecated torch API on every loader construction; nothing to act on.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
@@ -170,11 +174,7 @@ class TextDataset(IterableDataset, Stateful):
                 self._rewind(self._epoch)
                 return
             self._rewind(self._epoch + 1)
-            if self._epoch & (self._epoch - 1) == 0:  # epochs 1, 2, 4, 8, ...: not every pass
-                logger.warning(
-                    f"Dataset {self.name} is being re-looped: epoch {self._epoch} of "
-                    f"{self._where} (a dataset shorter than the run repeats)"
-                )
+            log_reloop(self.name, self._epoch, self._where)
 
     def _windows(self, document: dict[str, Any]) -> Iterator[tuple[dict, torch.Tensor]]:
         """The windows that complete once ``document`` is added to the token stream."""

@@ -44,6 +44,15 @@ def seed_text(seed: int | None) -> str:
     )
 
 
+def log_reloop(name: str, epoch: int, where: str) -> None:
+    """Warn that a reader started epoch ``epoch`` (at epochs 1, 2, 4, 8, ...: not every pass)."""
+    if epoch & (epoch - 1) == 0:
+        logger.warning(
+            f"Dataset {name} is being re-looped: epoch {epoch} of {where} (a dataset shorter "
+            "than the run repeats)"
+        )
+
+
 def check_seed(name: str, saved: int | None, seed: int | None) -> None:
     """Refuse in one line a saved position of another shuffle order than this run's."""
     if saved != seed:
@@ -182,11 +191,7 @@ class TokenWindows(IterableDataset, Stateful):
             if not self._infinite:
                 return
             self._epoch += 1
-            if self._epoch & (self._epoch - 1) == 0:  # epochs 1, 2, 4, 8, ...: not every pass
-                logger.warning(
-                    f"Dataset {self.name} is being re-looped: epoch {self._epoch} of "
-                    f"{self._where} (a dataset shorter than the run repeats)"
-                )
+            log_reloop(self.name, self._epoch, self._where)
 
     def _read(self, window: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         start, stop = window * self._window, (window + 1) * self._window

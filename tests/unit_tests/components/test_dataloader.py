@@ -20,7 +20,6 @@ import huggingface_hub.constants
 import pytest
 import torch
 
-from torchtitan.components import dataloader as dataloader_module
 from torchtitan.components.data_sources import DATASETS, DatasetSpec, load_files, open_dataset
 from torchtitan.components.dataloader import (
     ParallelAwareDataloader,
@@ -33,6 +32,7 @@ from torchtitan.components.tokenizer import (
     build_tokenizer,
 )
 from torchtitan.config.errors import ConfigError
+from torchtitan.tools.logging import logger
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
@@ -719,7 +719,7 @@ def test_infinite_loader_over_an_empty_shard_fails_instead_of_spinning(
         if relooped > 100:
             raise _Spinning(message)
 
-    monkeypatch.setattr(dataloader_module.logger, "warning", count_reloops)
+    monkeypatch.setattr(logger, "warning", count_reloops)  # the re-loop warning's logger
     path = _write_jsonl(tmp_path / "docs.jsonl", [_doc(i, 2) for i in range(2)])
     # Three ranks, two streamed documents: rank 2 is assigned none of them.
     with pytest.raises(Exception) as info:
