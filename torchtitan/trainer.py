@@ -13,6 +13,7 @@ import torch
 
 from torchtitan.batch_runner import Batch, BatchRunner
 from torchtitan.components import checkpoint_hf, float8, lora, preemption
+from torchtitan.components.batch_schedule import BatchSchedule
 from torchtitan.components.chat_template import ChatTemplate
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_states import build_checkpoint_states
@@ -164,8 +165,7 @@ class Trainer:
         )
         self.rank = local_tensor.own_rank()
         dims = self.parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
-        self.grad_accum_steps = dims.grad_accum_steps(t.local_batch_size, t.global_batch_size)
-        self.global_batch_size = dims.global_batch_size(t.local_batch_size, t.global_batch_size)
+        self.batches = BatchSchedule.from_config(t, dims)
         if world_size > 1:
             dims.build_mesh(self.device.type)
         # Ranks whose tokens make up one loss (gradients are averaged over the same ranks).
@@ -173,7 +173,7 @@ class Trainer:
         self.pp_mesh = dims.mesh("pp") if dims.meshes_built and dims.pp_enabled else None
         # This rank's place among the ranks that read different data.
         self.dp_rank = dims.mesh("dp").get_local_rank() if dims.meshes_built else 0
-        logger.info(f"{dims} on {self.device}, gradient accumulation {self.grad_accum_steps}")
+        logger.info(f"{dims} on {self.device}")
         if dims.cp_enabled:
             context_parallel.log_layout(config.parallelism, t.seq_len, config.model.attn_mask)
         self.seed = dist_utils.shared_seed(config.debug.seed, self.parallel_dims.meshes_built)
@@ -300,14 +300,13 @@ class Trainer:
                 + " for a new run"
             )
             return
-        logger.info(
-            f"Training {span}: global batch {self.global_batch_size} x {t.seq_len} tokens "
-            f"({self.grad_accum_steps} accumulation batch(es) of {t.local_batch_size} per rank)"
-        )
+        logger.info(f"Training {span}: {self.batches.describe(t.seq_len)}")
         data_iter = iter(self.dataloader)
         first_step = self.step
         self.events.start(first_step, self.parallel_dims.world_size)
-        self.metrics.start_run(first_step=first_step, last_step=stop)
+        self.metrics.start_run(
+            first_step=first_step, last_step=stop, work=self.batches.batches_through
+        )
         where = dict(dump_folder=self.config.job.dump_folder, rank=self.rank, first_step=first_step)
         graphs = None if self.dry else where["dump_folder"]  # a dry run writes nothing there
         with (
@@ -320,7 +319,7 @@ class Trainer:
                 gc_tick(self.step)
                 self._watch_step(first_step)
                 start = time.perf_counter()
-                batches = [next(data_iter) for _ in range(self.grad_accum_steps)]
+                batches = [next(data_iter) for _ in range(self.batches.accumulation(self.step))]
                 data_seconds = time.perf_counter() - start
                 trace = dict(dump_folder=where["dump_folder"], rank=self.rank)
                 debug = self.config.debug
@@ -475,6 +474,8 @@ class Trainer:
         )
         loss_max = dist_utils.dist_reduce(result.local_loss, "max", self.loss_mesh)
         extra = {"loss_local": local_loss, "skipped_steps": self.nonfinite.skipped}
+        if self.batches.ramps:
+            extra["global_batch_size"] = self.batches.global_batch(self.step)
         extra |= self.model_metrics | validation
         idle = self.runner.take_pipeline_idle()
         if idle is not None:

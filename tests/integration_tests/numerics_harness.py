@@ -50,7 +50,7 @@ class GlobalBatchSlices:
         rows = slice(dp_rank * t.local_batch_size, (dp_rank + 1) * t.local_batch_size)
         it = iter(source)
         self.batches = []
-        for _ in range(steps * trainer.grad_accum_steps):
+        for _ in range(trainer.batches.batches_through(steps)):
             inputs, labels = next(it)
             self.batches.append(({k: v[rows] for k, v in inputs.items()}, labels[rows]))
 

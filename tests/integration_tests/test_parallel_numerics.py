@@ -102,8 +102,27 @@ WHOLE_SPLIT = (
     f"--training.local_batch_size 8 --validation.enable --validation.freq {STEPS} "
     "--validation.steps -1",
 )
+# A batch ramp: 8, 8, 16, 16, 24, 24 sequences per step, in 1 to 3 accumulation batches of 8
+# sequences over the data-parallel ranks (under pipelines, each cut into micro-batches); the
+# MoE case's balance loss and bias update see steps of unequal sizes.
+RAMP = (
+    "--training.global_batch_size 24 --training.global_batch_size_start 8 "
+    "--training.global_batch_size_ramp_steps 4"
+)
+RAMP_REFERENCE = ("ref_ramp", 1, f"--training.local_batch_size 8 {RAMP}")
+RAMP_MOE_REFERENCE = ("ref_ramp_moe", 1, f"--training.local_batch_size 8 {RAMP} {MOE}")
 CASES = {
     # name: (ranks, flags); local_batch_size x data-parallel degree = 8 sequences per step
+    "ramp_fsdp2": (2, f"--training.local_batch_size 4 {RAMP}"),
+    "ramp_pp2_fsdp2": (
+        4,
+        f"--training.local_batch_size 4 {RAMP} --parallelism.pipeline_parallel_degree 2 "
+        "--parallelism.pipeline_parallel_microbatch_size 2",
+    ),
+    "ramp_moe_ep2": (
+        2,
+        f"{MOE} --training.local_batch_size 4 {RAMP} --parallelism.expert_parallel_degree 2",
+    ),
     "fsdp2": (2, "--training.local_batch_size 4"),
     "ddp2": (
         2,
@@ -546,6 +565,7 @@ def results(tmp_path_factory) -> Path:
     references += (QWEN3_MOE_REFERENCE, GPT_OSS_REFERENCE, LLAMA4_REFERENCE)
     references += (VALIDATION_REFERENCE, LORA_REFERENCE, SFT_REFERENCE)
     references += (WHOLE_SPLIT, BF16_REFERENCE, BF16_MOE_REFERENCE, BF16_SR_REFERENCE)
+    references += (RAMP_REFERENCE, RAMP_MOE_REFERENCE)
     # Compiled cases first in each launch: on a cold compile cache, torch 2.13's partitioner
     # failed moe_fsdp2_tp2_compile_ac_ops ("Node tangents_2 was invalid, but is output") after
     # eight eager cases had run in the same processes; first, or alone, it compiles and passes.
@@ -565,7 +585,11 @@ def _load(out: Path, name: str) -> dict:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_layout_matches_one_process(results, case):
     reference = REFERENCE[0]
-    if case.endswith("_block_causal"):
+    if case.startswith("ramp_moe_"):
+        reference = RAMP_MOE_REFERENCE[0]
+    elif case.startswith("ramp_"):
+        reference = RAMP_REFERENCE[0]
+    elif case.endswith("_block_causal"):
         reference = BLOCK_CAUSAL_REFERENCE[0]
     elif case.startswith("moe_"):
         reference = MOE_REFERENCE[0]
@@ -603,6 +627,17 @@ def _trains(losses: list[float]) -> bool:
 def test_reference_actually_trains(results):
     losses = [r["loss"] for r in _load(results, "ref")["records"]]
     assert _trains(losses)
+
+
+def test_ramp_grows_the_batch(results):
+    """The ramp's first two steps are the fixed run's (8 sequences each, the same windows);
+    then its steps take 16 and 24 sequences, the records saying so, and train on."""
+    ramp, fixed = _load(results, "ref_ramp")["records"], _load(results, "ref")["records"]
+    assert [r["global_batch_size"] for r in ramp] == [8, 8, 16, 16, 24, 24]
+    assert "global_batch_size" not in fixed[0]
+    assert [r["loss"] for r in ramp[:2]] == [r["loss"] for r in fixed[:2]]
+    assert ramp[2]["loss"] != fixed[2]["loss"]
+    assert _trains([r["loss"] for r in ramp])
 
 
 def _validation_losses(records: list[dict]) -> dict[int, float]:

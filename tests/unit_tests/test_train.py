@@ -66,7 +66,7 @@ def test_gradient_accumulation_equals_the_large_batch(tmp_path, local_batch):
         "--training.global_batch_size",
         "8",
     )
-    assert acc.grad_accum_steps == 8 // local_batch
+    assert acc.batches.accumulation(1) == 8 // local_batch
     for a, b in zip(acc_records, big_records, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)

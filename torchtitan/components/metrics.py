@@ -5,6 +5,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ class MetricsProcessor:
         self._steps = 0
         self._last_log = time.perf_counter()
         self._run: tuple[int, int, float] | None = None  # first step, last step, start time
+        self._work: Callable[[int], int] = lambda step: step
         self._sinks: list[_Sink] = []
         if save_rank:
             suffix = "" if rank == 0 and not config.save_for_all_ranks else f"_rank{rank}"
@@ -72,15 +74,23 @@ class MetricsProcessor:
         if self.peak_flops is None:
             logger.info("Peak FLOP/s of this device unknown: MFU is not reported")
 
-    def start_run(self, *, first_step: int, last_step: int) -> None:
-        """Steps ``first_step + 1 .. last_step`` follow: the console shows progress and ETA."""
+    def start_run(
+        self, *, first_step: int, last_step: int, work: Callable[[int], int] | None = None
+    ) -> None:
+        """Steps ``first_step + 1 .. last_step`` follow: the console shows progress and ETA.
+        ``work(step)``: the work of steps 1 .. ``step`` (accumulation batches, which a batch
+        ramp makes unequal per step); default one unit per step."""
         self._run = (first_step, last_step, time.perf_counter())
+        if work is not None:
+            self._work = work
 
     def _eta_seconds(self, step: int) -> float | None:
         if self._run is None or step <= self._run[0]:
             return None
         first, last, start = self._run
-        return (time.perf_counter() - start) / (step - first) * max(last - step, 0)
+        done = self._work(step) - self._work(first)
+        left = max(self._work(last) - self._work(step), 0)
+        return (time.perf_counter() - start) / max(done, 1) * left
 
     def should_log(self, step: int, last_step: int) -> bool:
         return step == 1 or step % self.config.log_freq == 0 or step == last_step
@@ -170,6 +180,8 @@ class MetricsProcessor:
             line += f"  bubble: {r['pp_idle_pct']:.0f}%"
             if "pp_bubble_ideal_pct" in r:
                 line += f" (ideal {r['pp_bubble_ideal_pct']:.0f}%)"
+        if "global_batch_size" in r:  # under a batch ramp
+            line += f"  batch: {r['global_batch_size']}"
         if "eta_s" in r and r["eta_s"] > 0:
             line += f"  eta: {_duration(r['eta_s'])}"
         logger.info(line)

@@ -135,6 +135,16 @@ class Training:
     """Sequences per optimizer step over all ranks; -1 means local_batch_size x data-parallel
     degree. A larger multiple turns on gradient accumulation."""
 
+    global_batch_size_start: int = -1
+    """Ramp the batch up: sequences per optimizer step at step 1, growing linearly to
+    ``global_batch_size`` over ``global_batch_size_ramp_steps`` steps in whole accumulation
+    batches (multiples of local_batch_size x data-parallel degree), as GPT-3 and DeepSeek-V3
+    trained; -1: no ramp. The LR schedule still counts steps (``docs/training.md``)."""
+
+    global_batch_size_ramp_steps: int = 0
+    """Steps over which the batch grows from ``global_batch_size_start``; step N + 1 is the
+    first at the full ``global_batch_size``."""
+
     seq_len: int = 2048
     """Tokens per training sequence."""
 

@@ -15,6 +15,7 @@ import math
 import os
 from pathlib import Path
 
+from torchtitan.components.batch_schedule import BatchSchedule, check_ramp_flags
 from torchtitan.config import feature_rules, sequence_rules
 from torchtitan.config.errors import ConfigError, did_you_mean
 from torchtitan.config.job_config import JobConfig
@@ -144,6 +145,7 @@ def validate(config: JobConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    check_ramp_flags(t)
     try:
         o.groups()
     except ValueError as e:
@@ -295,7 +297,7 @@ def _local_path_missing(path: str, *, files: bool) -> bool:
 
 def ignored_settings(config: JobConfig, named: JobConfig | None = None) -> list[str]:
     """Settings given a value that nothing reads in this run (their feature is off), and a
-    warm-up longer than the run: one warning line each. Not refused: a TOML file may keep a
+    warm-up or batch ramp longer than the run: one warning line each. Not refused: a TOML file may keep a
     feature's settings with the feature turned off. ``named``: the named config the run
     started from (``manager.named_config``), whose own values are not the user's to hear
     about (``llama3_debugmodel`` sets an interval for when checkpointing is turned on);
@@ -334,6 +336,12 @@ def ignored_settings(config: JobConfig, named: JobConfig | None = None) -> list[
             f"--lr_scheduler.warmup_steps {warmup} is longer than the run (--training.steps "
             f"{steps}): the LR never reaches --optimizer.lr {config.optimizer.lr}"
         )
+    ramp = config.training.global_batch_size_ramp_steps
+    if config.training.global_batch_size_start != -1 and ramp >= steps:
+        notes.append(
+            f"--training.global_batch_size_ramp_steps {ramp} is not shorter than the run "
+            f"(--training.steps {steps}): the batch never reaches --training.global_batch_size"
+        )
     return notes
 
 
@@ -342,7 +350,7 @@ def validate_parallelism(config: JobConfig, spec: ModelSpec, world_size: int) ->
     data-parallel degree, then the degrees against the model's dims."""
     parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
     t = config.training
-    parallel_dims.grad_accum_steps(t.local_batch_size, t.global_batch_size)
+    BatchSchedule.from_config(t, parallel_dims)
     if parallel_dims.ep > 1 and not spec.flavor_has_experts(config.model.flavor):
         what = f"flavor {config.model.flavor}" if spec.has_experts else f"model {spec.name}"
         raise ConfigError(

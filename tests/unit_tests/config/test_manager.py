@@ -790,6 +790,44 @@ def test_whole_block_checkpointing_of_compiled_tensor_parallel_blocks_is_refused
             "data-parallel degree = 4 x 2 = 8",
         ),
         (
+            "2",
+            "--training.local_batch_size 4 --training.global_batch_size 24 "
+            "--training.global_batch_size_start 4 --training.global_batch_size_ramp_steps 5",
+            "--training.global_batch_size_start=4 must be a multiple of "
+            "--training.local_batch_size x data-parallel degree = 4 x 2 = 8",
+        ),
+        (
+            "2",
+            "--training.local_batch_size 4 --training.global_batch_size_start 16 "
+            "--training.global_batch_size_ramp_steps 5",
+            "--training.global_batch_size_start=16 must be at most the batch it ramps up to, "
+            "--training.global_batch_size (-1: local_batch_size x data-parallel degree = 8)",
+        ),
+        (
+            None,
+            "--training.global_batch_size 24 --training.global_batch_size_start 32 "
+            "--training.global_batch_size_ramp_steps 5",
+            "--training.global_batch_size_start=32 must be at most "
+            "--training.global_batch_size=24, the batch it ramps up to",
+        ),
+        (
+            None,
+            "--training.global_batch_size 24 --training.global_batch_size_start 8",
+            "--training.global_batch_size_start=8 needs --training.global_batch_size_ramp_steps "
+            ">= 1, the steps it grows over",
+        ),
+        (
+            None,
+            "--training.global_batch_size_ramp_steps 100",
+            "--training.global_batch_size_ramp_steps=100 needs --training.global_batch_size_start "
+            "(the batch at step 1)",
+        ),
+        (
+            None,
+            "--training.global_batch_size_start 0 --training.global_batch_size_ramp_steps 5",
+            "--training.global_batch_size_start=0 must be -1 (no ramp) or >= 1",
+        ),
+        (
             None,
             "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option 0",
             "--activation_checkpoint.selective_ac_option='0' must be 'op' or a positive integer",
@@ -885,6 +923,14 @@ def test_settings_of_a_feature_that_is_off_are_named_as_ignored() -> None:
         "--lr_scheduler.warmup_steps 20 is longer than the run (--training.steps 10): the LR "
         "never reaches --optimizer.lr 0.002",
     ]
+    ramp = parse(
+        "--training.global_batch_size", "32", "--training.global_batch_size_start", "8",
+        "--training.global_batch_size_ramp_steps", "10", "--training.steps", "10",
+    )  # fmt: skip
+    assert ignored_settings(ramp)[-1] == (
+        "--training.global_batch_size_ramp_steps 10 is not shorter than the run "
+        "(--training.steps 10): the batch never reaches --training.global_batch_size"
+    )
     on = parse(
         "--checkpoint.enable", "--checkpoint.interval", "5", "--validation.enable",
         "--validation.freq", "3", "--training.steps", "10",
