@@ -321,27 +321,11 @@ class Trainer:
                 start = time.perf_counter()
                 batches = [next(data_iter) for _ in range(self.batches.accumulation(self.step))]
                 data_seconds = time.perf_counter() - start
-                trace = dict(dump_folder=where["dump_folder"], rank=self.rank)
-                debug = self.config.debug
-                census = dict(trace, device=self.device, reports=self._reports(self.step))
-                with (
-                    comm_trace.maybe_trace_collectives(self.step, debug, **trace),
-                    host_syncs.maybe_count_host_syncs(self.step, debug.host_sync_step, **census),
-                ):
-                    result = self.train_step(batches)
-                # Ranks of one data-parallel group share their tokens (TP, CP, PP).
-                tokens = sum(labels.numel() for _, labels in batches)
-                self.metrics.record_step(
-                    tokens=tokens // self.parallel_dims.non_data_parallel_size,
-                    data_seconds=data_seconds,
-                )
-                self.train_state.tokens_seen += result.global_tokens
-                validation = {}
-                if self.validator is not None and self.validator.should_run(self.step, stop):
-                    validation = self.validator.run(self.step)
-                    self.metrics.exclude_seconds(validation.get("validation_seconds", 0.0))
-                if validation or self.metrics.should_log(self.step, stop):
-                    self._log(result, validation)
+                if (skipped := self.batches.skipped(self.step)) is None:
+                    self._train_and_log(batches, data_seconds, stop)
+                else:
+                    self._drop(skipped, first_step, stop)
+                    self.metrics.exclude_seconds(time.perf_counter() - start)
                 if self.watchdog is not None:
                     self.watchdog.stop()
                 if profiler is not None:
@@ -363,6 +347,40 @@ class Trainer:
         status = "preempted" if self.preempted else "finished" if self.step == t.steps else "paused"
         self.events.write("end", step=self.step, status=status)
         logger.info(f"Training {status}")
+
+    def _train_and_log(self, batches: Sequence[Batch], data_seconds: float, stop: int) -> None:
+        """Train this step on its batches; validate and log when due."""
+        trace = dict(dump_folder=self.config.job.dump_folder, rank=self.rank)
+        debug = self.config.debug
+        census = dict(trace, device=self.device, reports=self._reports(self.step))
+        with (
+            comm_trace.maybe_trace_collectives(self.step, debug, **trace),
+            host_syncs.maybe_count_host_syncs(self.step, debug.host_sync_step, **census),
+        ):
+            result = self.train_step(batches)
+        # Ranks of one data-parallel group share their tokens (TP, CP, PP).
+        tokens = sum(labels.numel() for _, labels in batches)
+        self.metrics.record_step(
+            tokens=tokens // self.parallel_dims.non_data_parallel_size, data_seconds=data_seconds
+        )
+        self.train_state.tokens_seen += result.global_tokens
+        validation = {}
+        if self.validator is not None and self.validator.should_run(self.step, stop):
+            validation = self.validator.run(self.step)
+            self.metrics.exclude_seconds(validation.get("validation_seconds", 0.0))
+        if validation or self.metrics.should_log(self.step, stop):
+            self._log(result, validation)
+
+    def _drop(self, skipped: tuple[int, int], first_step: int, stop: int) -> None:
+        """A step of ``--training.skip_steps``: its batches are read and dropped, the weights
+        and optimizer state left as they are; the LR schedule moves on, as the step does."""
+        first, last = skipped
+        if self.step in (first, first_step + 1):  # once per range, and on resuming inside one
+            last = min(last, stop)
+            span = f"Step {self.step}" if last == self.step else f"Steps {self.step}-{last}"
+            logger.warning(f"{span}: batches read and dropped, untrained (--training.skip_steps)")
+            self.events.write("skip", step=self.step, last=last)
+        self.lr_schedulers.step()
 
     def train_step(self, batches: Sequence[Batch]) -> StepResult:
         """Forward and backward over this rank's accumulation batches (host tensors), clip,
@@ -474,8 +492,9 @@ class Trainer:
         )
         loss_max = dist_utils.dist_reduce(result.local_loss, "max", self.loss_mesh)
         extra = {"loss_local": local_loss, "skipped_steps": self.nonfinite.skipped}
-        if self.batches.ramps:
+        if self.batches.ramps:  # a step's size varies: what it trained on so far, too
             extra["global_batch_size"] = self.batches.global_batch(self.step)
+            extra["tokens_seen"] = self.train_state.tokens_seen
         extra |= self.model_metrics | validation
         idle = self.runner.take_pipeline_idle()
         if idle is not None:

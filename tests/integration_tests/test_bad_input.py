@@ -195,6 +195,8 @@ def test_non_finite_step_exits_3_in_one_line(tmp_path):
     line = out.splitlines()[-1]
     assert "the gradient norm is" in line
     assert "--debug.detect_anomaly finds the module where it starts" in line
+    step = line.split("step ", 1)[1].split(":", 1)[0]
+    assert f"(resume skipping it: --training.skip_steps {step})" in line
 
 
 def test_detect_anomaly_names_where_the_step_went_non_finite(tmp_path):

@@ -1,7 +1,8 @@
 """A batch ramp (``--training.global_batch_size_start``) trains each step exactly as a run at
 that step's batch: resuming its checkpoints with the batch fixed gives the same losses. FSDP 2
-follows the one-process ramp, and resumes mid-ramp bitwise (with a dataloader worker). The
-layouts' numerics (FSDP, PP x FSDP, MoE under EP) are cases of ``test_parallel_numerics``."""
+(other accumulation batches for the same flags) follows the one-process ramp, and resumes
+mid-ramp bitwise (with a dataloader worker). The layouts' numerics (FSDP, PP x FSDP, MoE under
+EP) are cases of ``test_parallel_numerics``."""
 
 import shutil
 from pathlib import Path
@@ -18,10 +19,10 @@ RUN = [
     "by_row", "--lr_scheduler.warmup_steps", "2", "--checkpoint.enable",
     "--checkpoint.interval", "2",
 ]  # fmt: skip
-# 4, 4, 8, 8, 12, 12 sequences per step.
+# 4, 4, 8, 12, 12, 12 sequences per step: 4 until 8 are trained on, 8 until 16.
 RAMP = [
     "--training.global_batch_size", "12", "--training.global_batch_size_start", "4",
-    "--training.global_batch_size_ramp_steps", "4",
+    "--training.global_batch_size_ramp_sequences", "16",
 ]  # fmt: skip
 
 
@@ -36,24 +37,24 @@ def _resume(source: Path, step: int, dump: Path) -> Path:
 
 def test_a_ramp_trains_each_step_at_its_batch(tmp_path: Path) -> None:
     ramp = tmp_path / "ramp"
-    one = ["--training.local_batch_size", "4"]
+    one = ["--training.local_batch_size", "2"]  # 2, 2, 4, 6, 6, 6 accumulation batches
     assert main([*RUN, *RAMP, *one, "--job.dump_folder", str(ramp)]) == 0
     want = _losses(ramp)
-    assert [r["global_batch_size"] for r in records(ramp) if "loss" in r] == [4, 4, 8, 8, 12, 12]
+    assert [r["global_batch_size"] for r in records(ramp) if "loss" in r] == [4, 4, 8, 12, 12, 12]
 
     # Its step-2 checkpoint resumed at a fixed batch of 8, its step-4 one at 12: the steps at
     # those batches are the ramp's, bitwise.
-    for step, batch, same in ((2, "8", (3, 4)), (4, "12", (5, 6))):
+    for step, batch, same in ((2, "8", (3,)), (4, "12", (5, 6))):
         fixed = _resume(ramp, step, tmp_path / f"fixed_{batch}")
         flags = [*one, "--training.global_batch_size", batch, "--job.dump_folder", str(fixed)]
         assert main([*RUN, *flags]) == 0
         got = _losses(fixed)
         assert [got[s] for s in same] == [want[s] for s in same]
-        if step == 2:  # past the ramp's step 4, 8 sequences are not its 12
-            assert got[5] != want[5]
+        if step == 2:  # the ramp's step 4 takes 12 sequences, not 8
+            assert got[4] != want[4]
 
-    # FSDP 2 (2 sequences per rank and accumulation batch) with a worker, checkpointed at step
-    # 2, then resumed there: step 3 is the first of 2 accumulation batches.
+    # FSDP 2 (1, 1, 2, 3, 3, 3 accumulation batches of 2 per rank) with a worker, checkpointed
+    # at step 2, then resumed there: step 3 is the first of 2 accumulation batches.
     fsdp = tmp_path / "fsdp"
     two = [*RAMP, "--training.local_batch_size", "2", "--training.num_workers", "1"]
     result = run_train(fsdp, *RUN, *two, ngpu=2)

@@ -102,12 +102,13 @@ WHOLE_SPLIT = (
     f"--training.local_batch_size 8 --validation.enable --validation.freq {STEPS} "
     "--validation.steps -1",
 )
-# A batch ramp: 8, 8, 16, 16, 24, 24 sequences per step, in 1 to 3 accumulation batches of 8
-# sequences over the data-parallel ranks (under pipelines, each cut into micro-batches); the
-# MoE case's balance loss and bias update see steps of unequal sizes.
+# A batch ramp: 8, 8, 16, 24, 24, 24 sequences per step (Megatron's rule: 8 until 16 are
+# trained on, 16 until 32), in 1 to 3 accumulation batches of 8 sequences over the
+# data-parallel ranks (under pipelines, each cut into micro-batches); the MoE case's balance
+# loss and bias update see steps of unequal sizes.
 RAMP = (
     "--training.global_batch_size 24 --training.global_batch_size_start 8 "
-    "--training.global_batch_size_ramp_steps 4"
+    "--training.global_batch_size_ramp_sequences 32"
 )
 RAMP_REFERENCE = ("ref_ramp", 1, f"--training.local_batch_size 8 {RAMP}")
 RAMP_MOE_REFERENCE = ("ref_ramp_moe", 1, f"--training.local_batch_size 8 {RAMP} {MOE}")
@@ -633,7 +634,8 @@ def test_ramp_grows_the_batch(results):
     """The ramp's first two steps are the fixed run's (8 sequences each, the same windows);
     then its steps take 16 and 24 sequences, the records saying so, and train on."""
     ramp, fixed = _load(results, "ref_ramp")["records"], _load(results, "ref")["records"]
-    assert [r["global_batch_size"] for r in ramp] == [8, 8, 16, 16, 24, 24]
+    assert [r["global_batch_size"] for r in ramp] == [8, 8, 16, 24, 24, 24]
+    assert [r["tokens_seen"] for r in ramp] == [32 * n for n in (8, 16, 32, 56, 80, 104)]
     assert "global_batch_size" not in fixed[0]
     assert [r["loss"] for r in ramp[:2]] == [r["loss"] for r in fixed[:2]]
     assert ramp[2]["loss"] != fixed[2]["loss"]

@@ -1,13 +1,20 @@
-"""How many accumulation batches each optimizer step runs: a fixed number, or a batch-size ramp.
+"""How many sequences each optimizer step trains on (a fixed global batch, or a batch-size
+ramp), and which steps train at all (``--training.skip_steps`` drops some).
 
-A ramp (``--training.global_batch_size_start`` and ``--training.global_batch_size_ramp_steps``)
-starts small and grows linearly with the step to ``--training.global_batch_size``, in whole
-accumulation batches per data-parallel rank, so every rank runs the same number and every
-layout of the same global batch sees the same sequences. The count is a function of the step
-alone: a resumed run continues the ramp where the step is, and nothing is checkpointed.
-Torch-free: the pre-flight builds it to check the flags.
+A ramp starts at ``--training.global_batch_size_start`` sequences per step and adds
+``--training.global_batch_size_increment`` each time another equal share of
+``--training.global_batch_size_ramp_sequences`` has been trained on, until it reaches
+``--training.global_batch_size`` (Megatron-LM's ``--rampup-batch-size`` rule). The steps'
+sizes are counted in sequences, not in accumulation batches, so every layout of the same flags
+trains the same sequences at every step; each size must split into whole accumulation batches
+of ``local_batch_size`` on every data-parallel rank. The schedule is a function of the step:
+a resumed run continues it where the step is, and nothing is checkpointed. Torch-free: the
+pre-flight builds it to check the flags.
 """
 
+import bisect
+import math
+import re
 from dataclasses import dataclass
 
 from torchtitan.config.errors import ConfigError
@@ -15,108 +22,194 @@ from torchtitan.config.job_config import Training
 from torchtitan.distributed.parallel_dims import ParallelDims
 
 
+def ramp_stages(
+    start: int, increment: int, full: int, sequences: int
+) -> tuple[tuple[int, int], ...]:
+    """``(first step, global batch)`` of each size a ramp takes, the last the full batch: the
+    batch of a step is ``start + increment x floor(trained x n / sequences)`` (``trained``: the
+    sequences of the steps before it, ``n``: the number of increments), at most ``full``. A
+    size can be passed over when one step of the previous size trains more than a share."""
+    if start >= full:
+        return ((1, full),)
+    n = (full - start) // increment
+    stages, step, trained, j = [], 1, 0, 0
+    while j < n:
+        batch = start + increment * j
+        stages.append((step, batch))
+        needed = -(-(j + 1) * sequences // n)  # sequences trained when the next size starts
+        steps = -(-(needed - trained) // batch)
+        step, trained = step + steps, trained + steps * batch
+        j = min(trained * n // sequences, n)
+    stages.append((step, full))
+    return tuple(stages)
+
+
 @dataclass(frozen=True)
 class BatchSchedule:
-    """Accumulation batches per step on each data-parallel rank: ``first`` at step 1, growing
-    linearly to ``last`` at step ``ramp_steps + 1`` and after (rounded down to whole batches)."""
+    """Sequences per step over all data-parallel ranks, as ``stages``: ``(first step, global
+    batch)`` from step 1 on, the last holding to the end; each batch a multiple of
+    ``local_batch_size x dp_degree`` (one accumulation batch on every rank)."""
 
     local_batch_size: int
     dp_degree: int
-    first: int
-    last: int
-    ramp_steps: int = 0
+    stages: tuple[tuple[int, int], ...]
+    skip: tuple[tuple[int, int], ...] = ()
+    """Ranges of steps (first, last) whose batches are read and dropped."""
 
     @classmethod
     def from_config(cls, t: Training, dims: ParallelDims) -> "BatchSchedule":
         """The schedule of ``--training.*``; ``ConfigError`` names the flag that does not fit."""
-        check_ramp_flags(t)
-        last = dims.grad_accum_steps(t.local_batch_size, t.global_batch_size)
+        check_flags(t)
+        dims.grad_accum_steps(t.local_batch_size, t.global_batch_size)  # refuses a bad one
+        full = dims.global_batch_size(t.local_batch_size, t.global_batch_size)
+        unit = t.local_batch_size * dims.dp_degree
+        skip = step_ranges(t.skip_steps)
         start = t.global_batch_size_start
         if start == -1:
-            return cls(t.local_batch_size, dims.dp_degree, last, last)
-        unit = t.local_batch_size * dims.dp_degree
-        if start % unit:
-            raise ConfigError(
-                f"--training.global_batch_size_start={start} must be a multiple of "
-                f"--training.local_batch_size x data-parallel degree = {t.local_batch_size} x "
-                f"{dims.dp_degree} = {unit}"
-            )
-        if start > unit * last:
+            return cls(t.local_batch_size, dims.dp_degree, ((1, full),), skip)
+        if start > full:
             raise ConfigError(
                 f"--training.global_batch_size_start={start} must be at most the batch it ramps "
                 f"up to, --training.global_batch_size (-1: local_batch_size x data-parallel "
-                f"degree = {unit})"
+                f"degree = {full})"
             )
-        return cls(
-            t.local_batch_size, dims.dp_degree, start // unit, last, t.global_batch_size_ramp_steps
-        )
+        increment = ramp_increment(t, full)
+        if (full - start) % increment:
+            raise ConfigError(
+                f"--training.global_batch_size_increment={increment} must divide "
+                f"--training.global_batch_size - global_batch_size_start = {full} - {start}"
+            )
+        for flag, value in (("start", start), ("increment", increment)):
+            if value % unit:  # (the default increment always is: a gcd of two multiples)
+                raise ConfigError(
+                    f"--training.global_batch_size_{flag}={value} must be a multiple of "
+                    f"--training.local_batch_size x data-parallel degree = {t.local_batch_size} x "
+                    f"{dims.dp_degree} = {unit}, so that each step's batch splits into whole "
+                    "accumulation batches on every rank"
+                )
+        stages = ramp_stages(start, increment, full, t.global_batch_size_ramp_sequences)
+        return cls(t.local_batch_size, dims.dp_degree, stages, skip)
 
     @property
     def ramps(self) -> bool:
-        return self.first != self.last
+        return len(self.stages) > 1
 
-    def accumulation(self, step: int) -> int:
-        """Accumulation batches of (1-based) ``step`` on each data-parallel rank."""
-        if step > self.ramp_steps:
-            return self.last
-        return self.first + (self.last - self.first) * (step - 1) // self.ramp_steps
+    @property
+    def last(self) -> int:
+        """Accumulation batches per rank of the full batch."""
+        return self.stages[-1][1] // self._unit
+
+    @property
+    def _unit(self) -> int:
+        return self.local_batch_size * self.dp_degree
 
     def global_batch(self, step: int) -> int:
-        """Sequences of ``step`` over all data-parallel ranks."""
-        return self.accumulation(step) * self.local_batch_size * self.dp_degree
+        """Sequences of (1-based) ``step`` over all data-parallel ranks."""
+        i = bisect.bisect_right(self.stages, (max(step, 1), math.inf)) - 1
+        return self.stages[i][1]
+
+    def accumulation(self, step: int) -> int:
+        """Accumulation batches of ``step`` on each data-parallel rank."""
+        return self.global_batch(step) // self._unit
 
     def batches_through(self, step: int) -> int:
         """Accumulation batches of steps 1 .. ``step`` on each rank (0 for ``step`` <= 0)."""
-        step = max(step, 0)
-        ramp = min(step, self.ramp_steps)
-        total = self.first * ramp + self.last * (step - ramp)
-        # The ramp adds floor(grow x k / ramp_steps) at step k + 1: count, for each j, the
-        # steps where that is at least j (O(grow), not O(steps)).
-        grow = self.last - self.first
-        for j in range(1, grow + 1):
-            reached = -(-j * self.ramp_steps // grow)  # first k with grow x k >= j x ramp_steps
-            if reached >= ramp:
+        total = 0
+        ends = [first for first, _ in self.stages[1:]] + [math.inf]
+        for (first, batch), after in zip(self.stages, ends, strict=True):
+            steps = min(step + 1, after) - first
+            if steps <= 0:
                 break
-            total += ramp - reached
+            total += steps * (batch // self._unit)
         return total
+
+    def skipped(self, step: int) -> tuple[int, int] | None:
+        """The range of ``--training.skip_steps`` holding ``step`` (``None``: it trains)."""
+        return next(((a, b) for a, b in self.skip if a <= step <= b), None)
 
     def describe(self, seq_len: int) -> str:
         """The batch as the start-up line says it."""
         per_rank = f"accumulation batch(es) of {self.local_batch_size} per rank"
         if not self.ramps:
-            return (
-                f"global batch {self.global_batch(1)} x {seq_len} tokens ({self.last} {per_rank})"
-            )
+            return f"global batch {self.stages[0][1]} x {seq_len} tokens ({self.last} {per_rank})"
+        sizes = [f"{batch} from step {first}" for first, batch in self.stages]
+        if len(sizes) > 6:
+            sizes = [*sizes[:3], f"... ({len(sizes) - 4} more)", sizes[-1]]
         return (
-            f"global batch {self.global_batch(1)} -> {self.global_batch(self.ramp_steps + 1)} "
-            f"x {seq_len} tokens over steps 1-{self.ramp_steps + 1} ({self.first} -> {self.last} "
+            f"global batch ramping up, x {seq_len} tokens: {', '.join(sizes)} (up to {self.last} "
             f"{per_rank})"
         )
 
 
-def check_ramp_flags(t: Training) -> None:
-    """The ramp's rules that need no data-parallel degree (the pre-flight runs them without a
-    world size); ``ConfigError`` naming the flag."""
-    start, ramp, full = (
-        t.global_batch_size_start,
-        t.global_batch_size_ramp_steps,
-        t.global_batch_size,
+def ramp_increment(t: Training, full: int) -> int:
+    """``--training.global_batch_size_increment``, or its default: the largest size dividing
+    both the start and the full batch."""
+    if t.global_batch_size_increment != -1:
+        return t.global_batch_size_increment
+    return math.gcd(t.global_batch_size_start, full)
+
+
+def ramp_end(t: Training) -> int | None:
+    """The first step at the full batch when the flags alone say it (an explicit
+    ``--training.global_batch_size``), else ``None``."""
+    full = t.global_batch_size
+    if t.global_batch_size_start == -1 or full == -1:
+        return None
+    stages = ramp_stages(
+        t.global_batch_size_start, ramp_increment(t, full), full, t.global_batch_size_ramp_sequences
     )
-    flag = f"--training.global_batch_size_start={start}"
-    if start == -1:
-        if ramp != 0:
+    return stages[-1][0]
+
+
+def step_ranges(entries: list[str]) -> tuple[tuple[int, int], ...]:
+    """``--training.skip_steps`` entries (``N`` or ``FIRST-LAST``) as (first, last) ranges;
+    ``ConfigError`` names the entry that does not parse."""
+    ranges = []
+    for entry in entries:
+        found = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", entry)
+        if found is None:
             raise ConfigError(
-                f"--training.global_batch_size_ramp_steps={ramp} needs "
-                "--training.global_batch_size_start (the batch at step 1)"
+                f"--training.skip_steps entry {entry!r} is not a step N or a range FIRST-LAST"
             )
+        a = int(found[1])
+        b = a if found[2] is None else int(found[2])
+        if not 1 <= a <= b:
+            raise ConfigError(
+                f"--training.skip_steps entry {entry!r} must be steps from 1 on, first <= last"
+            )
+        ranges.append((a, b))
+    return tuple(sorted(ranges))
+
+
+def check_flags(t: Training) -> None:
+    """The rules that need no data-parallel degree (the pre-flight runs them without a world
+    size); ``ConfigError`` naming the flag."""
+    step_ranges(t.skip_steps)
+    start, full = t.global_batch_size_start, t.global_batch_size
+    increment, sequences = t.global_batch_size_increment, t.global_batch_size_ramp_sequences
+    if start == -1:
+        for flag, value, off in (("increment", increment, -1), ("ramp_sequences", sequences, 0)):
+            if value != off:
+                raise ConfigError(
+                    f"--training.global_batch_size_{flag}={value} needs "
+                    "--training.global_batch_size_start (the batch at step 1)"
+                )
         return
+    flag = f"--training.global_batch_size_start={start}"
     if start < 1:
         raise ConfigError(f"{flag} must be -1 (no ramp) or >= 1")
-    if ramp < 1:
+    if sequences < 1:
         raise ConfigError(
-            f"{flag} needs --training.global_batch_size_ramp_steps >= 1, the steps it grows over"
+            f"{flag} needs --training.global_batch_size_ramp_sequences >= 1, the sequences "
+            "trained while the batch grows"
         )
-    if full != -1 and start > full:
+    if increment != -1 and increment < 1:
+        raise ConfigError(
+            f"--training.global_batch_size_increment={increment} must be -1 (the default) or >= 1"
+        )
+    if full == -1:
+        return
+    if start > full:
         raise ConfigError(
             f"{flag} must be at most --training.global_batch_size={full}, the batch it ramps up to"
         )

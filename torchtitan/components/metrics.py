@@ -81,8 +81,7 @@ class MetricsProcessor:
         ``work(step)``: the work of steps 1 .. ``step`` (accumulation batches, which a batch
         ramp makes unequal per step); default one unit per step."""
         self._run = (first_step, last_step, time.perf_counter())
-        if work is not None:
-            self._work = work
+        self._work = work if work is not None else (lambda step: step)
 
     def _eta_seconds(self, step: int) -> float | None:
         if self._run is None or step <= self._run[0]:

@@ -32,8 +32,8 @@ class NonFiniteError(RuntimeError):
             f"step {step}: the gradient norm is {grad_norm} (rank {rank}: its own loss is "
             f"{local_loss}){found}; last good checkpoint: "
             f"{last_checkpoint if last_checkpoint is not None else 'none'}. Lower "
-            "--optimizer.lr, check the data, or pass --debug.skip_nonfinite_steps to skip such "
-            "updates"
+            f"--optimizer.lr, check the data (resume skipping it: --training.skip_steps {step}), "
+            "or pass --debug.skip_nonfinite_steps to skip such updates"
         )
 
     @classmethod

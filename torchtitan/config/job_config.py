@@ -129,21 +129,36 @@ class Training:
 
     local_batch_size: int = 8
     """Sequences per gradient-accumulation batch on each data-parallel rank (a step runs
-    global_batch_size / (local_batch_size x data-parallel degree) of them)."""
+    global_batch_size / (local_batch_size x data-parallel degree) of them, fewer while a batch
+    ramp grows)."""
 
     global_batch_size: int = -1
     """Sequences per optimizer step over all ranks; -1 means local_batch_size x data-parallel
     degree. A larger multiple turns on gradient accumulation."""
 
     global_batch_size_start: int = -1
-    """Ramp the batch up: sequences per optimizer step at step 1, growing linearly to
-    ``global_batch_size`` over ``global_batch_size_ramp_steps`` steps in whole accumulation
-    batches (multiples of local_batch_size x data-parallel degree), as GPT-3 and DeepSeek-V3
-    trained; -1: no ramp. The LR schedule still counts steps (``docs/training.md``)."""
+    """Ramp the batch up: sequences per optimizer step at step 1, growing by
+    ``global_batch_size_increment`` each time another equal share of
+    ``global_batch_size_ramp_sequences`` has been trained on, to ``global_batch_size``
+    (Megatron-LM's ``--rampup-batch-size``; GPT-3 and DeepSeek-V3 trained so); -1: no ramp.
+    The same flags give the same batch per step in every layout. The LR schedule still counts
+    steps (``docs/training.md``)."""
 
-    global_batch_size_ramp_steps: int = 0
-    """Steps over which the batch grows from ``global_batch_size_start``; step N + 1 is the
-    first at the full ``global_batch_size``."""
+    global_batch_size_increment: int = -1
+    """Sequences added to the batch at each size of a ramp; a multiple of local_batch_size x
+    data-parallel degree dividing global_batch_size - global_batch_size_start. -1: the largest
+    size dividing both the start and the full batch."""
+
+    global_batch_size_ramp_sequences: int = 0
+    """Sequences trained on while a ramp grows the batch (tokens / seq_len); the full
+    ``global_batch_size`` starts once they have been trained on."""
+
+    skip_steps: list[str] = field(default_factory=list)
+    """Steps whose batches are read and dropped, untrained: entries ``N`` or ``FIRST-LAST``
+    (``1201-1300 1450``). The weights and optimizer state stay as they are; the step count and
+    the LR schedule move on, so every later step reads and trains on what it would have. After
+    a loss spike: resume from the checkpoint before it, skipping the data of the spike
+    (``docs/training.md``)."""
 
     seq_len: int = 2048
     """Tokens per training sequence."""

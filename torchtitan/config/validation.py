@@ -15,7 +15,7 @@ import math
 import os
 from pathlib import Path
 
-from torchtitan.components.batch_schedule import BatchSchedule, check_ramp_flags
+from torchtitan.components.batch_schedule import BatchSchedule, check_flags, ramp_end, step_ranges
 from torchtitan.config import feature_rules, sequence_rules
 from torchtitan.config.errors import ConfigError, did_you_mean
 from torchtitan.config.job_config import JobConfig
@@ -145,7 +145,7 @@ def validate(config: JobConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    check_ramp_flags(t)
+    check_flags(t)
     try:
         o.groups()
     except ValueError as e:
@@ -297,7 +297,7 @@ def _local_path_missing(path: str, *, files: bool) -> bool:
 
 def ignored_settings(config: JobConfig, named: JobConfig | None = None) -> list[str]:
     """Settings given a value that nothing reads in this run (their feature is off), and a
-    warm-up or batch ramp longer than the run: one warning line each. Not refused: a TOML file may keep a
+    warm-up or batch ramp longer than the run, or skipped steps past it: one warning line each. Not refused: a TOML file may keep a
     feature's settings with the feature turned off. ``named``: the named config the run
     started from (``manager.named_config``), whose own values are not the user's to hear
     about (``llama3_debugmodel`` sets an interval for when checkpointing is turned on);
@@ -336,11 +336,18 @@ def ignored_settings(config: JobConfig, named: JobConfig | None = None) -> list[
             f"--lr_scheduler.warmup_steps {warmup} is longer than the run (--training.steps "
             f"{steps}): the LR never reaches --optimizer.lr {config.optimizer.lr}"
         )
-    ramp = config.training.global_batch_size_ramp_steps
-    if config.training.global_batch_size_start != -1 and ramp >= steps:
+    full_at = ramp_end(config.training)
+    if full_at is not None and full_at > steps:
         notes.append(
-            f"--training.global_batch_size_ramp_steps {ramp} is not shorter than the run "
-            f"(--training.steps {steps}): the batch never reaches --training.global_batch_size"
+            f"--training.global_batch_size_ramp_sequences {config.training.global_batch_size_ramp_sequences} "
+            f"lasts past the run: the batch reaches --training.global_batch_size at step {full_at}, "
+            f"and --training.steps is {steps}"
+        )
+    past = [e for e in config.training.skip_steps if step_ranges([e])[0][0] > steps]
+    if past:
+        notes.append(
+            f"--training.skip_steps {' '.join(past)}: past the run's last step (--training.steps "
+            f"{steps})"
         )
     return notes
 

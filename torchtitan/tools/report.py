@@ -188,6 +188,10 @@ def _event_rows(run: Run) -> list[tuple[str, str]]:
     rows.append(("checkpoints", text))
     for e in run.events_of("preempt"):
         rows.append(("preempted", f"at step {e['step']} ({e.get('signal')})"))
+    skips = [f"{e['step']}-{e['last']}" if e["last"] > e["step"] else str(e["step"])
+             for e in run.events_of("skip")]  # fmt: skip
+    if skips:
+        rows.append(("data skipped", f"steps {', '.join(skips)} (--training.skip_steps)"))
     end = run.events[-1] if run.events and run.events[-1].get("event") == "end" else None
     rows.append(("status", f"{end['status']} at step {end['step']}" if end else "no end event"))
     return rows
@@ -204,7 +208,8 @@ def summary(run: Run) -> str:
 
 def figure(run: Run) -> "Figure":
     """A grid of curves against the step (see ``PANELS``), restarts and checkpoints drawn as
-    vertical lines (``gid`` "restart" / "checkpoint"); drawn with Agg, no display needed."""
+    vertical lines (``gid`` "restart" / "checkpoint"), steps whose data was skipped shaded
+    (``gid`` "skipped data"); drawn with Agg, no display needed."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -220,6 +225,9 @@ def figure(run: Run) -> "Figure":
         for label, steps, values in filter(lambda s: s[1], series):
             sparse = label == "validation loss"  # a few steps only: show the points
             ax.plot(steps, values, "o-" if sparse else "-", label=label, ms=4)
+        for e in run.events_of("skip"):  # batches read and dropped, untrained
+            ax.axvspan(e["step"] - 0.5, e["last"] + 0.5, color="tab:orange", alpha=0.15,
+                       gid="skipped data")  # fmt: skip
         for i, (step, kind, color, style) in enumerate(marks):
             first = all(m[1] != kind for m in marks[:i])  # one legend entry per kind
             ax.axvline(step, color=color, ls=style, lw=0.8, label=kind if first else "_", gid=kind)

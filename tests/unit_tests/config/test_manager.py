@@ -792,39 +792,64 @@ def test_whole_block_checkpointing_of_compiled_tensor_parallel_blocks_is_refused
         (
             "2",
             "--training.local_batch_size 4 --training.global_batch_size 24 "
-            "--training.global_batch_size_start 4 --training.global_batch_size_ramp_steps 5",
+            "--training.global_batch_size_start 4 --training.global_batch_size_ramp_sequences 50",
             "--training.global_batch_size_start=4 must be a multiple of "
-            "--training.local_batch_size x data-parallel degree = 4 x 2 = 8",
+            "--training.local_batch_size x data-parallel degree = 4 x 2 = 8, so that each step's "
+            "batch splits into whole accumulation batches on every rank",
+        ),
+        (
+            "2",
+            "--training.local_batch_size 4 --training.global_batch_size 32 "
+            "--training.global_batch_size_start 8 --training.global_batch_size_increment 16 "
+            "--training.global_batch_size_ramp_sequences 50",
+            "--training.global_batch_size_increment=16 must divide --training.global_batch_size "
+            "- global_batch_size_start = 32 - 8",
         ),
         (
             "2",
             "--training.local_batch_size 4 --training.global_batch_size_start 16 "
-            "--training.global_batch_size_ramp_steps 5",
+            "--training.global_batch_size_ramp_sequences 50",
             "--training.global_batch_size_start=16 must be at most the batch it ramps up to, "
             "--training.global_batch_size (-1: local_batch_size x data-parallel degree = 8)",
         ),
         (
             None,
             "--training.global_batch_size 24 --training.global_batch_size_start 32 "
-            "--training.global_batch_size_ramp_steps 5",
+            "--training.global_batch_size_ramp_sequences 50",
             "--training.global_batch_size_start=32 must be at most "
             "--training.global_batch_size=24, the batch it ramps up to",
         ),
         (
             None,
             "--training.global_batch_size 24 --training.global_batch_size_start 8",
-            "--training.global_batch_size_start=8 needs --training.global_batch_size_ramp_steps "
-            ">= 1, the steps it grows over",
+            "--training.global_batch_size_start=8 needs "
+            "--training.global_batch_size_ramp_sequences >= 1, the sequences trained while the "
+            "batch grows",
         ),
         (
             None,
-            "--training.global_batch_size_ramp_steps 100",
-            "--training.global_batch_size_ramp_steps=100 needs --training.global_batch_size_start "
-            "(the batch at step 1)",
+            "--training.global_batch_size_ramp_sequences 100",
+            "--training.global_batch_size_ramp_sequences=100 needs "
+            "--training.global_batch_size_start (the batch at step 1)",
         ),
         (
             None,
-            "--training.global_batch_size_start 0 --training.global_batch_size_ramp_steps 5",
+            "--training.global_batch_size_increment 8",
+            "--training.global_batch_size_increment=8 needs --training.global_batch_size_start",
+        ),
+        (
+            None,
+            "--training.skip_steps 1200-1300 1500-1450",
+            "--training.skip_steps entry '1500-1450' must be steps from 1 on, first <= last",
+        ),
+        (
+            None,
+            "--training.skip_steps 1200..1300",
+            "--training.skip_steps entry '1200..1300' is not a step N or a range FIRST-LAST",
+        ),
+        (
+            None,
+            "--training.global_batch_size_start 0 --training.global_batch_size_ramp_sequences 5",
             "--training.global_batch_size_start=0 must be -1 (no ramp) or >= 1",
         ),
         (
@@ -925,11 +950,15 @@ def test_settings_of_a_feature_that_is_off_are_named_as_ignored() -> None:
     ]
     ramp = parse(
         "--training.global_batch_size", "32", "--training.global_batch_size_start", "8",
-        "--training.global_batch_size_ramp_steps", "10", "--training.steps", "10",
+        "--training.global_batch_size_ramp_sequences", "100", "--training.steps", "9",
     )  # fmt: skip
-    assert ignored_settings(ramp)[-1] == (
-        "--training.global_batch_size_ramp_steps 10 is not shorter than the run "
-        "(--training.steps 10): the batch never reaches --training.global_batch_size"
+    skip = parse("--training.skip_steps", "5-6", "12", "20-30", "--training.steps", "10")
+    assert ignored_settings(skip)[-1] == (
+        "--training.skip_steps 12 20-30: past the run's last step (--training.steps 10)"
+    )
+    assert ignored_settings(ramp)[-1] == (  # 8 x 5 steps, 16 x 2, 24 x 2, then 32 from step 10
+        "--training.global_batch_size_ramp_sequences 100 lasts past the run: the batch reaches "
+        "--training.global_batch_size at step 10, and --training.steps is 9"
     )
     on = parse(
         "--checkpoint.enable", "--checkpoint.interval", "5", "--validation.enable",

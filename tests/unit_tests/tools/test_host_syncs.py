@@ -117,7 +117,10 @@ def _step_sites(tmp_path, *flags: str) -> dict[str, int]:
 def test_a_dense_step_reads_the_token_count_and_the_norms_finiteness_only(tmp_path):
     # The token count is summed on the batch's host copy (no GPU wait); the finiteness of
     # the gradient norm decides the optimizer step on every rank alike.
-    assert _step_sites(tmp_path) == {"dist_reduce <- train_step": 1, "train_step <- train": 1}
+    assert _step_sites(tmp_path) == {
+        "dist_reduce <- train_step": 1,
+        "train_step <- _train_and_log": 1,
+    }
 
 
 @pytest.mark.parametrize(
@@ -131,6 +134,6 @@ def test_a_moe_step_reads_only_each_layers_padded_expert_rows(tmp_path, module, 
     sites = _step_sites(tmp_path, "--module", module, "--config", config)
     assert sites == {
         "dist_reduce <- train_step": 1,
-        "train_step <- train": 1,
+        "train_step <- _train_and_log": 1,
         "_grouped_mm_experts <- forward": moe_layers,
     }

@@ -1,0 +1,80 @@
+"""``--training.skip_steps``: a skipped step reads its batches and drops them. Over the skipped
+steps the weights and optimizer state stay bitwise as they were, while the data position and
+the LR schedule reach exactly those of the run that trained them; a run resumed before the
+range skips it again and trains its later steps bitwise as the uninterrupted one."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from launch import SMALL, records
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from torchtitan.tools.report import load_run, summary
+from torchtitan.train import main
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.filterwarnings("ignore:'set_vital'"),
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
+
+RUN = [
+    *SMALL, "--debug.deterministic", "--training.steps", "6", "--lr_scheduler.warmup_steps",
+    "2", "--checkpoint.enable", "--checkpoint.interval", "2", "--training.local_batch_size", "4",
+    "--training.global_batch_size", "8",
+]  # fmt: skip
+SKIP = ["--training.skip_steps", "3-4"]
+
+
+def _losses(dump: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(dump) if "loss" in r}
+
+
+def _saved(dump: Path, step: int, tmp_path: Path) -> dict:
+    out = tmp_path / f"{dump.name}-{step}.pt"
+    dcp_to_torch_save(dump / "checkpoint" / f"step-{step}", out)
+    return torch.load(out, weights_only=False)
+
+
+def _equal(a: object, b: object) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+def test_skipped_steps_read_their_data_and_train_nothing(tmp_path: Path) -> None:
+    plain, skipping = tmp_path / "plain", tmp_path / "skipping"
+    assert main([*RUN, "--job.dump_folder", str(plain)]) == 0
+    assert main([*RUN, *SKIP, "--job.dump_folder", str(skipping)]) == 0
+    want, got = _losses(plain), _losses(skipping)
+    assert sorted(got) == [1, 2, 5, 6]
+    assert [got[s] for s in (1, 2)] == [want[s] for s in (1, 2)]
+    assert got[5] != want[5]  # the step-2 weights on step 5's batches
+
+    before, after = _saved(skipping, 2, tmp_path), _saved(skipping, 4, tmp_path)
+    trained = _saved(plain, 4, tmp_path)
+    assert _equal(after["model"], before["model"])
+    # Adam's moments and step counts; its param groups carry the LR, which moves on.
+    moments = [
+        {k: v for k, v in s["optimizer"].items() if k.startswith("state.")} for s in (before, after)
+    ]
+    assert _equal(*moments) and len(moments[0]) > 0
+    assert not _equal(trained["model"], before["model"])
+    for state in ("dataloader", "lr_scheduler"):
+        assert _equal(after[state], trained[state]), state
+        assert not _equal(after[state], before[state]), state
+    assert after["train_state"]["step"] == 4
+    records_lr = {r["step"]: r["lr"] for r in records(skipping)}
+    assert records_lr[5] == {r["step"]: r["lr"] for r in records(plain)}[5]
+
+    # Resumed from step 2, the run skips steps 3-4 again: steps 5-6 bitwise.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(skipping / "checkpoint/step-2", resumed / "checkpoint/step-2")
+    assert main([*RUN, *SKIP, "--job.dump_folder", str(resumed)]) == 0
+    again = _losses(resumed)
+    assert sorted(again) == [5, 6] and [again[s] for s in (5, 6)] == [got[5], got[6]]
+    assert "data skipped steps 3-4 (--training.skip_steps)" in summary(load_run(resumed))
