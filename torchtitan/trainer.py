@@ -7,6 +7,7 @@ build steps instead of adding branches here.
 """
 
 import time
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -150,6 +151,7 @@ class Trainer:
             agree=torch.distributed.is_initialized() and not dist_utils.fake_collectives()
         )  # fmt: skip
         self.preempted: preemption.Preempted | None = None  # what stopped the run, if a signal
+        self._train_timeouts_set = False  # NCCL collectives switched to the train timeout
 
     # ---- build steps -----------------------------------------------------------------------
 
@@ -302,10 +304,10 @@ class Trainer:
             return
         logger.info(f"Training {span}: {self.batches.describe(t.seq_len)}")
         data_iter = iter(self.dataloader)
-        first_step = self.step
+        first_step, trained = self.step, 0  # trained: steps this process has trained
         self.events.start(first_step, self.parallel_dims.world_size)
         self.metrics.start_run(
-            first_step=first_step, last_step=stop, work=self.batches.batches_through
+            first_step=first_step, last_step=stop, work=self.batches.trained_through
         )
         where = dict(dump_folder=self.config.job.dump_folder, rank=self.rank, first_step=first_step)
         graphs = None if self.dry else where["dump_folder"]  # a dry run writes nothing there
@@ -317,12 +319,13 @@ class Trainer:
             while self.step < stop:
                 self.train_state.step += 1
                 gc_tick(self.step)
-                self._watch_step(first_step)
+                self._watch_step(trained)
                 start = time.perf_counter()
                 batches = [next(data_iter) for _ in range(self.batches.accumulation(self.step))]
                 data_seconds = time.perf_counter() - start
                 if (skipped := self.batches.skipped(self.step)) is None:
                     self._train_and_log(batches, data_seconds, stop)
+                    trained += 1
                 else:
                     self._drop(skipped, first_step, stop)
                     self.metrics.exclude_seconds(time.perf_counter() - start)
@@ -380,7 +383,11 @@ class Trainer:
             span = f"Step {self.step}" if last == self.step else f"Steps {self.step}-{last}"
             logger.warning(f"{span}: batches read and dropped, untrained (--training.skip_steps)")
             self.events.write("skip", step=self.step, last=last)
-        self.lr_schedulers.step()
+        with warnings.catch_warnings():
+            # Torch warns when a schedule steps before the optimizer ever has (a skipped step
+            # 1): it then leaves out the schedule's first value, as skipping that step should.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+            self.lr_schedulers.step()
 
     def train_step(self, batches: Sequence[Batch]) -> StepResult:
         """Forward and backward over this rank's accumulation batches (host tensors), clip,
@@ -457,17 +464,19 @@ class Trainer:
             self.validator is not None and self.validator.should_run(step, self._last_step)
         )
 
-    def _watch_step(self, first_step: int) -> None:
-        """Arm the hang watchdog; after the first step collectives get the train timeout."""
+    def _watch_step(self, trained: int) -> None:
+        """Arm the hang watchdog; once this process has trained a step (the first carries
+        compilation and the first collectives; skipped steps train nothing), collectives get
+        the train timeout."""
         if self.watchdog is None:
             return
         comm = self.config.comm
-        first = self.step == first_step + 1
-        if self.step == first_step + 2 and self.device.type == "cuda":
+        if trained == 1 and self.device.type == "cuda" and not self._train_timeouts_set:
             # NCCL dumps its flight recorder when a collective times out. On gloo the
             # watchdog enforces the timeout (a gloo timeout error would leave no dump).
             dist_utils.set_pg_timeouts(comm.train_timeout_seconds)
-        timeout = comm.init_timeout_seconds if first else comm.train_timeout_seconds
+            self._train_timeouts_set = True
+        timeout = comm.init_timeout_seconds if trained == 0 else comm.train_timeout_seconds
         self.watchdog.start(self.step, timeout)
 
     @property

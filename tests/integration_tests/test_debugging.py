@@ -151,7 +151,10 @@ def test_fsdp_x_tp_adds_no_host_sync_to_the_step(fsdp_tp_run):
             re.findall(r"(\d+)x .* in (\w+) <- .* in (\w+)", line) for line in text.splitlines()
         ]
         sites = sorted(found[0] for found in sites if found)
-        assert sites == [("1", "dist_reduce", "train_step"), ("1", "train_step", "train")], text
+        assert sites == [
+            ("1", "dist_reduce", "train_step"),
+            ("1", "train_step", "_train_and_log"),
+        ], text
 
 
 def _simulate(dump: Path, ngpu: int, *flags: str) -> subprocess.CompletedProcess:

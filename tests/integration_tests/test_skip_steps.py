@@ -12,6 +12,7 @@ from launch import SMALL, records
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from torchtitan.tools.report import load_run, summary
+from torchtitan.tools.watchdog import StepWatchdog
 from torchtitan.train import main
 
 pytestmark = [
@@ -46,7 +47,7 @@ def _equal(a: object, b: object) -> bool:
     return a == b
 
 
-def test_skipped_steps_read_their_data_and_train_nothing(tmp_path: Path) -> None:
+def test_skipped_steps_read_their_data_and_train_nothing(tmp_path: Path, monkeypatch) -> None:
     plain, skipping = tmp_path / "plain", tmp_path / "skipping"
     assert main([*RUN, "--job.dump_folder", str(plain)]) == 0
     assert main([*RUN, *SKIP, "--job.dump_folder", str(skipping)]) == 0
@@ -71,10 +72,23 @@ def test_skipped_steps_read_their_data_and_train_nothing(tmp_path: Path) -> None
     records_lr = {r["step"]: r["lr"] for r in records(skipping)}
     assert records_lr[5] == {r["step"]: r["lr"] for r in records(plain)}[5]
 
-    # Resumed from step 2, the run skips steps 3-4 again: steps 5-6 bitwise.
+    # Resumed from step 2, the run skips steps 3-4 again: steps 5-6 bitwise. The hang
+    # watchdog gives the first step it trains (5, with the first collectives) the start-up
+    # timeout, not the skipped steps alone.
+    armed = {}
+    start = StepWatchdog.start
+    monkeypatch.setattr(
+        StepWatchdog,
+        "start",
+        lambda self, step, t: (armed.setdefault(step, t), start(self, step, t)),
+    )
     resumed = tmp_path / "resumed"
     shutil.copytree(skipping / "checkpoint/step-2", resumed / "checkpoint/step-2")
-    assert main([*RUN, *SKIP, "--job.dump_folder", str(resumed)]) == 0
+    timeouts = ["--comm.init_timeout_seconds", "301", "--comm.train_timeout_seconds", "99"]
+    assert main([*RUN, *SKIP, *timeouts, "--job.dump_folder", str(resumed)]) == 0
+    assert armed == {3: 301, 4: 301, 5: 301, 6: 99}
     again = _losses(resumed)
     assert sorted(again) == [5, 6] and [again[s] for s in (5, 6)] == [got[5], got[6]]
-    assert "data skipped steps 3-4 (--training.skip_steps)" in summary(load_run(resumed))
+    assert "skips        the data of steps 3-4 (--training.skip_steps)" in summary(
+        load_run(resumed)
+    )

@@ -28,7 +28,9 @@ def ramp_stages(
     """``(first step, global batch)`` of each size a ramp takes, the last the full batch: the
     batch of a step is ``start + increment x floor(trained x n / sequences)`` (``trained``: the
     sequences of the steps before it, ``n``: the number of increments), at most ``full``. A
-    size can be passed over when one step of the previous size trains more than a share."""
+    size can be passed over when one step of the previous size trains more than a share.
+    Exact integers: Megatron-LM divides in floating point, which at an exact share boundary can
+    land one increment lower."""
     if start >= full:
         return ((1, full),)
     n = (full - start) // increment
@@ -74,11 +76,7 @@ class BatchSchedule:
                 f"degree = {full})"
             )
         increment = ramp_increment(t, full)
-        if (full - start) % increment:
-            raise ConfigError(
-                f"--training.global_batch_size_increment={increment} must divide "
-                f"--training.global_batch_size - global_batch_size_start = {full} - {start}"
-            )
+        _check_increment(increment, start, full)
         for flag, value in (("start", start), ("increment", increment)):
             if value % unit:  # (the default increment always is: a gcd of two multiples)
                 raise ConfigError(
@@ -121,6 +119,15 @@ class BatchSchedule:
             if steps <= 0:
                 break
             total += steps * (batch // self._unit)
+        return total
+
+    def trained_through(self, step: int) -> int:
+        """Accumulation batches of steps 1 .. ``step`` that train (the ETA's work: a skipped
+        step only reads its data)."""
+        total = self.batches_through(step)
+        for first, last in self.skip:
+            if first <= step:
+                total -= self.batches_through(min(last, step)) - self.batches_through(first - 1)
         return total
 
     def skipped(self, step: int) -> tuple[int, int] | None:
@@ -178,7 +185,13 @@ def step_ranges(entries: list[str]) -> tuple[tuple[int, int], ...]:
                 f"--training.skip_steps entry {entry!r} must be steps from 1 on, first <= last"
             )
         ranges.append((a, b))
-    return tuple(sorted(ranges))
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):  # overlapping or adjacent ranges are one (one line, one event)
+        if merged and a <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return tuple(merged)
 
 
 def check_flags(t: Training) -> None:
@@ -212,4 +225,13 @@ def check_flags(t: Training) -> None:
     if start > full:
         raise ConfigError(
             f"{flag} must be at most --training.global_batch_size={full}, the batch it ramps up to"
+        )
+    _check_increment(ramp_increment(t, full), start, full)
+
+
+def _check_increment(increment: int, start: int, full: int) -> None:
+    if (full - start) % increment:
+        raise ConfigError(
+            f"--training.global_batch_size_increment={increment} must divide "
+            f"--training.global_batch_size - global_batch_size_start = {full} - {start}"
         )

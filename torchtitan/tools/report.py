@@ -131,11 +131,13 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def _training_seconds(records: list[dict[str, Any]]) -> float:
-    """Each record's ``step_time_s`` is the mean over the steps since the record before it."""
+def _training_seconds(records: list[dict[str, Any]], skipped: set[int]) -> float:
+    """Each record's ``step_time_s`` is the mean over the steps trained since the record
+    before it (``skipped``: steps whose data was skipped, untrained and not timed)."""
     total, previous = 0.0, 0
     for r in records:
-        total += r.get("step_time_s", 0.0) * max(r["step"] - previous, 1)
+        trained = sum(1 for s in range(previous + 1, r["step"] + 1) if s not in skipped)
+        total += r.get("step_time_s", 0.0) * max(trained, 1)
         previous = r["step"]
     return total
 
@@ -144,7 +146,8 @@ def _metric_rows(run: Run) -> list[tuple[str, str]]:
     recs = run.records
     redone = f", {len(run.redone_steps)} redone after a restart" if run.redone_steps else ""
     rows = [("steps", f"{recs[0]['step']} .. {recs[-1]['step']} ({len(recs)} logged{redone})")]
-    time = f"{_duration(_training_seconds(recs))} in training steps"
+    skipped = {s for e in run.events_of("skip") for s in range(e["step"], e["last"] + 1)}
+    time = f"{_duration(_training_seconds(recs, skipped))} in training steps"
     starts = run.events_of("start")
     if starts and run.events[-1] is not starts[0]:
         wall = run.events[-1]["time"] - starts[0]["time"]
@@ -191,7 +194,7 @@ def _event_rows(run: Run) -> list[tuple[str, str]]:
     skips = [f"{e['step']}-{e['last']}" if e["last"] > e["step"] else str(e["step"])
              for e in run.events_of("skip")]  # fmt: skip
     if skips:
-        rows.append(("data skipped", f"steps {', '.join(skips)} (--training.skip_steps)"))
+        rows.append(("skips", f"the data of steps {', '.join(skips)} (--training.skip_steps)"))
     end = run.events[-1] if run.events and run.events[-1].get("event") == "end" else None
     rows.append(("status", f"{end['status']} at step {end['step']}" if end else "no end event"))
     return rows

@@ -2,6 +2,8 @@
 accumulation batches and their running total (the ETA's work), the start-up line, and the
 steps whose data is skipped."""
 
+from fractions import Fraction
+
 import pytest
 
 from torchtitan.components.batch_schedule import BatchSchedule
@@ -20,8 +22,8 @@ def _megatron_sizes(start: int, increment: int, full: int, sequences: int, steps
     """The batch of each step by Megatron-LM's rampup rule, step by step: start plus one
     increment per share of ``sequences`` trained on, at most full."""
     n, trained, sizes = (full - start) // increment, 0, []
-    for _ in range(steps):
-        batch = min(full, start + increment * int(trained / (sequences / n)))
+    for _ in range(steps):  # in exact fractions (Megatron's float division can round down)
+        batch = min(full, start + increment * int(trained / Fraction(sequences, n)))
         sizes.append(batch)
         trained += batch
     return sizes
@@ -45,7 +47,7 @@ def test_the_batch_grows_by_one_increment_per_share_of_the_ramp() -> None:
 @pytest.mark.parametrize(
     ("start", "increment", "full", "sequences"),
     [(16, 8, 64, 100), (8, 8, 24, 32), (3072, 3072, 15360, 114_501_953), (4, 2, 20, 7),
-     (2, 2, 10, 1000), (4, 4, 8, 1)],
+     (2, 2, 10, 1000), (4, 4, 8, 1), (8, 20, 148, 36)],
 )  # fmt: skip
 def test_the_sizes_are_megatron_rampup_rule(start, increment, full, sequences) -> None:
     """Each step's batch is the rampup rule of Megatron-LM applied step by step, sizes passed
@@ -139,9 +141,13 @@ def test_skip_steps_parse_to_ranges() -> None:
     from torchtitan.components.batch_schedule import step_ranges
 
     assert step_ranges(["1450", "1201-1300", " 7 - 9 "]) == ((7, 9), (1201, 1300), (1450, 1450))
+    # Overlapping and adjacent ranges are one range (one console line, one event).
+    assert step_ranges(["5-10", "8-12", "13", "20-21", "15"]) == ((5, 13), (15, 15), (20, 21))
     schedule = _schedule(skip_steps=["3-4", "9"])
     assert [s for s in range(1, 11) if schedule.skipped(s)] == [3, 4, 9]
     assert schedule.skipped(4) == (3, 4) and schedule.skipped(5) is None
+    # The ETA's work leaves the skipped steps out: one accumulation batch per step, 3 skipped.
+    assert [schedule.trained_through(s) for s in (2, 4, 9, 10)] == [2, 2, 6, 7]
     for bad, why in (("3-", "is not a step N"), ("a", "is not a step N"), ("5-3", "first <= last"),
                      ("0", "from 1 on"), ("-2", "is not a step N")):  # fmt: skip
         with pytest.raises(ConfigError, match=why):

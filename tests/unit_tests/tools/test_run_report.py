@@ -193,3 +193,22 @@ def test_without_matplotlib_writes_the_text_only(cpu_run, monkeypatch, caplog):
 def test_report_does_not_import_torch():
     code = "import sys, torchtitan.tools.report; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_skipped_data_is_listed_shaded_and_not_timed(tmp_path):
+    """Records at 1, 10 and 20 with steps 11-19 skipped (read and dropped, untimed): step 20's
+    record times one trained step, so 0.5 + 9 x 0.5 + 0.5 s train."""
+    _write(tmp_path / "metrics.jsonl", [_record(s, 10.0 - s / 10) for s in (1, 10, 20)])
+    events = [
+        {"event": "start", "time": 0.0, "step": 0, "restart": 0, "requeue": 0, "world_size": 1},
+        {"event": "skip", "time": 1.0, "step": 11, "last": 19},
+        {"event": "skip", "time": 2.0, "step": 25, "last": 25},
+        {"event": "end", "time": 3.0, "step": 25, "status": "finished"},
+    ]
+    _write(tmp_path / "events.jsonl", events)
+    run = report.load_run(tmp_path)
+    text = report.summary(run)
+    assert "5.5 s in training steps" in text
+    assert "skips        the data of steps 11-19, 25 (--training.skip_steps)\n" in text
+    shaded = [p for p in report.figure(run).axes[0].patches if p.get_gid() == "skipped data"]
+    assert len(shaded) == 2
