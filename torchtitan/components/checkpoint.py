@@ -403,10 +403,12 @@ class CheckpointManager:
             self._purge()
 
     def _purge(self) -> None:
-        k = self.config.keep_latest_k
+        k, every = self.config.keep_latest_k, self.config.keep_every
         if k <= 0:
             return
         for old in complete_checkpoints(self.folder)[:-k]:
+            if every and int(old.name.removeprefix("step-")) % every == 0:
+                continue  # a milestone (--checkpoint.keep_every)
             problem = verify(old, checksums=False)
             if problem is not None:  # its data may still be what someone needs: never delete
                 logger.warning(f"Keeping damaged checkpoint {old} for inspection: {problem}")

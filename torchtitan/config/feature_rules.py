@@ -21,6 +21,12 @@ def checkpoint_checks(config: JobConfig) -> list[tuple[bool, str]]:
     return [
         (c.interval >= 1, f"--checkpoint.interval={c.interval} must be >= 1 (steps between saves)"),
         (c.keep_latest_k >= 0, f"--checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0"),
+        (c.keep_every >= 0, f"--checkpoint.keep_every={c.keep_every} must be >= 0 (0: none)"),
+        (
+            c.keep_every % c.interval == 0 if c.interval >= 1 else True,
+            f"--checkpoint.keep_every={c.keep_every} must be a multiple of --checkpoint.interval="
+            f"{c.interval}, or no checkpoint is saved at the steps it keeps",
+        ),
         (
             c.initial_load_model_only or c.initial_load_path is not None,
             "--checkpoint.no_initial_load_model_only needs --checkpoint.initial_load_path: the "

@@ -307,6 +307,10 @@ class Checkpoint:
     keep_latest_k: int = 10
     """Keep only the newest K checkpoints; 0 keeps all."""
 
+    keep_every: int = 0
+    """Also keep, for good, the checkpoints of every N-th step (milestones to evaluate or fork
+    later) however many newer ones there are; a multiple of ``interval``. 0: none."""
+
     load_step: int = -1
     """Step to resume from; -1 picks the latest complete checkpoint."""
 

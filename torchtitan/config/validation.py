@@ -297,15 +297,20 @@ def _local_path_missing(path: str, *, files: bool) -> bool:
 
 def ignored_settings(config: JobConfig, named: JobConfig | None = None) -> list[str]:
     """Settings given a value that nothing reads in this run (their feature is off), and a
-    warm-up or batch ramp longer than the run, or skipped steps past it: one warning line each. Not refused: a TOML file may keep a
-    feature's settings with the feature turned off. ``named``: the named config the run
+    warm-up or batch ramp longer than the run, or skipped steps past it: one warning line
+    each. Not refused: a TOML file may keep a feature's settings with the feature turned off. ``named``: the named config the run
     started from (``manager.named_config``), whose own values are not the user's to hear
     about (``llama3_debugmodel`` sets an interval for when checkpointing is turned on);
     default: the fields' defaults."""
     defaults = JobConfig() if named is None else named
     notes = []
     for section, fields, switch, on in (
-        ("checkpoint", ("interval", "async_mode"), "--checkpoint.enable", config.checkpoint.enable),
+        (
+            "checkpoint",
+            ("interval", "async_mode", "keep_every"),
+            "--checkpoint.enable",
+            config.checkpoint.enable,
+        ),
         ("float8", ("recipe_name",), "--float8.enable", config.float8.enable),
         (
             "validation",

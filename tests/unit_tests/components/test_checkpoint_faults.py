@@ -111,6 +111,13 @@ def test_keep_latest_k_never_purges_a_damaged_checkpoint(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["step-1", "step-4"]
 
 
+def test_keep_every_keeps_milestones_beside_the_newest(tmp_path):
+    """keep_latest_k 2 and keep_every 3 over steps 1-10: 3, 6 and 9 stay for good, 9 and 10
+    as the newest two; the milestones are not counted among the newest."""
+    _, folder = _saved(tmp_path, list(range(1, 11)), keep_latest_k=2, keep_every=3)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-10", "step-3", "step-6", "step-9"]
+
+
 def test_a_full_disk_says_so_in_one_line_and_leaves_no_partial_folder(tmp_path, monkeypatch):
     def full(self, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

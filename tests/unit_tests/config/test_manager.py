@@ -839,6 +839,12 @@ def test_whole_block_checkpointing_of_compiled_tensor_parallel_blocks_is_refused
         ),
         (
             None,
+            "--checkpoint.enable --checkpoint.interval 5 --checkpoint.keep_every 12",
+            "--checkpoint.keep_every=12 must be a multiple of --checkpoint.interval=5, or no "
+            "checkpoint is saved at the steps it keeps",
+        ),
+        (
+            None,
             "--training.skip_steps 1200-1300 1500-1450",
             "--training.skip_steps entry '1500-1450' must be steps from 1 on, first <= last",
         ),
