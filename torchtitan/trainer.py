@@ -6,6 +6,7 @@ them; the trainer decides what a step is. Debugging modes (``dry_run.py``) use t
 build steps instead of adding branches here.
 """
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Sequence
@@ -220,6 +221,7 @@ class Trainer:
             flops_per_token=flops,
             rank=self.rank,
             save_rank=not self.dry and (self.rank == 0 or c.metrics.save_for_all_ranks),
+            run_config=dataclasses.asdict(c),
         )
 
     def build_checkpointer(self) -> CheckpointManager | None:

@@ -384,6 +384,8 @@ def test_wandb_offline_run_records_the_logged_values(tmp_path, monkeypatch):
     for record in records:
         assert json.dumps(record["loss"]).encode() in data
     assert b"grad_norm" in data and b"tps" in data
+    # The run's resolved config, to compare runs by in W&B.
+    assert b"local_batch_size" in data and b"debugmodel" in data
 
 
 def test_wandb_without_an_account_is_refused_in_one_line(tmp_path, monkeypatch):
@@ -394,7 +396,7 @@ def test_wandb_without_an_account_is_refused_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
     monkeypatch.setenv("WANDB_SILENT", "true")
     with pytest.raises(ConfigError) as refused:
-        _WandbSink(str(tmp_path), 0)
+        _WandbSink(str(tmp_path), 0, {})
     message = str(refused.value)  # wandb's own reason between the parentheses
     assert message.startswith("--metrics.enable_wandb: W&B could not start a run (")
     assert "API key" in message and "\n" not in message

@@ -47,6 +47,7 @@ class MetricsProcessor:
         flops_per_token: int,
         rank: int,
         save_rank: bool,
+        run_config: dict[str, Any] | None = None,
     ):
         self.config = config
         self.flops_per_token = flops_per_token
@@ -70,7 +71,7 @@ class MetricsProcessor:
                     folder = folder / f"rank_{rank}"
                 self._sinks.append(_TensorBoardSink(folder))
             if config.enable_wandb:
-                self._sinks.append(_WandbSink(dump_folder, rank))
+                self._sinks.append(_WandbSink(dump_folder, rank, run_config or {}))
         if self.peak_flops is None:
             logger.info("Peak FLOP/s of this device unknown: MFU is not reported")
 
@@ -233,7 +234,7 @@ class _TensorBoardSink(_Sink):
 
 
 class _WandbSink(_Sink):
-    def __init__(self, dump_folder: str, rank: int):
+    def __init__(self, dump_folder: str, rank: int, run_config: dict[str, Any]):
         try:
             import wandb
         except ImportError:
@@ -248,7 +249,7 @@ class _WandbSink(_Sink):
                 dir=dump_folder,
                 name=os.environ.get("WANDB_RUN_NAME"),
                 group=os.environ.get("WANDB_RUN_GROUP"),
-                config={"rank": rank},
+                config=run_config | {"rank": rank},  # the resolved config, to compare runs by
             )
         except wandb.errors.Error as e:  # no API key, no network, a bad entity or project
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
