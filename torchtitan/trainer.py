@@ -15,7 +15,7 @@ import torch
 
 from torchtitan.batch_runner import Batch, BatchRunner
 from torchtitan.components import checkpoint_hf, float8, lora, preemption
-from torchtitan.components.batch_schedule import BatchSchedule
+from torchtitan.components.batch_schedule import BatchSchedule, resumed_batch_note
 from torchtitan.components.chat_template import ChatTemplate
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_states import build_checkpoint_states
@@ -264,6 +264,8 @@ class Trainer:
             logger.warning(note)
         if saved is not None and self.step > 0:
             if (note := changed_settings_note(config.optimizer, saved.optimizer)) is not None:
+                logger.warning(note)
+            if (note := resumed_batch_note(config.training, saved.training, self.step)) is not None:
                 logger.warning(note)
 
     # ---- runs ------------------------------------------------------------------------------

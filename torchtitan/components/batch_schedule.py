@@ -168,6 +168,32 @@ def ramp_end(t: Training) -> int | None:
     return stages[-1][0]
 
 
+def batch_at(t: Training, step: int) -> int | None:
+    """The global batch of ``step`` by the flags alone (``None``: ``--training.global_batch_size``
+    is -1, so it depends on the data-parallel degree)."""
+    full = t.global_batch_size
+    if full == -1:
+        return None
+    if t.global_batch_size_start == -1:
+        return full
+    stages = ramp_stages(
+        t.global_batch_size_start, ramp_increment(t, full), full, t.global_batch_size_ramp_sequences
+    )
+    return stages[bisect.bisect_right(stages, (step, math.inf)) - 1][1]
+
+
+def resumed_batch_note(current: Training, saved: Training, step: int) -> str | None:
+    """One line when a run resumed at ``step`` trains the next step on another global batch than
+    the checkpoint's run would have (its batch or ramp flags changed); ``None`` otherwise."""
+    now, then = batch_at(current, step + 1), batch_at(saved, step + 1)
+    if now is None or then is None or now == then:
+        return None
+    return (
+        f"Global batch: the checkpoint's run would train step {step + 1} on {then} sequences; "
+        f"this run trains it on {now}, as its --training.global_batch_size* flags say"
+    )
+
+
 def step_ranges(entries: list[str]) -> tuple[tuple[int, int], ...]:
     """``--training.skip_steps`` entries (``N`` or ``FIRST-LAST``) as (first, last) ranges;
     ``ConfigError`` names the entry that does not parse."""

@@ -152,3 +152,18 @@ def test_skip_steps_parse_to_ranges() -> None:
                      ("0", "from 1 on"), ("-2", "is not a step N")):  # fmt: skip
         with pytest.raises(ConfigError, match=why):
             step_ranges([bad])
+
+
+def test_a_resume_that_changes_the_next_batch_says_so() -> None:
+    from torchtitan.components.batch_schedule import resumed_batch_note
+
+    ramp = Training(
+        global_batch_size=12, global_batch_size_start=4, global_batch_size_ramp_sequences=16
+    )  # 4, 4, 8, 12, ...
+    fixed = Training(global_batch_size=12)
+    assert resumed_batch_note(fixed, ramp, 2) == (
+        "Global batch: the checkpoint's run would train step 3 on 8 sequences; this run trains "
+        "it on 12, as its --training.global_batch_size* flags say"
+    )
+    assert resumed_batch_note(fixed, ramp, 3) is None  # step 4 is at 12 either way
+    assert resumed_batch_note(Training(), ramp, 2) is None  # -1: depends on the layout
