@@ -8,7 +8,6 @@ build steps instead of adding branches here.
 
 import dataclasses
 import time
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -30,7 +29,7 @@ from torchtitan.components.optimizer import (
 )
 from torchtitan.components.run_data import RunData
 from torchtitan.components.run_events import RunEvents
-from torchtitan.components.train_state import StepResult, TrainState
+from torchtitan.components.train_state import StepResult, TrainState, nothing_to_train
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import save_resolved, to_toml
@@ -152,7 +151,6 @@ class Trainer:
             agree=torch.distributed.is_initialized() and not dist_utils.fake_collectives()
         )  # fmt: skip
         self.preempted: preemption.Preempted | None = None  # what stopped the run, if a signal
-        self._train_timeouts_set = False  # NCCL collectives switched to the train timeout
 
     # ---- build steps -----------------------------------------------------------------------
 
@@ -297,14 +295,7 @@ class Trainer:
         self._last_step = stop
         span = f"{t.steps} steps" if stop == t.steps else f"up to step {stop} of {t.steps}"
         if self.step >= t.steps:
-            forked = self.forked
-            logger.warning(
-                f"Nothing to train: the run {'forked another' if forked else 'resumed'} at step "
-                f"{self.step}, and --training.steps is {t.steps}; raise --training.steps to "
-                "train on (docs/checkpoint.md), or "
-                + ("fork an earlier step" if forked else "pick another --job.dump_folder")
-                + " for a new run"
-            )
+            logger.warning(nothing_to_train(self.step, t.steps, forked=self.forked))
             return
         logger.info(f"Training {span}: {self.batches.describe(t.seq_len)}")
         data_iter = iter(self.dataloader)
@@ -323,15 +314,17 @@ class Trainer:
             while self.step < stop:
                 self.train_state.step += 1
                 gc_tick(self.step)
-                self._watch_step(trained)
+                if self.watchdog is not None:
+                    nccl = self.device.type == "cuda"
+                    self.watchdog.arm(self.step, trained, self.config.comm, nccl=nccl)
                 start = time.perf_counter()
                 batches = [next(data_iter) for _ in range(self.batches.accumulation(self.step))]
                 data_seconds = time.perf_counter() - start
-                if (skipped := self.batches.skipped(self.step)) is None:
+                if self.batches.skipped(self.step) is None:
                     self._train_and_log(batches, data_seconds, stop)
                     trained += 1
                 else:
-                    self._drop(skipped, first_step, stop)
+                    self._drop(first_step, stop)
                     self.metrics.exclude_seconds(time.perf_counter() - start)
                 if self.watchdog is not None:
                     self.watchdog.stop()
@@ -378,20 +371,13 @@ class Trainer:
         if validation or self.metrics.should_log(self.step, stop):
             self._log(result, validation)
 
-    def _drop(self, skipped: tuple[int, int], first_step: int, stop: int) -> None:
+    def _drop(self, first_step: int, stop: int) -> None:
         """A step of ``--training.skip_steps``: its batches are read and dropped, the weights
         and optimizer state left as they are; the LR schedule moves on, as the step does."""
-        first, last = skipped
-        if self.step in (first, first_step + 1):  # once per range, and on resuming inside one
-            last = min(last, stop)
-            span = f"Step {self.step}" if last == self.step else f"Steps {self.step}-{last}"
-            logger.warning(f"{span}: batches read and dropped, untrained (--training.skip_steps)")
-            self.events.write("skip", step=self.step, last=last)
-        with warnings.catch_warnings():
-            # Torch warns when a schedule steps before the optimizer ever has (a skipped step
-            # 1): it then leaves out the schedule's first value, as skipping that step should.
-            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
-            self.lr_schedulers.step()
+        if (news := self.batches.skip_news(self.step, first_step, stop)) is not None:
+            logger.warning(news[1])
+            self.events.write("skip", step=self.step, last=news[0])
+        self.lr_schedulers.step(skipped=True)
 
     def train_step(self, batches: Sequence[Batch]) -> StepResult:
         """Forward and backward over this rank's accumulation batches (host tensors), clip,
@@ -468,21 +454,6 @@ class Trainer:
             self.validator is not None and self.validator.should_run(step, self._last_step)
         )
 
-    def _watch_step(self, trained: int) -> None:
-        """Arm the hang watchdog; once this process has trained a step (the first carries
-        compilation and the first collectives; skipped steps train nothing), collectives get
-        the train timeout."""
-        if self.watchdog is None:
-            return
-        comm = self.config.comm
-        if trained == 1 and self.device.type == "cuda" and not self._train_timeouts_set:
-            # NCCL dumps its flight recorder when a collective times out. On gloo the
-            # watchdog enforces the timeout (a gloo timeout error would leave no dump).
-            dist_utils.set_pg_timeouts(comm.train_timeout_seconds)
-            self._train_timeouts_set = True
-        timeout = comm.init_timeout_seconds if trained == 0 else comm.train_timeout_seconds
-        self.watchdog.start(self.step, timeout)
-
     @property
     def document_start(self) -> int | None:
         """The token that starts a document, where attention is block-causal (``None``: causal).
@@ -505,9 +476,7 @@ class Trainer:
         )
         loss_max = dist_utils.dist_reduce(result.local_loss, "max", self.loss_mesh)
         extra = {"loss_local": local_loss, "skipped_steps": self.nonfinite.skipped}
-        if self.batches.ramps:  # a step's size varies: what it trained on so far, too
-            extra["global_batch_size"] = self.batches.global_batch(self.step)
-            extra["tokens_seen"] = self.train_state.tokens_seen
+        extra |= self.batches.record(self.step, self.train_state.tokens_seen)
         extra |= self.model_metrics | validation
         idle = self.runner.take_pipeline_idle()
         if idle is not None:

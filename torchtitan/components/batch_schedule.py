@@ -103,8 +103,7 @@ class BatchSchedule:
 
     def global_batch(self, step: int) -> int:
         """Sequences of (1-based) ``step`` over all data-parallel ranks."""
-        i = bisect.bisect_right(self.stages, (max(step, 1), math.inf)) - 1
-        return self.stages[i][1]
+        return _size_at(self.stages, step)
 
     def accumulation(self, step: int) -> int:
         """Accumulation batches of ``step`` on each data-parallel rank."""
@@ -133,6 +132,24 @@ class BatchSchedule:
     def skipped(self, step: int) -> tuple[int, int] | None:
         """The range of ``--training.skip_steps`` holding ``step`` (``None``: it trains)."""
         return next(((a, b) for a, b in self.skip if a <= step <= b), None)
+
+    def skip_news(self, step: int, first_step: int, stop: int) -> tuple[int, str] | None:
+        """The last step of the skipped range ``step`` opens and its console line, at the
+        range's first step or the first step of a run resumed inside it (``None``: nothing new
+        to say; ``first_step``: the step the run started after, ``stop``: its last)."""
+        found = self.skipped(step)
+        if found is None or step not in (found[0], first_step + 1):
+            return None
+        last = min(found[1], stop)
+        span = f"Step {step}" if last == step else f"Steps {step}-{last}"
+        return last, f"{span}: batches read and dropped, untrained (--training.skip_steps)"
+
+    def record(self, step: int, tokens_seen: int) -> dict[str, int]:
+        """What a logged record adds under a ramp (a step's size varies): the step's global
+        batch and the tokens trained on so far."""
+        if not self.ramps:
+            return {}
+        return {"global_batch_size": self.global_batch(step), "tokens_seen": tokens_seen}
 
     def describe(self, seq_len: int) -> str:
         """The batch as the start-up line says it."""
@@ -179,7 +196,12 @@ def batch_at(t: Training, step: int) -> int | None:
     stages = ramp_stages(
         t.global_batch_size_start, ramp_increment(t, full), full, t.global_batch_size_ramp_sequences
     )
-    return stages[bisect.bisect_right(stages, (step, math.inf)) - 1][1]
+    return _size_at(stages, step)
+
+
+def _size_at(stages: tuple[tuple[int, int], ...], step: int) -> int:
+    """The batch of ``step`` in ``(first step, batch)`` stages (step 1 for any earlier one)."""
+    return stages[bisect.bisect_right(stages, (max(step, 1), math.inf)) - 1][1]
 
 
 def resumed_batch_note(current: Training, saved: Training, step: int) -> str | None:

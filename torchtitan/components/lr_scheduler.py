@@ -2,6 +2,7 @@
 
 import functools
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -128,9 +129,15 @@ class LRSchedulers(Stateful):
         # Each optimizer's param groups' factors of the peak LR (--optimizer.param_groups).
         self.lr_scales = lr_scales or [[1.0] * len(s.optimizer.param_groups) for s in schedulers]
 
-    def step(self) -> None:
-        for scheduler in self.schedulers:
-            scheduler.step()
+    def step(self, *, skipped: bool = False) -> None:
+        """Move to the next step's LR. ``skipped``: the step updated nothing
+        (``--training.skip_steps``)."""
+        with warnings.catch_warnings():
+            if skipped:  # torch's note on a schedule stepping before its optimizer ever has
+                # (a skipped step 1): it leaves out the first value, as skipping it should.
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step")
+            for scheduler in self.schedulers:
+                scheduler.step()
 
     def get_last_lr(self) -> list[float]:
         return self.schedulers[0].get_last_lr()

@@ -83,3 +83,14 @@ class StepResult:
     def local_loss(self) -> torch.Tensor:
         """This rank's mean token loss."""
         return self.loss_sum / self.local_tokens.clamp(min=1)
+
+
+def nothing_to_train(step: int, steps: int, *, forked: bool) -> str:
+    """The warning of a run that resumed (or forked another) at or past its last step."""
+    return (
+        f"Nothing to train: the run {'forked another' if forked else 'resumed'} at step {step}, "
+        f"and --training.steps is {steps}; raise --training.steps to train on "
+        "(docs/checkpoint.md), or "
+        + ("fork an earlier step" if forked else "pick another --job.dump_folder")
+        + " for a new run"
+    )

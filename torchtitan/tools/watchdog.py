@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+from torchtitan.config.observability import Comm
 from torchtitan.launcher import HANG_EXIT_CODE, note_hung
 from torchtitan.tools.logging import logger
 
@@ -77,6 +78,7 @@ class StepWatchdog:
         self._timeout = 0.0
         self._closed = threading.Event()
         self._changed = threading.Event()  # a deadline set, or closing: wake the thread
+        self._collectives_switched = False  # NCCL's timeout set to the train timeout
         self._thread = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
         self._thread.start()
 
@@ -85,6 +87,21 @@ class StepWatchdog:
             self._step, self._timeout = step, timeout_seconds
             self._deadline = time.monotonic() + timeout_seconds
         self._changed.set()
+
+    def arm(self, step: int, trained: int, comm: Comm, *, nccl: bool) -> None:
+        """Watch ``step``: with ``--comm.init_timeout_seconds`` until this process has
+        ``trained`` a step (the first carries compilation and the first collectives; a skipped
+        step trains nothing), then with ``--comm.train_timeout_seconds``. ``nccl``: switch
+        NCCL's collectives to the train timeout then too (NCCL dumps its flight recorder when
+        one times out; on gloo this watchdog enforces the timeout, as a gloo timeout error
+        would leave no dump)."""
+        if trained >= 1 and nccl and not self._collectives_switched:
+            from torchtitan.distributed.utils import set_pg_timeouts
+
+            set_pg_timeouts(comm.train_timeout_seconds)
+            self._collectives_switched = True
+        timeout = comm.init_timeout_seconds if trained == 0 else comm.train_timeout_seconds
+        self.start(step, timeout)
 
     def stop(self) -> None:
         with self._lock:
