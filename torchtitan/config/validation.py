@@ -298,10 +298,10 @@ def _local_path_missing(path: str, *, files: bool) -> bool:
 def ignored_settings(config: JobConfig, named: JobConfig | None = None) -> list[str]:
     """Settings given a value that nothing reads in this run (their feature is off), and a
     warm-up or batch ramp longer than the run, or skipped steps past it: one warning line
-    each. Not refused: a TOML file may keep a feature's settings with the feature turned off. ``named``: the named config the run
-    started from (``manager.named_config``), whose own values are not the user's to hear
-    about (``llama3_debugmodel`` sets an interval for when checkpointing is turned on);
-    default: the fields' defaults."""
+    each. Not refused: a TOML file may keep a feature's settings with the feature turned off.
+    ``named``: the named config the run started from (``manager.named_config``), whose own
+    values are not the user's to hear about (``llama3_debugmodel`` sets an interval for when
+    checkpointing is turned on); default: the fields' defaults."""
     defaults = JobConfig() if named is None else named
     notes = []
     for section, fields, switch, on in (
@@ -341,14 +341,15 @@ def ignored_settings(config: JobConfig, named: JobConfig | None = None) -> list[
             f"--lr_scheduler.warmup_steps {warmup} is longer than the run (--training.steps "
             f"{steps}): the LR never reaches --optimizer.lr {config.optimizer.lr}"
         )
-    full_at = ramp_end(config.training)
+    t = config.training
+    full_at = ramp_end(t)
     if full_at is not None and full_at > steps:
         notes.append(
-            f"--training.global_batch_size_ramp_sequences {config.training.global_batch_size_ramp_sequences} "
-            f"lasts past the run: the batch reaches --training.global_batch_size at step {full_at}, "
-            f"and --training.steps is {steps}"
+            f"--training.global_batch_size_ramp_sequences {t.global_batch_size_ramp_sequences} "
+            f"lasts past the run: the batch reaches --training.global_batch_size at step "
+            f"{full_at}, and --training.steps is {steps}"
         )
-    past = [e for e in config.training.skip_steps if step_ranges([e])[0][0] > steps]
+    past = [e for e in t.skip_steps if step_ranges([e])[0][0] > steps]
     if past:
         notes.append(
             f"--training.skip_steps {' '.join(past)}: past the run's last step (--training.steps "
