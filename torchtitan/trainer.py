@@ -29,6 +29,7 @@ from torchtitan.components.optimizer import (
 )
 from torchtitan.components.run_data import RunData
 from torchtitan.components.run_events import RunEvents
+from torchtitan.components.spikes import SpikeGuard
 from torchtitan.components.train_state import StepResult, TrainState, nothing_to_train
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
@@ -91,12 +92,9 @@ class Trainer:
                 self.model_parts, self.model_args, seed=self.seed, stage_indices=self.stage_indices
             )
         self.runner = BatchRunner(
-            self.model_parts,
-            self.parallelize_context,
-            self.device,
-            stages=stages,
-            document_start=self.document_start,
-        )
+            self.model_parts, self.parallelize_context, self.device,
+            stages=stages, document_start=self.document_start,
+        )  # fmt: skip
         self.validator = (
             None
             if on_meta
@@ -116,7 +114,7 @@ class Trainer:
         )
         float8.after_sharding(self.model_parts, self.optimizers, config.float8)
         self.lr_schedulers = build_lr_schedulers(
-            self.optimizers, config.lr_scheduler, training_steps=config.training.steps
+            self.optimizers, config.lr_scheduler, config.training.steps, self.batches.stages
         )
         self.metrics = self.build_metrics()
         self.train_state = TrainState()
@@ -130,8 +128,9 @@ class Trainer:
             else StepWatchdog(config.job.dump_folder, self.rank)
         )
         self.nonfinite = NonFiniteSteps(
-            config.debug, self.parallel_dims, config.parallelism.fsdp_impl, self.rank
-        )
+            config.debug, self.parallel_dims, config.parallelism.fsdp_impl, self.rank,
+            SpikeGuard.from_config(config.training, self.loss_mesh),
+        )  # fmt: skip
         self.checkpointer = None if on_meta else self.build_checkpointer()
         if self.checkpointer is not None and config.checkpoint.enable:
             self._load_checkpoint()
@@ -232,6 +231,7 @@ class Trainer:
             lr_schedulers=self.lr_schedulers,
             dataloader=self.dataloader,
             train_state=self.train_state,
+            spikes=self.nonfinite.spikes,
             dp_rank=self.dp_rank,
             dp_world_size=self.parallel_dims.dp_degree,
         )
@@ -258,7 +258,7 @@ class Trainer:
         self.checkpointer.load()
         self.lr_schedulers.reapply(config.optimizer.lr)
         saved = self.checkpointer.saved_config(config)
-        if (note := resumed_note_for(config, saved, self.step)) is not None:
+        if (note := resumed_note_for(config, saved, self.step, self.batches.stages)) is not None:
             logger.warning(note)
         if saved is not None and self.step > 0:
             if (note := changed_settings_note(config.optimizer, saved.optimizer)) is not None:
@@ -297,7 +297,8 @@ class Trainer:
         if self.step >= t.steps:
             logger.warning(nothing_to_train(self.step, t.steps, forked=self.forked))
             return
-        logger.info(f"Training {span}: {self.batches.describe(t.seq_len)}")
+        lr = self.lr_schedulers.describe()
+        logger.info(f"Training {span}: {self.batches.describe(t.seq_len)}; LR: {lr}")
         data_iter = iter(self.dataloader)
         first_step, trained = self.step, 0  # trained: steps this process has trained
         self.events.start(first_step, self.parallel_dims.world_size)
@@ -395,22 +396,21 @@ class Trainer:
         dp_size = self.loss_mesh.size() if self.loss_mesh is not None else 1
         with self.nonfinite.watch(self.model_parts, self.step, self._last_checkpoint):
             loss_sum = self.runner.forward_backward(batches, scale=dp_size / max(global_tokens, 1))
-        grad_norm = dist_utils.clip_grad_norm_(
-            [p for part in self.model_parts for p in part.parameters()],
-            self.config.training.max_norm,
-            pp_mesh=self.pp_mesh,
+        parameters = [p for part in self.model_parts for p in part.parameters()]
+        norm = dist_utils.clip_grad_norm_(
+            parameters, self.config.training.max_norm, pp_mesh=self.pp_mesh
         )
         lr = self.config.optimizer.lr * self.lr_schedulers.factor()  # the unscaled groups'
-        result = StepResult(loss_sum, local_tokens, global_tokens, grad_norm, lr)
+        result = StepResult(loss_sum, local_tokens, global_tokens, norm, lr)
         if self.checkpointer is not None:  # a pinned-memory save may still read the weights
             self.checkpointer.wait_for_staging()
-        # The norm is global, so every rank takes the same branch.
-        stepped = not dist_utils.values_are_real() or bool(torch.isfinite(grad_norm))
+        stepped = self.nonfinite.should_step(
+            self.step, result, local_loss=lambda: self._own(result.local_loss),
+            last_checkpoint=self._last_checkpoint, events=self.events,
+        )  # fmt: skip
         if stepped:
             self.optimizers.step(self.step)
-        else:  # stops the run, or skips the update
-            local_loss = self._own(result.local_loss)
-            self.nonfinite.after_step(self.step, grad_norm, local_loss, self._last_checkpoint)
+        else:  # a non-finite norm or a spike (or the run stopped)
             self.optimizers.zero_grad()
         self.lr_schedulers.step()
         # A skipped update moves and reports nothing (its routing counts join the next step's).
@@ -475,7 +475,7 @@ class Trainer:
             result.global_tokens, 1
         )
         loss_max = dist_utils.dist_reduce(result.local_loss, "max", self.loss_mesh)
-        extra = {"loss_local": local_loss, "skipped_steps": self.nonfinite.skipped}
+        extra = {"loss_local": local_loss} | self.nonfinite.counts()
         extra |= self.batches.record(self.step, self.train_state.tokens_seen)
         extra |= self.model_metrics | validation
         idle = self.runner.take_pipeline_idle()

@@ -67,3 +67,28 @@ def test_a_ramp_trains_each_step_at_its_batch(tmp_path: Path) -> None:
     again = _losses(resumed)
     assert sorted(again) == [3, 4, 5, 6]
     assert [again[s] for s in (3, 4, 5, 6)] == [_losses(fsdp)[s] for s in (3, 4, 5, 6)]
+
+
+def test_the_lr_schedule_can_count_tokens(tmp_path: Path) -> None:
+    """``--lr_scheduler.unit tokens``: each step's LR is the curve at the full batches' worth of
+    sequences trained through it (through steps 1-6: 4, 8, 16, 28, 40, 52 of a full 12; warm-up
+    over 2 full batches, then a linear decay over the other 7/3), also when resumed mid-ramp."""
+    flags = [
+        *RUN, *RAMP, "--training.local_batch_size", "2", "--lr_scheduler.unit", "tokens",
+        "--optimizer.lr", "0.001", "--lr_scheduler.decay_type", "linear",
+        "--lr_scheduler.min_lr_factor", "0",
+    ]  # fmt: skip
+    dump = tmp_path / "tokens"
+    assert main([*flags, "--job.dump_folder", str(dump)]) == 0
+    lrs = {r["step"]: r["lr"] for r in records(dump) if "loss" in r}
+    want = [1 / 9, 2 / 9, 4 / 9, 7 / 9, 1 - (4 / 3) / (7 / 3), 0.0]
+    assert list(lrs.values()) == pytest.approx([0.001 * f for f in want], abs=1e-12)
+    (log,) = (dump / "logs").glob("*/rank0.log")
+    assert (
+        "LR: warm-up to step 4, counted in tokens (2 full batches), linear decay over steps 5-6"
+        in (log.read_text())
+    )
+    resumed = _resume(dump, 2, tmp_path / "resumed")
+    assert main([*flags, "--job.dump_folder", str(resumed)]) == 0
+    again = {r["step"]: r["lr"] for r in records(resumed) if "loss" in r}
+    assert again == {step: lrs[step] for step in (3, 4, 5, 6)}

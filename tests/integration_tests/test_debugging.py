@@ -153,7 +153,7 @@ def test_fsdp_x_tp_adds_no_host_sync_to_the_step(fsdp_tp_run):
         sites = sorted(found[0] for found in sites if found)
         assert sites == [
             ("1", "dist_reduce", "train_step"),
-            ("1", "train_step", "_train_and_log"),
+            ("1", "should_step", "train_step"),
         ], text
 
 

@@ -3,6 +3,7 @@ steps the weights and optimizer state stay bitwise as they were, while the data 
 the LR schedule reach exactly those of the run that trained them; a run resumed before the
 range skips it again and trains its later steps bitwise as the uninterrupted one."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -92,3 +93,54 @@ def test_skipped_steps_read_their_data_and_train_nothing(tmp_path: Path, monkeyp
     assert "skips        the data of steps 3-4 (--training.skip_steps)" in summary(
         load_run(resumed)
     )
+
+
+def _events(dump: Path, kind: str) -> list[dict]:
+    return [e for e in load_run(dump).events if e.get("event") == kind]
+
+
+def test_a_spike_skips_its_update_as_skipping_its_data_would(tmp_path: Path) -> None:
+    """``--training.spike_sigma``, tight enough here (0.5 over a window of 2) that some steps
+    spike: their updates are skipped, so every later step trains bitwise as in a run that
+    skipped those steps' data (``--training.skip_steps``). The window is checkpointed: it holds
+    the last steps' logged losses and norms, and a resumed run judges as the uninterrupted one."""
+    steps = ["--training.steps", "8"]
+    spikes = ["--training.spike_sigma", "0.5", "--training.spike_window", "2"]
+    spiky = tmp_path / "spiky"
+    assert main([*RUN, *steps, *spikes, "--job.dump_folder", str(spiky)]) == 0
+    flagged = [e["step"] for e in _events(spiky, "spike")]
+    got = _losses(spiky)
+    assert flagged and min(flagged) > 2  # the window fills first
+    assert set(range(min(flagged), 9)) - set(flagged)  # and steps train after a spike
+    assert 7 in flagged  # (this deterministic run's: what the resume at step 6 judges)
+    assert set(got) == set(range(1, 9))  # a spiking step is logged (its data was trained on)
+    counts = {r["step"]: r["spike_skipped_steps"] for r in records(spiky) if "loss" in r}
+    assert counts[8] == len(flagged)
+    assert f"{len(flagged)} update(s) skipped, steps" in summary(load_run(spiky))
+
+    skipping = tmp_path / "skipping"
+    skip = ["--training.skip_steps", *map(str, flagged)]
+    assert main([*RUN, *steps, *skip, "--job.dump_folder", str(skipping)]) == 0
+    want = _losses(skipping)
+    assert sorted(want) == [s for s in range(1, 9) if s not in flagged]
+    assert {s: got[s] for s in want} == want
+
+    # The step-6 checkpoint's window: steps 5 and 6's global losses and norms, as logged; a
+    # run resumed there judges step 7 by them (with an empty window it could not).
+    logged = {r["step"]: r for r in records(spiky) if "loss" in r}
+    window = json.loads(_saved(spiky, 6, tmp_path)["spikes"]["window"])
+    assert window["loss"] == [logged[s]["loss"] for s in (5, 6)]
+    assert window["gradient norm"] == [logged[s]["grad_norm"] for s in (5, 6)]
+    assert window["skipped"] == len([s for s in flagged if s <= 6])
+    resumed = tmp_path / "resumed"
+    shutil.copytree(spiky / "checkpoint/step-6", resumed / "checkpoint/step-6")
+    assert main([*RUN, *steps, *spikes, "--job.dump_folder", str(resumed)]) == 0
+    assert [e["step"] for e in _events(resumed, "spike")] == [s for s in flagged if s > 6]
+    assert _losses(resumed) == {s: got[s] for s in (7, 8)}
+    assert records(resumed)[-1]["spike_skipped_steps"] == len(flagged)
+
+    # A checkpoint written without the window resumes with one (empty, refilling).
+    turned_on = tmp_path / "turned_on"
+    shutil.copytree(skipping / "checkpoint/step-4", turned_on / "checkpoint/step-4")
+    assert main([*RUN, *spikes, "--job.dump_folder", str(turned_on)]) == 0
+    assert sorted(_losses(turned_on)) == [5, 6]

@@ -111,14 +111,7 @@ class BatchSchedule:
 
     def batches_through(self, step: int) -> int:
         """Accumulation batches of steps 1 .. ``step`` on each rank (0 for ``step`` <= 0)."""
-        total = 0
-        ends = [first for first, _ in self.stages[1:]] + [math.inf]
-        for (first, batch), after in zip(self.stages, ends, strict=True):
-            steps = min(step + 1, after) - first
-            if steps <= 0:
-                break
-            total += steps * (batch // self._unit)
-        return total
+        return sequences_through(self.stages, step) // self._unit
 
     def trained_through(self, step: int) -> int:
         """Accumulation batches of steps 1 .. ``step`` that train (the ETA's work: a skipped
@@ -165,6 +158,42 @@ class BatchSchedule:
         )
 
 
+def sequences_through(stages: tuple[tuple[int, int], ...], step: int) -> int:
+    """Sequences of steps 1 .. ``step`` over all ranks in ``(first step, batch)`` stages (0 for
+    ``step`` <= 0)."""
+    total = 0
+    ends = [first for first, _ in stages[1:]] + [math.inf]
+    for (first, batch), after in zip(stages, ends, strict=True):
+        steps = min(step + 1, after) - first
+        if steps <= 0:
+            break
+        total += steps * batch
+    return total
+
+
+def step_reaching(stages: tuple[tuple[int, int], ...], sequences: float) -> int:
+    """The first step through which at least ``sequences`` sequences are trained (0 when none
+    need be)."""
+    if sequences <= 0:
+        return 0
+    ends = [first for first, _ in stages[1:]] + [math.inf]
+    for (first, batch), after in zip(stages, ends, strict=True):
+        step = first - 1 + math.ceil((sequences - sequences_through(stages, first - 1)) / batch)
+        if step < after:
+            return step
+    raise AssertionError("the last stage lasts for ever")
+
+
+def stages_for(t: Training, full: int) -> tuple[tuple[int, int], ...]:
+    """The ``(first step, global batch)`` stages of the ``--training.global_batch_size*`` flags
+    at a full batch of ``full`` sequences."""
+    if t.global_batch_size_start == -1:
+        return ((1, full),)
+    return ramp_stages(
+        t.global_batch_size_start, ramp_increment(t, full), full, t.global_batch_size_ramp_sequences
+    )
+
+
 def ramp_increment(t: Training, full: int) -> int:
     """``--training.global_batch_size_increment``, or its default: the largest size dividing
     both the start and the full batch."""
@@ -176,27 +205,17 @@ def ramp_increment(t: Training, full: int) -> int:
 def ramp_end(t: Training) -> int | None:
     """The first step at the full batch when the flags alone say it (an explicit
     ``--training.global_batch_size``), else ``None``."""
-    full = t.global_batch_size
-    if t.global_batch_size_start == -1 or full == -1:
+    if t.global_batch_size_start == -1 or t.global_batch_size == -1:
         return None
-    stages = ramp_stages(
-        t.global_batch_size_start, ramp_increment(t, full), full, t.global_batch_size_ramp_sequences
-    )
-    return stages[-1][0]
+    return stages_for(t, t.global_batch_size)[-1][0]
 
 
 def batch_at(t: Training, step: int) -> int | None:
     """The global batch of ``step`` by the flags alone (``None``: ``--training.global_batch_size``
     is -1, so it depends on the data-parallel degree)."""
-    full = t.global_batch_size
-    if full == -1:
+    if t.global_batch_size == -1:
         return None
-    if t.global_batch_size_start == -1:
-        return full
-    stages = ramp_stages(
-        t.global_batch_size_start, ramp_increment(t, full), full, t.global_batch_size_ramp_sequences
-    )
-    return _size_at(stages, step)
+    return _size_at(stages_for(t, t.global_batch_size), step)
 
 
 def _size_at(stages: tuple[tuple[int, int], ...], step: int) -> int:

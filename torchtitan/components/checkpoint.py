@@ -57,7 +57,7 @@ from torchtitan.components.checkpoint_files import (
     weights_only_message,
     write_durably,
 )
-from torchtitan.components.checkpoint_states import match_dataloader_layout
+from torchtitan.components.checkpoint_states import OPTIONAL_STATES, match_dataloader_layout
 from torchtitan.components.checkpoint_weights import WeightsLoader
 from torchtitan.components.checkpoint_writer import CheckpointWriter
 from torchtitan.components.optimizer import Optimizers
@@ -234,6 +234,11 @@ class CheckpointManager:
             )
         self.loaded_from = path
         wanted = {k: v for k, v in self.states.items() if k not in self.config.exclude_from_loading}
+        for name in set(OPTIONAL_STATES) & set(wanted) - keys:
+            logger.info(
+                f"Checkpoint {path} has no {name} state (saved without it): it starts empty"
+            )
+            del wanted[name]
         missing = set(wanted) - keys
         if missing:
             raise ConfigError(

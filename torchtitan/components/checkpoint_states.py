@@ -112,10 +112,13 @@ def build_checkpoint_states(
     lr_schedulers: LRSchedulers,
     dataloader: Stateful,
     train_state: Stateful,
+    spikes: Stateful | None = None,
     dp_rank: int,
     dp_world_size: int,
 ) -> dict[str, Stateful]:
-    return {
+    """The checkpoint's states by name; ``spikes`` (``--training.spike_sigma``'s window) only
+    where the run judges spikes (one of :data:`OPTIONAL_STATES`)."""
+    states: dict[str, Stateful] = {
         "model": ModelState(model_parts),
         "optimizer": optimizers,
         "lr_scheduler": lr_schedulers,
@@ -127,3 +130,11 @@ def build_checkpoint_states(
         ),
         "train_state": train_state,
     }
+    if spikes is not None:
+        states["spikes"] = spikes
+    return states
+
+
+OPTIONAL_STATES = ("spikes",)
+"""States a run may hold that a checkpoint written without them lacks: a resume from one goes
+on without them (a run that turned the feature on since)."""

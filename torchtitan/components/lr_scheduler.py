@@ -9,6 +9,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.lr_scheduler import LambdaLR
 
+from torchtitan.components.batch_schedule import sequences_through, stages_for, step_reaching
 from torchtitan.components.optimizer import Optimizers
 from torchtitan.config.job_config import LRScheduler as LRSchedulerConfig
 
@@ -43,35 +44,66 @@ def lr_factor(
     return min_lr_factor + (1.0 - min_lr_factor) * shape
 
 
-def schedule(config: LRSchedulerConfig, *, training_steps: int) -> functools.partial:
-    """The LR multiplier of each (0-based) step of a ``training_steps`` run; picklable."""
-    warmup = min(config.warmup_steps, training_steps)
-    after_warmup = training_steps - warmup
-    decay_ratio = 1.0 if config.decay_ratio is None else config.decay_ratio
-    decay_steps = round(after_warmup * decay_ratio)
-    return functools.partial(
-        lr_factor,
+Stages = tuple[tuple[int, int], ...]
+"""A run's global batches as ``(first step, sequences)`` (:mod:`batch_schedule`)."""
+FIXED: Stages = ((1, 1),)
+
+
+def lr_factor_in_tokens(step: int, *, stages: Stages, **curve: Any) -> float:
+    """:func:`lr_factor` at the position of the ``step``-th optimizer step (0-based) counted
+    in full batches: the sequences trained through it over the full batch, less one (at a
+    fixed batch, ``step`` itself)."""
+    position = sequences_through(stages, step + 1) / stages[-1][1] - 1
+    return lr_factor(position, **curve)
+
+
+def schedule(
+    config: LRSchedulerConfig, *, training_steps: int, stages: Stages = FIXED
+) -> functools.partial:
+    """The LR multiplier of each (0-based) step of a ``training_steps`` run; picklable.
+    ``stages``: the run's global batches, which ``--lr_scheduler.unit tokens`` counts in."""
+    length: float = training_steps
+    if config.unit == "tokens":  # in full batches
+        length = sequences_through(stages, training_steps) / stages[-1][1]
+    warmup = min(config.warmup_steps, length)
+    after_warmup = length - warmup
+    decay = after_warmup if config.decay_ratio is None else round(after_warmup * config.decay_ratio)
+    curve = dict(
         warmup_steps=warmup,
-        decay_start=training_steps - decay_steps,
-        decay_steps=decay_steps,
+        decay_start=length - decay,
+        decay_steps=decay,
         decay_type=config.decay_type,
         min_lr_factor=config.min_lr_factor,
     )
+    if config.unit == "tokens":
+        return functools.partial(lr_factor_in_tokens, stages=stages, **curve)
+    return functools.partial(lr_factor, **curve)
 
 
 def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, config: LRSchedulerConfig, *, training_steps: int
+    optimizer: torch.optim.Optimizer,
+    config: LRSchedulerConfig,
+    *,
+    training_steps: int,
+    stages: Stages = FIXED,
 ) -> LambdaLR:
     """A ``LambdaLR`` over ``training_steps``; its state_dict is picklable (no lambdas)."""
-    return LambdaLR(optimizer, schedule(config, training_steps=training_steps))
+    return LambdaLR(optimizer, schedule(config, training_steps=training_steps, stages=stages))
 
 
-def describe(config: LRSchedulerConfig, *, training_steps: int) -> str:
+def describe(config: LRSchedulerConfig, *, training_steps: int, stages: Stages = FIXED) -> str:
     """Where the schedule's phases fall, in steps (1-based), for the log."""
-    fn = schedule(config, training_steps=training_steps)
+    fn = schedule(config, training_steps=training_steps, stages=stages)
     warmup, start = fn.keywords["warmup_steps"], fn.keywords["decay_start"]
     decay = fn.keywords["decay_steps"]
-    phases = [f"warm-up to step {warmup}" if warmup else "no warm-up"]
+    if config.unit == "tokens":  # the steps whose positions fall in each phase
+        full = stages[-1][1]
+        tokens = f", counted in tokens ({warmup:g} full batches)" if warmup else ""
+        warmup = step_reaching(stages, (warmup + 1) * full) - 1
+        start = step_reaching(stages, math.ceil(round((start + 1) * full, 6))) - 1
+    else:
+        tokens = ""
+    phases = [f"warm-up to step {warmup}{tokens}" if warmup else "no warm-up"]
     if decay:
         phases.append(f"{config.decay_type} decay over steps {start + 1}-{training_steps}")
     return ", ".join(phases)
@@ -86,34 +118,42 @@ def resumed_schedule_note(
     saved_steps: int,
     saved_lr: float,
     step: int,
+    stages: Stages = FIXED,
+    saved_stages: Stages = FIXED,
 ) -> str | None:
     """The rule on resume: the schedule follows this run's flags (``--optimizer.lr``,
-    ``--training.steps`` and ``--lr_scheduler.*``), recomputed from step 1. When the
-    checkpoint's run had others, one line says so, with the LR of the next step under both;
-    ``None`` when nothing changed."""
-    if saved == config and saved_steps == training_steps and saved_lr == lr:
+    ``--training.steps``, ``--lr_scheduler.*``, and the batch flags when it counts tokens),
+    recomputed from step 1. When the checkpoint's run had others, one line says so, with the
+    LR of the next step under both; ``None`` when nothing changed."""
+    now = dict(training_steps=training_steps, stages=stages)
+    then = dict(training_steps=saved_steps, stages=saved_stages)
+    a, b = schedule(config, **now), schedule(saved, **then)
+    if saved_lr == lr and (a.func, a.keywords) == (b.func, b.keywords):
         return None
-    new = lr * schedule(config, training_steps=training_steps)(step)
-    old = saved_lr * schedule(saved, training_steps=saved_steps)(step)
+    new = lr * schedule(config, **now)(step)
+    old = saved_lr * schedule(saved, **then)(step)
     return (
         f"LR schedule: the checkpoint's run had --optimizer.lr {saved_lr:g} --training.steps "
-        f"{saved_steps} ({describe(saved, training_steps=saved_steps)}); this run follows its "
-        f"own flags, --optimizer.lr {lr:g} --training.steps {training_steps} "
-        f"({describe(config, training_steps=training_steps)}): step {step + 1} trains at lr "
-        f"{new:.3e} (the old schedule: {old:.3e}). Resume with the old values to keep the old "
-        "curve"
+        f"{saved_steps} ({describe(saved, **then)}); this run follows its own flags, "
+        f"--optimizer.lr {lr:g} --training.steps {training_steps} ({describe(config, **now)}): "
+        f"step {step + 1} trains at lr {new:.3e} (the old schedule: {old:.3e}). Resume with "
+        "the old values to keep the old curve"
     )
 
 
-def resumed_note_for(current: Any, saved: Any, step: int) -> str | None:
+def resumed_note_for(current: Any, saved: Any, step: int, stages: Stages = FIXED) -> str | None:
     """:func:`resumed_schedule_note` between two ``JobConfig``s (``saved``: the checkpoint's
-    run's, None when unknown)."""
+    run's, None when unknown; ``stages``: this run's batches; the saved run's are those of its
+    flags at this run's full batch where it left the batch to the layout)."""
     if saved is None:
         return None
+    full = stages[-1][1]
+    if saved.training.global_batch_size != -1:
+        full = saved.training.global_batch_size
     return resumed_schedule_note(
         current.lr_scheduler, training_steps=current.training.steps, lr=current.optimizer.lr,
         saved=saved.lr_scheduler, saved_steps=saved.training.steps, saved_lr=saved.optimizer.lr,
-        step=step,
+        step=step, stages=stages, saved_stages=stages_for(saved.training, full),
     )  # fmt: skip
 
 
@@ -126,6 +166,8 @@ class LRSchedulers(Stateful):
 
     def __init__(self, schedulers: list[LambdaLR], lr_scales: list[list[float]] | None = None):
         self.schedulers = schedulers
+        self.span: dict[str, Any] = dict(config=LRSchedulerConfig(), training_steps=0)
+        """What :func:`describe` takes: the schedule's config and what it spans."""
         # Each optimizer's param groups' factors of the peak LR (--optimizer.param_groups).
         self.lr_scales = lr_scales or [[1.0] * len(s.optimizer.param_groups) for s in schedulers]
 
@@ -138,6 +180,10 @@ class LRSchedulers(Stateful):
                 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step")
             for scheduler in self.schedulers:
                 scheduler.step()
+
+    def describe(self) -> str:
+        """Where the schedule's phases fall, in steps, for the log."""
+        return describe(**self.span)
 
     def get_last_lr(self) -> list[float]:
         return self.schedulers[0].get_last_lr()
@@ -179,12 +225,18 @@ class LRSchedulers(Stateful):
 
 
 def build_lr_schedulers(
-    optimizers: Optimizers, config: LRSchedulerConfig, *, training_steps: int
+    optimizers: Optimizers,
+    config: LRSchedulerConfig,
+    training_steps: int,
+    stages: Stages = FIXED,
 ) -> LRSchedulers:
-    return LRSchedulers(
+    """One schedule per optimizer over ``training_steps`` steps of ``stages``' global batches."""
+    schedulers = LRSchedulers(
         [
-            build_lr_scheduler(optimizer, config, training_steps=training_steps)
+            build_lr_scheduler(optimizer, config, training_steps=training_steps, stages=stages)
             for optimizer in optimizers.optimizers
         ],
         optimizers.lr_scales(),
     )
+    schedulers.span = dict(config=config, training_steps=training_steps, stages=stages)
+    return schedulers

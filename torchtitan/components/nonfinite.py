@@ -1,7 +1,9 @@
 """What a run does about NaN and infinite values: ``--debug.detect_anomaly``'s watch over each
 step's forward and backward (:mod:`torchtitan.components.anomaly`), and what follows a
 non-finite gradient norm: the run stops in one line (exit 3), or with
-``--debug.skip_nonfinite_steps`` the update is skipped and counted."""
+``--debug.skip_nonfinite_steps`` the update is skipped and counted. Finite steps whose loss or
+gradient norm spikes are skipped too with ``--training.spike_sigma``
+(:mod:`torchtitan.components.spikes`)."""
 
 import contextlib
 from collections.abc import Callable, Sequence
@@ -10,7 +12,9 @@ import torch
 from torch import nn
 
 from torchtitan.components import anomaly
-from torchtitan.components.train_state import NonFiniteError
+from torchtitan.components.run_events import RunEvents
+from torchtitan.components.spikes import SpikeGuard
+from torchtitan.components.train_state import NonFiniteError, StepResult
 from torchtitan.config.job_config import Debug
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -20,9 +24,18 @@ from torchtitan.tools.logging import logger
 class NonFiniteSteps:
     """One run's watch and verdicts; ``skipped`` counts the updates skipped so far."""
 
-    def __init__(self, debug: Debug, dims: ParallelDims, fsdp_impl: str, rank: int):
+    def __init__(
+        self,
+        debug: Debug,
+        dims: ParallelDims,
+        fsdp_impl: str,
+        rank: int,
+        spikes: SpikeGuard | None = None,
+    ):
         # Meaningless values (a dry run's) are not looked at.
-        self.detect = debug.detect_anomaly and dist_utils.values_are_real()
+        self.real = dist_utils.values_are_real()
+        self.detect = debug.detect_anomaly and self.real
+        self.spikes = spikes
         self.per_op = anomaly.per_op_checks(dims, fsdp_impl)
         self.skip = debug.skip_nonfinite_steps
         self.rank = rank
@@ -48,6 +61,35 @@ class NonFiniteSteps:
             per_op=self.per_op,
             last_checkpoint=last_checkpoint,
         )
+
+    def should_step(
+        self,
+        step: int,
+        result: StepResult,
+        *,
+        local_loss: Callable[[], float],
+        last_checkpoint: Callable[[], object],
+        events: RunEvents,
+    ) -> bool:
+        """Whether ``step``'s update applies: not when its gradient norm is not finite (the run
+        stops, or the update is skipped) or when it spikes (``--training.spike_sigma``). The
+        norm and the loss are global, so every rank decides alike. ``local_loss``: this rank's
+        loss, read only for the stop line."""
+        if not self.real:
+            return True
+        if not bool(torch.isfinite(result.grad_norm)):
+            self.after_step(step, result.grad_norm, local_loss(), last_checkpoint)
+            return False
+        if self.spikes is None or (verdict := self.spikes.judge(step, result)) is None:
+            return True
+        logger.warning(verdict)
+        events.write("spike", step=step, why=verdict)
+        return False
+
+    def counts(self) -> dict[str, int]:
+        """What a logged record says of the skipped updates so far."""
+        spikes = {} if self.spikes is None else {"spike_skipped_steps": self.spikes.skipped}
+        return {"skipped_steps": self.skipped} | spikes
 
     def after_step(
         self,

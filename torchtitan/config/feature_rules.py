@@ -10,7 +10,7 @@ from pathlib import Path
 from torchtitan.config.errors import did_you_mean
 from torchtitan.config.job_config import JobConfig
 
-CHECKPOINT_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+CHECKPOINT_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "spikes")
 """What a checkpoint holds (``--checkpoint.exclude_from_loading`` names some of them)."""
 
 

@@ -160,6 +160,15 @@ class Training:
     a loss spike: resume from the checkpoint before it, skipping the data of the spike
     (``docs/training.md``)."""
 
+    spike_sigma: float = 0.0
+    """Skip the update of a step whose loss or gradient norm is more than this many standard
+    deviations above its mean over the previous ``spike_window`` steps (6 is a common choice;
+    0: off). The step's data is spent and its values join the window; no step is judged before
+    the window is full. The window is checkpointed."""
+
+    spike_window: int = 128
+    """Steps whose losses and gradient norms ``spike_sigma`` compares a step with."""
+
     seq_len: int = 2048
     """Tokens per training sequence."""
 
@@ -288,6 +297,13 @@ class LRScheduler:
 
     min_lr_factor: float = 0.0
     """The LR decays to ``optimizer.lr * min_lr_factor``."""
+
+    unit: Literal["steps", "tokens"] = "steps"
+    """What the schedule counts. ``steps``: optimizer steps. ``tokens``: tokens trained on, in
+    full global batches' worth (``warmup_steps`` 200 warms up over the tokens of 200 full
+    batches), so under a batch-size ramp (``--training.global_batch_size_start``) the small
+    early steps move the LR less, as Megatron-LM's sample-counted schedules do; the same
+    curve as ``steps`` at a fixed batch."""
 
 
 @dataclass

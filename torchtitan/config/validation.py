@@ -15,7 +15,14 @@ import math
 import os
 from pathlib import Path
 
-from torchtitan.components.batch_schedule import BatchSchedule, check_flags, ramp_end, step_ranges
+from torchtitan.components.batch_schedule import (
+    BatchSchedule,
+    check_flags,
+    ramp_end,
+    sequences_through,
+    stages_for,
+    step_ranges,
+)
 from torchtitan.config import feature_rules, sequence_rules
 from torchtitan.config.errors import ConfigError, did_you_mean
 from torchtitan.config.job_config import JobConfig
@@ -39,6 +46,14 @@ def validate(config: JobConfig) -> None:
         (t.gc_freq >= 0, f"--training.gc_freq={t.gc_freq} must be >= 0"),
         (t.num_workers >= 0, f"--training.num_workers={t.num_workers} must be >= 0"),
         (t.loss_chunks >= 1, f"--training.loss_chunks={t.loss_chunks} must be >= 1"),
+        (
+            0 <= t.spike_sigma < math.inf,
+            f"--training.spike_sigma={t.spike_sigma} must be >= 0 and finite (0: off)",
+        ),
+        (
+            t.spike_window >= 2,
+            f"--training.spike_window={t.spike_window} must be >= 2 (a spread needs two steps)",
+        ),
         (0 < o.lr < math.inf, f"--optimizer.lr={o.lr} must be > 0 and finite"),
         (
             math.isfinite(t.max_norm),
@@ -312,6 +327,7 @@ def ignored_settings(config: JobConfig, named: JobConfig | None = None) -> list[
             config.checkpoint.enable,
         ),
         ("float8", ("recipe_name",), "--float8.enable", config.float8.enable),
+        ("training", ("spike_window",), "--training.spike_sigma", config.training.spike_sigma > 0),
         (
             "validation",
             ("freq", "steps", "dataset"),
@@ -335,13 +351,21 @@ def ignored_settings(config: JobConfig, named: JobConfig | None = None) -> list[
             "--debug.detect_anomaly is ignored under COMM_MODE=fake_backend: a dry run's "
             "values mean nothing (COMM_MODE=local_tensor computes them)"
         )
-    warmup, steps = config.lr_scheduler.warmup_steps, config.training.steps
-    if warmup > steps:
+    t, warmup, steps = config.training, config.lr_scheduler.warmup_steps, config.training.steps
+    length, said = steps, f"{steps}"
+    if config.lr_scheduler.unit == "tokens" and t.global_batch_size != -1:  # full batches' worth
+        length = sequences_through(stages_for(t, t.global_batch_size), steps) / t.global_batch_size
+        said += f", the tokens of {length:.4g} full batches"
+    if warmup > length:
         notes.append(
             f"--lr_scheduler.warmup_steps {warmup} is longer than the run (--training.steps "
-            f"{steps}): the LR never reaches --optimizer.lr {config.optimizer.lr}"
+            f"{said}): the LR never reaches --optimizer.lr {config.optimizer.lr}"
         )
-    t = config.training
+    if t.spike_sigma > 0 and t.spike_window >= steps:
+        notes.append(
+            f"--training.spike_sigma {t.spike_sigma:g} judges no step: the first comes after "
+            f"--training.spike_window {t.spike_window} steps, and --training.steps is {steps}"
+        )
     full_at = ramp_end(t)
     if full_at is not None and full_at > steps:
         notes.append(

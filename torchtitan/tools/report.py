@@ -195,6 +195,12 @@ def _event_rows(run: Run) -> list[tuple[str, str]]:
              for e in run.events_of("skip")]  # fmt: skip
     if skips:
         rows.append(("skips", f"the data of steps {', '.join(skips)} (--training.skip_steps)"))
+    spikes = [str(e["step"]) for e in run.events_of("spike")]
+    if spikes:
+        shown = spikes if len(spikes) <= 8 else spikes[:3] + ["..."] + spikes[-3:]
+        rows.append(
+            ("spikes", f"{len(spikes)} update(s) skipped, steps {', '.join(shown)} (events.jsonl)")
+        )
     end = run.events[-1] if run.events and run.events[-1].get("event") == "end" else None
     rows.append(("status", f"{end['status']} at step {end['step']}" if end else "no end event"))
     return rows

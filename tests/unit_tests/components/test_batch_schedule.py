@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from torchtitan.components.batch_schedule import BatchSchedule
+from torchtitan.components.batch_schedule import BatchSchedule, sequences_through, step_reaching
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.execution import Parallelism
 from torchtitan.config.job_config import Training
@@ -103,6 +103,19 @@ def test_batches_through_is_the_running_total(sequences: int) -> None:
     assert schedule.batches_through(0) == 0
     for step in range(1, len(per_step) + 1):
         assert schedule.batches_through(step) == sum(per_step[:step]), step
+
+
+@pytest.mark.parametrize("sequences", [1, 7, 40, 1000])
+def test_step_reaching_is_the_first_step_through_which_that_many_are_trained(sequences) -> None:
+    stages = _schedule(
+        local_batch_size=1, global_batch_size=40, global_batch_size_start=5,
+        global_batch_size_ramp_sequences=sequences,
+    ).stages  # fmt: skip
+    through = [sequences_through(stages, step) for step in range(stages[-1][0] + 5)]
+    for wanted in range(through[-1] + 1):
+        first = next(step for step, total in enumerate(through) if total >= wanted)
+        assert step_reaching(stages, wanted) == first, wanted
+    assert step_reaching(stages, 10.5) == step_reaching(stages, 11)  # fractions round up
 
 
 def test_refusals_name_the_flag() -> None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from torchtitan.components.lr_scheduler import build_lr_scheduler, lr_factor
+from torchtitan.components.lr_scheduler import build_lr_scheduler, describe, lr_factor, schedule
 from torchtitan.config.job_config import LRScheduler as LRSchedulerConfig
 
 PEAK_LR = 0.5
@@ -20,10 +21,12 @@ def _optimizer() -> torch.optim.Optimizer:
     return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=PEAK_LR)
 
 
-def _scheduled_lrs(config: LRSchedulerConfig, training_steps: int) -> list[float]:
+def _scheduled_lrs(
+    config: LRSchedulerConfig, training_steps: int, stages: tuple = ((1, 1),)
+) -> list[float]:
     """The LR each optimizer step runs with, in a loop shaped like the trainer's."""
     optimizer = _optimizer()
-    scheduler = build_lr_scheduler(optimizer, config, training_steps=training_steps)
+    scheduler = build_lr_scheduler(optimizer, config, training_steps=training_steps, stages=stages)
     lrs = []
     for _ in range(training_steps):
         lrs.append(optimizer.param_groups[0]["lr"])
@@ -211,3 +214,59 @@ def test_the_resume_note_names_what_changed_and_nothing_when_nothing_did():
         float, re.search(r"trains at lr (\S+) \(the old schedule: (\S+)\)", note).groups()
     )
     assert old == pytest.approx(2 * new)
+
+
+# --- counted in tokens (--lr_scheduler.unit tokens) ---------------------------------------------
+
+RAMP = ((1, 4), (3, 8), (4, 12))  # 4, 4, 8, 12, 12, 12 sequences per step, the full batch 12
+
+
+@pytest.mark.parametrize("decay_ratio", [None, 0.3, 0.0])
+@pytest.mark.parametrize("warmup", [0, 3, 10, 40])
+@pytest.mark.parametrize("decay_type", ["linear", "cosine", "sqrt", "constant"])
+def test_tokens_at_a_fixed_batch_are_the_step_schedule(decay_ratio, warmup, decay_type) -> None:
+    steps = LRSchedulerConfig(warmup, decay_ratio, decay_type, min_lr_factor=0.1)
+    tokens = LRSchedulerConfig(warmup, decay_ratio, decay_type, 0.1, unit="tokens")
+    by_steps = schedule(steps, training_steps=37)
+    by_tokens = schedule(tokens, training_steps=37, stages=((1, 8),))
+    assert [by_tokens(step) for step in range(40)] == [by_steps(step) for step in range(40)]
+    assert describe(tokens, training_steps=37, stages=((1, 8),)).replace(
+        f", counted in tokens ({min(warmup, 37)} full batches)", ""
+    ) == describe(steps, training_steps=37)
+
+
+def test_under_a_ramp_each_step_takes_the_lr_of_the_tokens_trained() -> None:
+    """Step k sits at (sequences through k) / 12 - 1 full batches: -2/3, -1/3, 1/3, 4/3, 7/3,
+    10/3 of a run of 52/12; warm-up over 2 full batches, then a linear decay over the other
+    7/3 (the first decay step already a notch down, the last at the floor)."""
+    config = LRSchedulerConfig(warmup_steps=2, unit="tokens")
+    factors = _factors(_scheduled_lrs(config, training_steps=6, stages=RAMP))
+    positions = [Fraction(n, 12) - 1 for n in (4, 8, 16, 28, 40, 52)]
+    warmup = [(x + 1) / 3 for x in positions[:4]]
+    decay = [1 - (x - 2 + 1) / Fraction(7, 3) for x in positions[4:]]
+    assert factors == pytest.approx([float(f) for f in warmup + decay])
+    assert factors[:2] == pytest.approx([1 / 9, 2 / 9])  # the steps count 1/3 step each
+    by_steps = _factors(_scheduled_lrs(LRSchedulerConfig(warmup_steps=2), 6, stages=RAMP))
+    assert by_steps[:2] == pytest.approx([1 / 3, 2 / 3])
+    assert describe(config, training_steps=6, stages=RAMP) == (
+        "warm-up to step 4, counted in tokens (2 full batches), linear decay over steps 5-6"
+    )
+
+
+def test_the_resume_note_counts_a_changed_ramp_only_in_tokens() -> None:
+    from torchtitan.components.lr_scheduler import resumed_schedule_note
+
+    fixed = ((1, 12),)
+    for unit, note in (("steps", False), ("tokens", True)):
+        config = LRSchedulerConfig(warmup_steps=2, unit=unit)
+        same = dict(training_steps=6, lr=1e-3, saved=config, saved_steps=6, saved_lr=1e-3, step=2)
+        assert resumed_schedule_note(config, **same, stages=RAMP, saved_stages=RAMP) is None
+        got = resumed_schedule_note(config, **same, stages=fixed, saved_stages=RAMP)
+        assert (got is not None) == note
+    assert "warm-up to step 4, counted in tokens" in got
+    new, old = map(
+        float, re.search(r"trains at lr (\S+) \(the old schedule: (\S+)\)", got).groups()
+    )
+    # Step 3 at a fixed 12: 36 sequences, the first notch of a decay over 4 full batches; under
+    # the ramp: 16 sequences, 4/9 of the way through the warm-up.
+    assert (new, old) == pytest.approx((1e-3 * 3 / 4, 1e-3 * 4 / 9), rel=1e-3)

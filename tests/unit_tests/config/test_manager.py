@@ -247,6 +247,8 @@ def test_bad_toml_names_the_field_and_the_file(
         ("--lr_scheduler.warmup_steps", "-1", "--lr_scheduler.warmup_steps=-1 must be >= 0"),
         ("--lr_scheduler.min_lr_factor", "2", "--lr_scheduler.min_lr_factor=2.0 must be in"),
         ("--lr_scheduler.decay_ratio", "1.5", "--lr_scheduler.decay_ratio=1.5 must be in"),
+        ("--training.spike_sigma", "-1", "--training.spike_sigma=-1.0 must be >= 0 and finite"),
+        ("--training.spike_window", "1", "--training.spike_window=1 must be >= 2"),
         ("--metrics.log_freq", "0", "--metrics.log_freq=0 must be >= 1"),
         ("--parallelism.tensor_parallel_degree", "0", "tensor_parallel_degree=0 must be >= 1"),
         ("--parallelism.data_parallel_replicate_degree", "0", "replicate_degree=0 must be >= 1"),
@@ -943,11 +945,12 @@ def test_settings_of_a_feature_that_is_off_are_named_as_ignored() -> None:
     config = parse(
         "--checkpoint.interval", "5", "--float8.recipe_name", "rowwise", "--validation.freq", "3",
         "--activation_checkpoint.selective_ac_option", "op", "--lr_scheduler.warmup_steps", "20",
-        "--training.steps", "10",
+        "--training.steps", "10", "--training.spike_window", "64",
     )  # fmt: skip
     assert ignored_settings(config) == [
         "--checkpoint.interval 5 is ignored without --checkpoint.enable",
         "--float8.recipe_name rowwise is ignored without --float8.enable",
+        "--training.spike_window 64 is ignored without --training.spike_sigma",
         "--validation.freq 3 is ignored without --validation.enable",
         "--activation_checkpoint.selective_ac_option op is ignored without "
         "--activation_checkpoint.mode selective",
@@ -959,6 +962,13 @@ def test_settings_of_a_feature_that_is_off_are_named_as_ignored() -> None:
         "--training.global_batch_size_ramp_sequences", "100", "--training.steps", "9",
     )  # fmt: skip
     skip = parse("--training.skip_steps", "5-6", "12", "20-30", "--training.steps", "10")
+    spikes = parse("--training.spike_sigma", "6", "--training.steps", "128")
+    assert ignored_settings(spikes)[-1] == (
+        "--training.spike_sigma 6 judges no step: the first comes after --training.spike_window "
+        "128 steps, and --training.steps is 128"
+    )
+    longer = parse("--training.spike_sigma", "6", "--training.steps", "129")
+    assert not any("spike" in note for note in ignored_settings(longer))
     assert ignored_settings(skip)[-1] == (
         "--training.skip_steps 12 20-30: past the run's last step (--training.steps 10)"
     )
@@ -966,6 +976,14 @@ def test_settings_of_a_feature_that_is_off_are_named_as_ignored() -> None:
         "--training.global_batch_size_ramp_sequences 100 lasts past the run: the batch reaches "
         "--training.global_batch_size at step 10, and --training.steps is 9"
     )
+    # Counted in tokens, the 9 steps hold 120 sequences: 3.75 full batches.
+    in_tokens = dataclasses.replace(ramp.lr_scheduler, warmup_steps=4, unit="tokens")
+    assert ignored_settings(dataclasses.replace(ramp, lr_scheduler=in_tokens), ramp)[0] == (
+        "--lr_scheduler.warmup_steps 4 is longer than the run (--training.steps 9, the tokens of "
+        "3.75 full batches): the LR never reaches --optimizer.lr 0.002"
+    )
+    in_steps = dataclasses.replace(in_tokens, unit="steps")
+    assert len(ignored_settings(dataclasses.replace(ramp, lr_scheduler=in_steps), ramp)) == 1
     on = parse(
         "--checkpoint.enable", "--checkpoint.interval", "5", "--validation.enable",
         "--validation.freq", "3", "--training.steps", "10",
@@ -1002,7 +1020,7 @@ def test_run_train_sh_takes_the_modules_debug_config_without_a_config(env, argv,
     clean = {k: v for k, v in os.environ.items() if k not in ("MODULE", "CONFIG", "RANK")}
     run = subprocess.run(
         ["./run_train.sh", *argv, "--help"], cwd=REPO_ROOT, capture_output=True, text=True,
-        env=clean | env | {"COLUMNS": "80"}, timeout=60,
+        env=clean | env | {"COLUMNS": "80", "PYTHON": sys.executable}, timeout=60,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("usage: ./run_train.sh [-h]"), run.stdout[:200]

@@ -119,7 +119,7 @@ def test_a_dense_step_reads_the_token_count_and_the_norms_finiteness_only(tmp_pa
     # the gradient norm decides the optimizer step on every rank alike.
     assert _step_sites(tmp_path) == {
         "dist_reduce <- train_step": 1,
-        "train_step <- _train_and_log": 1,
+        "should_step <- train_step": 1,
     }
 
 
@@ -134,6 +134,17 @@ def test_a_moe_step_reads_only_each_layers_padded_expert_rows(tmp_path, module, 
     sites = _step_sites(tmp_path, "--module", module, "--config", config)
     assert sites == {
         "dist_reduce <- train_step": 1,
-        "train_step <- _train_and_log": 1,
+        "should_step <- train_step": 1,
         "_grouped_mm_experts <- forward": moe_layers,
+    }
+
+
+def test_spike_judging_reads_the_global_loss_and_the_norm(tmp_path):
+    # --training.spike_sigma: the loss summed over the ranks and the norm's value, every step.
+    sites = _step_sites(tmp_path, "--training.spike_sigma", "6", "--training.spike_window", "2")
+    assert sites == {
+        "dist_reduce <- train_step": 1,
+        "should_step <- train_step": 1,
+        "dist_reduce <- judge": 1,
+        "judge <- should_step": 1,
     }

@@ -203,6 +203,7 @@ def test_skipped_data_is_listed_shaded_and_not_timed(tmp_path):
         {"event": "start", "time": 0.0, "step": 0, "restart": 0, "requeue": 0, "world_size": 1},
         {"event": "skip", "time": 1.0, "step": 11, "last": 19},
         {"event": "skip", "time": 2.0, "step": 25, "last": 25},
+        *({"event": "spike", "time": 2.5, "step": s, "why": "..."} for s in (21, 22, 24)),
         {"event": "end", "time": 3.0, "step": 25, "status": "finished"},
     ]
     _write(tmp_path / "events.jsonl", events)
@@ -210,5 +211,6 @@ def test_skipped_data_is_listed_shaded_and_not_timed(tmp_path):
     text = report.summary(run)
     assert "5.5 s in training steps" in text
     assert "skips        the data of steps 11-19, 25 (--training.skip_steps)\n" in text
+    assert "spikes       3 update(s) skipped, steps 21, 22, 24 (events.jsonl)\n" in text
     shaded = [p for p in report.figure(run).axes[0].patches if p.get_gid() == "skipped data"]
     assert len(shaded) == 2
