@@ -1,0 +1,61 @@
+"""``scripts/average_checkpoints.py`` on a real run's checkpoints: the weights of its last two
+steps averaged, the result starting a run and sampling; an existing ``--out`` refused in one
+line. The arithmetic and the other refusals: ``tests/unit_tests/components/test_checkpoint_average.py``."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from launch import REPO, SMALL
+
+from torchtitan import generate
+from torchtitan.components.checkpoint_files import read_full_model
+from torchtitan.train import main
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.filterwarnings("ignore:'set_vital'"),
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
+
+
+def test_a_runs_last_checkpoints_average_into_weights_that_start_a_run(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    flags = ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    assert main([*SMALL, *flags, "--job.dump_folder", str(run)]) == 0
+    out = tmp_path / "averaged"
+    command = [
+        sys.executable, "scripts/average_checkpoints.py", str(run / "checkpoint"), "--last", "2",
+        "--out", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("Averaged 2 checkpoints (step-4, step-6) into ")
+    sources = [read_full_model(run / "checkpoint" / f"step-{s}") for s in (4, 6)]
+    got = read_full_model(out)
+    assert got.keys() == sources[0].keys()
+    for name, tensor in got.items():
+        mean = (sources[0][name].double() + sources[1][name].double()) / 2
+        assert torch.equal(tensor, mean.to(tensor.dtype)), name
+    assert not torch.equal(got["tok_embeddings.weight"], sources[1]["tok_embeddings.weight"])
+
+    start = tmp_path / "from_average"
+    steps = [
+        "--training.steps",
+        "1",
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path",
+        str(out),
+    ]
+    assert main([*SMALL, *steps, "--job.dump_folder", str(start)]) == 0
+    (log,) = (start / "logs").glob("*/rank0.log")
+    assert f"Loading model weights from {out}" in log.read_text()
+    assert generate.main([str(out), "--max_new_tokens", "3"]) == 0
+
+    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2
+    assert (
+        again.stderr == f"error: {out} exists: averaging writes a new folder; pick another --out\n"
+    )
