@@ -1,6 +1,6 @@
 """Entry point: ``python -m torchtitan.train --module llama3 --config llama3_debugmodel [flags]``.
 
-Parses the config, checks what needs torch, chooses the run (train | seed checkpoint | dry run)
+Parses the config, checks what needs torch, chooses the run (train | seed checkpoint | validation only | dry run)
 and maps its outcome to an exit code: 0 done, 2 bad input (one line, no traceback per rank),
 3 a non-finite step, 4 another rank went away mid-collective (one line: the launcher reports
 that rank's failure as the cause), 75 preempted with a checkpoint saved
@@ -11,6 +11,7 @@ Launch several ranks with ``./run_train.sh``. The ``Trainer`` itself is in
 """
 
 import copy
+import json
 import logging
 import os
 import sys
@@ -113,7 +114,7 @@ def _stop(code: int, message: str) -> int:
 
 
 def _run(config: JobConfig, on_preempted: Callable[[Preempted], None]) -> None:
-    """One job: a training run, a seed checkpoint or a dry run."""
+    """One job: a training run, a seed checkpoint, a validation only or a dry run."""
     trainer = None
     try:
         if config.comm.mode == "fake_backend":
@@ -122,6 +123,9 @@ def _run(config: JobConfig, on_preempted: Callable[[Preempted], None]) -> None:
         elif config.checkpoint.create_seed_checkpoint:
             trainer = Trainer(config)
             trainer.create_seed_checkpoint()
+        elif config.validation.only:
+            trainer = Trainer(config)
+            _validate_only(trainer)
         else:
             trainer = Trainer(config)
             trainer.train()
@@ -135,6 +139,23 @@ def _run(config: JobConfig, on_preempted: Callable[[Preempted], None]) -> None:
     finally:
         if trainer is not None:
             trainer.close()
+
+
+def _validate_only(trainer: Trainer) -> None:
+    """``--validation.only``: one validation of the weights the trainer loaded, appended to
+    ``<dump_folder>/validation_only.jsonl`` (a record per call, with what was validated)."""
+    checkpointer = trainer.checkpointer
+    loaded = checkpointer.loaded_from if checkpointer is not None else None
+    source = loaded or trainer.config.checkpoint.initial_load_path
+    if source is None:
+        logger.warning("--validation.only: no checkpoint loaded, so the initial weights it is")
+    result = trainer.validator.run(trainer.step)
+    if trainer.rank == 0 and result:
+        record = {"step": trainer.step, "weights": str(source or "initial")} | result
+        path = os.path.join(trainer.config.job.dump_folder, "validation_only.jsonl")
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        logger.info(f"Validation of {record['weights']} appended to {path}")
 
 
 def _write_report(dump_folder: str) -> None:

@@ -22,7 +22,7 @@ from torchtitan.components.dataloader import Tokenizer
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.lr_scheduler import build_lr_schedulers, resumed_note_for
 from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.components.nonfinite import NonFiniteSteps
+from torchtitan.components.nonfinite import NonFiniteSteps, drop_update
 from torchtitan.components.optimizer import (
     build_optimizers,
     changed_settings_note,
@@ -63,7 +63,8 @@ class Trainer:
         self.on_meta = on_meta
         # A dry run (no-op collectives) leaves the dump folder as it found it: a real run's
         # config and metrics may be there (both default to ./outputs).
-        self.dry = config.comm.mode == "fake_backend"
+        # Neither a dry run nor a validation-only run writes records (events, config, metrics).
+        self.dry = config.comm.mode == "fake_backend" or config.validation.only
         self.init_distributed()
         self.model_spec = get_model_spec(config.model.name)
         self.model_args = self.model_spec.args_for(
@@ -134,8 +135,7 @@ class Trainer:
         self.checkpointer = None if on_meta else self.build_checkpointer()
         if self.checkpointer is not None and config.checkpoint.enable:
             self._load_checkpoint()
-        # A dry run's steps mean nothing: it must not set a real run's records aside. A seed
-        # checkpoint's run begins a new run (it writes its config, and no events).
+        # A seed checkpoint's run begins a new run (it writes its config, and no events).
         self.events = RunEvents(
             config.job.dump_folder,
             enabled=self.rank == 0 and not on_meta and not self.dry,
@@ -410,10 +410,10 @@ class Trainer:
         )  # fmt: skip
         if stepped:
             self.optimizers.step(self.step)
-        else:  # a non-finite norm or a spike (or the run stopped)
-            self.optimizers.zero_grad()
+        else:  # a non-finite norm or a spike (or the run stopped): no trace of the step
+            drop_update(self.optimizers, self.model_parts)
         self.lr_schedulers.step()
-        # A skipped update moves and reports nothing (its routing counts join the next step's).
+        # A skipped update moves and reports nothing (drop_update cleared its routing counts).
         self.model_metrics = {}
         if self._after_optimizer_step is not None and stepped:
             group = self.loss_mesh.get_group() if self.loss_mesh is not None else None

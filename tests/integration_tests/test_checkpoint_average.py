@@ -1,6 +1,7 @@
 """``scripts/average_checkpoints.py`` on a real run's checkpoints: the weights of its last two
-steps averaged, the result starting a run and sampling; an existing ``--out`` refused in one
-line. The arithmetic and the other refusals: ``tests/unit_tests/components/test_checkpoint_average.py``."""
+steps averaged, the result starting a run, sampling and validated with ``--validation.only``
+(which validates a run's newest step as the run did, leaving its folder as it was); an
+existing ``--out`` refused in one line. The arithmetic and the other refusals: ``tests/unit_tests/components/test_checkpoint_average.py``."""
 
 import subprocess
 import sys
@@ -8,11 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO, SMALL
+from launch import REPO, SMALL, records
 
 from torchtitan import generate
 from torchtitan.components.checkpoint_files import read_full_model
 from torchtitan.train import main
+
+VALIDATION = [
+    "--debug.deterministic", "--validation.enable", "--validation.freq", "2", "--validation.steps",
+    "2",
+]  # fmt: skip
 
 pytestmark = [
     pytest.mark.integration,
@@ -21,10 +27,10 @@ pytestmark = [
 ]
 
 
-def test_a_runs_last_checkpoints_average_into_weights_that_start_a_run(tmp_path: Path) -> None:
+def test_an_average_of_a_runs_last_checkpoints_starts_a_run_and_validates(tmp_path: Path) -> None:
     run = tmp_path / "run"
     flags = ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "2"]
-    assert main([*SMALL, *flags, "--job.dump_folder", str(run)]) == 0
+    assert main([*SMALL, *flags, *VALIDATION, "--job.dump_folder", str(run)]) == 0
     out = tmp_path / "averaged"
     command = [
         sys.executable, "scripts/average_checkpoints.py", str(run / "checkpoint"), "--last", "2",
@@ -54,8 +60,35 @@ def test_a_runs_last_checkpoints_average_into_weights_that_start_a_run(tmp_path:
     assert f"Loading model weights from {out}" in log.read_text()
     assert generate.main([str(out), "--max_new_tokens", "3"]) == 0
 
+    # --validation.only: the run's newest step validates as the run did after step 6, and the
+    # run's folder is left as it was but for the validation's record (and a log).
+    before = _files(run)
+    only = [*SMALL, *VALIDATION, "--validation.only", "--checkpoint.enable"]
+    assert main([*only, "--job.dump_folder", str(run)]) == 0
+    assert _files(run) == before | {"validation_only.jsonl": _files(run)["validation_only.jsonl"]}
+    (record,) = records(run / "validation_only.jsonl")
+    logged = [r for r in records(run) if "validation_loss" in r][-1]
+    assert (record["step"], record["validation_loss"]) == (6, logged["validation_loss"])
+    assert record["weights"] == str(run / "checkpoint" / "step-6")
+    averaged = tmp_path / "validate_average"
+    initial = ["--checkpoint.initial_load_path", str(out)]
+    assert main([*only, *initial, "--job.dump_folder", str(averaged)]) == 0
+    (record,) = records(averaged / "validation_only.jsonl")
+    assert record["step"] == 0 and record["weights"] == str(out)
+    assert record["validation_loss"] != logged["validation_loss"]
+    assert sorted(p.name for p in averaged.iterdir()) == ["logs", "validation_only.jsonl"]
+
     again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2
     assert (
         again.stderr == f"error: {out} exists: averaging writes a new folder; pick another --out\n"
     )
+
+
+def _files(folder: Path) -> dict[str, int]:
+    """Each file under ``folder`` (its logs left out) with its modification time."""
+    return {
+        str(p.relative_to(folder)): p.stat().st_mtime_ns
+        for p in folder.rglob("*")
+        if p.is_file() and p.relative_to(folder).parts[0] != "logs"
+    }

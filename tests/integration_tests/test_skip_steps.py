@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import SMALL, records
+from launch import SMALL, records, run_train
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from torchtitan.tools.report import load_run, summary
@@ -144,3 +144,21 @@ def test_a_spike_skips_its_update_as_skipping_its_data_would(tmp_path: Path) -> 
     shutil.copytree(skipping / "checkpoint/step-4", turned_on / "checkpoint/step-4")
     assert main([*RUN, *spikes, "--job.dump_folder", str(turned_on)]) == 0
     assert sorted(_losses(turned_on)) == [5, 6]
+
+
+def test_fsdp_ranks_agree_on_the_spikes_of_one_process(tmp_path: Path) -> None:
+    """FSDP 2 (the batch split over the ranks, by row) judges the same steps spikes as one
+    process and trains alike; each rank's verdict is the job's (agreed on a host flag)."""
+    flags = [
+        *RUN, "--training.steps", "8", "--training.spike_sigma", "0.5", "--training.spike_window",
+        "2", "--training.data_sharding", "by_row",
+    ]  # fmt: skip
+    one = tmp_path / "one"
+    assert main([*flags, "--job.dump_folder", str(one)]) == 0
+    fsdp = tmp_path / "fsdp"
+    result = run_train(fsdp, *flags[len(SMALL) :], ngpu=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    flagged = [e["step"] for e in _events(one, "spike")]
+    assert flagged and [e["step"] for e in _events(fsdp, "spike")] == flagged
+    want, got = _losses(one), _losses(fsdp)
+    assert list(got.values()) == pytest.approx(list(want.values()), rel=1e-5)

@@ -1,8 +1,10 @@
 """Learning-rate schedule: linear warm-up, a stable phase, then a decay to ``min_lr_factor``."""
 
+import dataclasses
 import functools
 import math
 import warnings
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -28,7 +30,9 @@ def lr_factor(
     Warm-up rises as ``(step + 1) / (warmup_steps + 1)`` so the first step already trains;
     the decay counts the same way, so the last of ``decay_steps`` steps uses the floor.
     """
-    if step < warmup_steps:
+    # (Counted in tokens, a position is below 0 before the first full batch's worth: without
+    # warm-up that is the peak, as for any position before the decay.)
+    if warmup_steps and step < warmup_steps:
         return (step + 1) / (warmup_steps + 1)
     if step < decay_start or decay_steps == 0:
         return 1.0
@@ -49,12 +53,16 @@ Stages = tuple[tuple[int, int], ...]
 FIXED: Stages = ((1, 1),)
 
 
+def position(step: int, stages: Stages) -> Fraction:
+    """Where the ``step``-th optimizer step (0-based) sits counted in tokens, in full batches:
+    the sequences trained through it over the full batch, less one (at a fixed batch, ``step``
+    itself). Exact, so that no step falls on either side of a phase's start by rounding."""
+    return Fraction(sequences_through(stages, step + 1), stages[-1][1]) - 1
+
+
 def lr_factor_in_tokens(step: int, *, stages: Stages, **curve: Any) -> float:
-    """:func:`lr_factor` at the position of the ``step``-th optimizer step (0-based) counted
-    in full batches: the sequences trained through it over the full batch, less one (at a
-    fixed batch, ``step`` itself)."""
-    position = sequences_through(stages, step + 1) / stages[-1][1] - 1
-    return lr_factor(position, **curve)
+    """:func:`lr_factor` at :func:`position` ``(step)``."""
+    return float(lr_factor(position(step, stages), **curve))
 
 
 def schedule(
@@ -62,12 +70,14 @@ def schedule(
 ) -> functools.partial:
     """The LR multiplier of each (0-based) step of a ``training_steps`` run; picklable.
     ``stages``: the run's global batches, which ``--lr_scheduler.unit tokens`` counts in."""
-    length: float = training_steps
+    length: int | Fraction = training_steps
     if config.unit == "tokens":  # in full batches
-        length = sequences_through(stages, training_steps) / stages[-1][1]
+        length = position(training_steps - 1, stages) + 1
     warmup = min(config.warmup_steps, length)
     after_warmup = length - warmup
-    decay = after_warmup if config.decay_ratio is None else round(after_warmup * config.decay_ratio)
+    decay = after_warmup
+    if config.decay_ratio is not None:  # whole steps (full batches), at most what is left
+        decay = min(round(float(after_warmup) * config.decay_ratio), after_warmup)
     curve = dict(
         warmup_steps=warmup,
         decay_start=length - decay,
@@ -96,16 +106,21 @@ def describe(config: LRSchedulerConfig, *, training_steps: int, stages: Stages =
     fn = schedule(config, training_steps=training_steps, stages=stages)
     warmup, start = fn.keywords["warmup_steps"], fn.keywords["decay_start"]
     decay = fn.keywords["decay_steps"]
-    if config.unit == "tokens":  # the steps whose positions fall in each phase
+    # The last warm-up step and the first decay step (1-based): the steps whose positions fall
+    # below the warm-up's end and from the decay's start on, as lr_factor compares them.
+    tokens = ""
+    if config.unit == "tokens":
         full = stages[-1][1]
-        tokens = f", counted in tokens ({warmup:g} full batches)" if warmup else ""
-        warmup = step_reaching(stages, (warmup + 1) * full) - 1
-        start = step_reaching(stages, math.ceil(round((start + 1) * full, 6))) - 1
+        if warmup:
+            tokens = f", counted in tokens ({float(warmup):g} full batches)"
+        last_warmup = step_reaching(stages, (warmup + 1) * full) - 1 if warmup else 0
+        first_decay = step_reaching(stages, (start + 1) * full)
     else:
-        tokens = ""
-    phases = [f"warm-up to step {warmup}{tokens}" if warmup else "no warm-up"]
-    if decay:
-        phases.append(f"{config.decay_type} decay over steps {start + 1}-{training_steps}")
+        last_warmup, first_decay = warmup, start + 1
+    last_warmup = min(last_warmup, training_steps)
+    phases = [f"warm-up to step {last_warmup}{tokens}" if last_warmup else "no warm-up"]
+    if decay and first_decay <= training_steps:
+        phases.append(f"{config.decay_type} decay over steps {first_decay}-{training_steps}")
     return ", ".join(phases)
 
 
@@ -127,7 +142,8 @@ def resumed_schedule_note(
     LR of the next step under both; ``None`` when nothing changed."""
     now = dict(training_steps=training_steps, stages=stages)
     then = dict(training_steps=saved_steps, stages=saved_stages)
-    a, b = schedule(config, **now), schedule(saved, **then)
+    a, b = (_as_curve(c, st) for c, st in ((config, stages), (saved, saved_stages)))
+    a, b = schedule(a, **now), schedule(b, **then)
     if saved_lr == lr and (a.func, a.keywords) == (b.func, b.keywords):
         return None
     new = lr * schedule(config, **now)(step)
@@ -139,6 +155,11 @@ def resumed_schedule_note(
         f"step {step + 1} trains at lr {new:.3e} (the old schedule: {old:.3e}). Resume with "
         "the old values to keep the old curve"
     )
+
+
+def _as_curve(config: LRSchedulerConfig, stages: Stages) -> LRSchedulerConfig:
+    """``config`` as a curve to compare: at a fixed batch tokens count as steps."""
+    return dataclasses.replace(config, unit="steps") if len(stages) == 1 else config
 
 
 def resumed_note_for(current: Any, saved: Any, step: int, stages: Stages = FIXED) -> str | None:

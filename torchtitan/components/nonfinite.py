@@ -12,12 +12,14 @@ import torch
 from torch import nn
 
 from torchtitan.components import anomaly
+from torchtitan.components.optimizer import Optimizers
 from torchtitan.components.run_events import RunEvents
 from torchtitan.components.spikes import SpikeGuard
 from torchtitan.components.train_state import NonFiniteError, StepResult
 from torchtitan.config.job_config import Debug
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.common.moe import moe_layers
 from torchtitan.tools.logging import logger
 
 
@@ -115,3 +117,12 @@ class NonFiniteSteps:
             f"Step {step}: gradient norm {grad_norm.item()}, this rank's loss "
             f"{local_loss}; update skipped ({self.skipped} so far)"
         )
+
+
+def drop_update(optimizers: Optimizers, model_parts: Sequence[nn.Module]) -> None:
+    """A step whose update is skipped leaves nothing behind: its gradients are dropped, and so
+    are the routing counts its forward added to MoE layers (they would move the next step's
+    expert biases), as if its batches had never run."""
+    optimizers.zero_grad()
+    for _, layer in moe_layers(list(model_parts)):
+        layer.tokens_per_expert.zero_()

@@ -5,20 +5,25 @@ A step spikes when its loss, or its gradient norm before clipping, is more than
 OLMo-core's skip-step optimizers judge it). Its gradients are dropped; its data is spent, the LR
 schedule moves on, and its values join the window, so that a lasting change of level (a new
 data mix) stops counting as a spike after a few steps instead of skipping every step. No step
-is judged before the window is full. Both values are global (every rank takes the same branch);
-the window is checkpointed, so a resumed run judges its steps as the uninterrupted one would.
+is judged before the window is full. Both values are global, and the ranks agree on the verdict
+(one flag on the host), so every rank takes the same branch. The window is checkpointed, so a
+resumed run judges its steps as the uninterrupted one would.
 """
 
 import collections
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.components.train_state import StepResult
 from torchtitan.config.job_config import Training
+from torchtitan.distributed import local_tensor
 from torchtitan.distributed import utils as dist_utils
 
 
@@ -42,10 +47,21 @@ class SpikeGuard(Stateful):
         """The warning line when ``step`` (finite) spikes, its update to be skipped; ``None``
         when it trains. Its values join the window either way."""
         loss = dist_utils.dist_reduce(result.loss_sum, "sum", self.loss_mesh)
-        return self.judge_values(step, loss / max(result.global_tokens, 1), result.grad_norm.item())
+        return self.judge_values(
+            step, loss / max(result.global_tokens, 1), result.grad_norm.item(), agree=_any_rank
+        )
 
-    def judge_values(self, step: int, loss: float, grad_norm: float) -> str | None:
-        """:meth:`judge` on the step's global loss and gradient norm."""
+    def judge_values(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        *,
+        agree: Callable[[bool], bool] = bool,
+    ) -> str | None:
+        """:meth:`judge` on the step's global loss and gradient norm. ``agree``: this rank's
+        verdict to the job's (every rank must take the same branch: their values are equal,
+        but a comparison at the threshold must not depend on it)."""
         found = []
         for (name, history), value in zip(self.history.items(), (loss, grad_norm), strict=True):
             if len(history) == self.window:
@@ -57,11 +73,15 @@ class SpikeGuard(Stateful):
                         f"above the last {self.window} steps' mean {mean:.4g}"
                     )
             history.append(value)
-        if not found:
+        if not agree(bool(found)):
             return None
         self.skipped += 1
+        why = (
+            "; ".join(found)
+            or "another rank's values spiked (equal to this rank's but for rounding)"
+        )
         return (
-            f"Step {step}: {'; '.join(found)}: update skipped as a spike (--training.spike_sigma "
+            f"Step {step}: {why}: update skipped as a spike (--training.spike_sigma "
             f"{self.sigma:g}; {self.skipped} so far)"
         )
 
@@ -77,3 +97,13 @@ class SpikeGuard(Stateful):
         for name, values in state.items():
             self.history[name].clear()
             self.history[name].extend(values)  # the newest ``window`` of them
+
+
+def _any_rank(spikes: bool) -> bool:
+    """Whether any rank of the job found a spike: a flag on the host, summed through gloo
+    (``cpu:gloo,cuda:nccl``: no GPU wait). Simulated ranks share this process's values."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or local_tensor.is_simulating():
+        return spikes
+    flag = torch.tensor(float(spikes))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag)

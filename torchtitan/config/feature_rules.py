@@ -198,6 +198,27 @@ def validation_checks(config: JobConfig) -> list[tuple[bool, str]]:
     ]
 
 
+def validation_only_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    """``--validation.only``: a validation to run, and no other kind of run asked for."""
+    return [
+        (
+            config.validation.enable,
+            "--validation.only runs one validation: add --validation.enable (and its dataset "
+            "flags if not the default)",
+        ),
+        (
+            not config.checkpoint.create_seed_checkpoint,
+            "--validation.only and --checkpoint.create_seed_checkpoint are two different runs: "
+            "choose one",
+        ),
+        (
+            config.comm.mode != "fake_backend",
+            "--validation.only under COMM_MODE=fake_backend: a dry run computes no values to "
+            "validate; drop one (COMM_MODE=local_tensor computes them)",
+        ),
+    ]
+
+
 def activation_checkpoint_checks(config: JobConfig) -> list[tuple[bool, str]]:
     ac = config.activation_checkpoint
     option = ac.selective_ac_option

@@ -458,6 +458,13 @@ class Validation:
     """Batches per validation; -1 runs the whole dataset once (its last partial batch left
     out)."""
 
+    only: bool = False
+    """Validate the loaded weights once and stop, training nothing (Megatron-LM's
+    ``--skip-train``): the newest checkpoint of ``--job.dump_folder`` (or
+    ``--checkpoint.load_step``), else ``--checkpoint.initial_load_path`` (a step, an averaged
+    checkpoint, an HF folder). Nothing is saved and the run's records are left as they are; the
+    result is also appended to ``<dump_folder>/validation_only.jsonl``."""
+
     sample_prompt: str = ""
     """After the last step, print the model's continuation of this prompt (temperature 0.7,
     top-k 50, seeded; one process or data parallel, skipped with a notice under TP, CP or PP).

@@ -157,6 +157,8 @@ def validate(config: JobConfig) -> None:
     checks += feature_rules.local_tensor_checks(config)
     if config.validation.enable:
         checks += feature_rules.validation_checks(config)
+    if config.validation.only:
+        checks += feature_rules.validation_only_checks(config)
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
@@ -346,19 +348,23 @@ def ignored_settings(config: JobConfig, named: JobConfig | None = None) -> list[
             value = getattr(given, name)
             if not on and value != getattr(getattr(defaults, section), name):
                 notes.append(f"--{section}.{name} {value} is ignored without {switch}")
-    if config.debug.detect_anomaly and config.comm.mode == "fake_backend":
-        notes.append(
-            "--debug.detect_anomaly is ignored under COMM_MODE=fake_backend: a dry run's "
-            "values mean nothing (COMM_MODE=local_tensor computes them)"
-        )
+    for flag, on in (
+        ("--debug.detect_anomaly", config.debug.detect_anomaly),
+        ("--training.spike_sigma", config.training.spike_sigma > 0),
+    ):
+        if on and config.comm.mode == "fake_backend":
+            notes.append(
+                f"{flag} is ignored under COMM_MODE=fake_backend: a dry run's values mean "
+                "nothing (COMM_MODE=local_tensor computes them)"
+            )
     t, warmup, steps = config.training, config.lr_scheduler.warmup_steps, config.training.steps
     length, said = steps, f"{steps}"
     if config.lr_scheduler.unit == "tokens" and t.global_batch_size != -1:  # full batches' worth
         length = sequences_through(stages_for(t, t.global_batch_size), steps) / t.global_batch_size
         said += f", the tokens of {length:.4g} full batches"
-    if warmup > length:
+    if warmup > length - 1 and warmup > 0:  # the last step is still warming up
         notes.append(
-            f"--lr_scheduler.warmup_steps {warmup} is longer than the run (--training.steps "
+            f"--lr_scheduler.warmup_steps {warmup} lasts the whole run (--training.steps "
             f"{said}): the LR never reaches --optimizer.lr {config.optimizer.lr}"
         )
     if t.spike_sigma > 0 and t.spike_window >= steps:

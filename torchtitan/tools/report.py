@@ -195,7 +195,8 @@ def _event_rows(run: Run) -> list[tuple[str, str]]:
              for e in run.events_of("skip")]  # fmt: skip
     if skips:
         rows.append(("skips", f"the data of steps {', '.join(skips)} (--training.skip_steps)"))
-    spikes = [str(e["step"]) for e in run.events_of("spike")]
+    # (A run resumed from before a spike judges its step again: one entry per step.)
+    spikes = [str(step) for step in sorted({e["step"] for e in run.events_of("spike")})]
     if spikes:
         shown = spikes if len(spikes) <= 8 else spikes[:3] + ["..."] + spikes[-3:]
         rows.append(

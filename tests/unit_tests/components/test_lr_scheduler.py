@@ -270,3 +270,50 @@ def test_the_resume_note_counts_a_changed_ramp_only_in_tokens() -> None:
     # Step 3 at a fixed 12: 36 sequences, the first notch of a decay over 4 full batches; under
     # the ramp: 16 sequences, 4/9 of the way through the warm-up.
     assert (new, old) == pytest.approx((1e-3 * 3 / 4, 1e-3 * 4 / 9), rel=1e-3)
+
+
+def _phases(text: str) -> tuple[int, int | None]:
+    """The last warm-up step and the first decay step a :func:`describe` line names."""
+    warmup = re.search(r"warm-up to step (\d+)", text)
+    decay = re.search(r"decay over steps (\d+)-(\d+)", text)
+    return (int(warmup[1]) if warmup else 0), (int(decay[1]) if decay else None)
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_under_a_ramp_the_phases_are_where_the_log_says_and_the_curve_is_whole(seed) -> None:
+    """Random ramps and schedules counted in tokens: warm-up rises to the step the start-up
+    line names, the decay starts at the step it names (none lost to rounding, none inside the
+    warm-up) and ends at the floor on the last step; nothing is named past the run."""
+    import random
+
+    from torchtitan.components.batch_schedule import ramp_stages
+
+    rng = random.Random(seed)
+    full = rng.choice([8, 12, 30, 64])
+    start = rng.choice([d for d in range(1, full) if full % d == 0])
+    stages = ramp_stages(start, start, full, rng.randint(1, 40 * full))
+    steps = rng.randint(2, 60)
+    config = LRSchedulerConfig(
+        warmup_steps=rng.randint(0, 12), decay_ratio=rng.choice([None, 0.0, 0.3, 0.5, 1.0]),
+        decay_type="linear", unit="tokens",
+    )  # fmt: skip
+    f = [schedule(config, training_steps=steps, stages=stages)(k) for k in range(steps)]
+    last_warmup, first_decay = _phases(describe(config, training_steps=steps, stages=stages))
+    assert 0 <= last_warmup <= steps and (first_decay is None or first_decay <= steps)
+    assert all(0.0 <= x <= 1.0 for x in f)
+    warm = f[:last_warmup]
+    assert all(a < b for a, b in zip(warm, warm[1:], strict=False)) and all(x < 1 for x in warm)
+    if first_decay is None:
+        assert all(x == 1.0 for x in f[last_warmup:])
+        return
+    assert first_decay > last_warmup
+    assert all(x == 1.0 for x in f[last_warmup : first_decay - 1])  # the stable phase
+    decay = f[first_decay - 1 :]
+    assert all(a > b for a, b in zip(decay, decay[1:], strict=False)) and decay[0] < 1
+    assert f[-1] == 0.0  # the floor, on the last step
+
+
+def test_no_warm_up_under_a_ramp_starts_at_the_peak() -> None:
+    config = LRSchedulerConfig(warmup_steps=0, decay_ratio=0.0, unit="tokens")
+    assert _factors(_scheduled_lrs(config, 6, stages=RAMP)) == [1.0] * 6
+    assert describe(config, training_steps=6, stages=RAMP) == "no warm-up"

@@ -68,3 +68,38 @@ def test_the_window_round_trips_through_its_state(window: int) -> None:
     if window == 3:  # the same verdicts from here on
         more = [(1.6, 1.0), (1.0, 1.0), (1.0, 1.4)]
         assert _verdicts(other, more) == _verdicts(guard, more) != []
+
+
+def test_the_ranks_agree_on_the_verdict() -> None:
+    """Every rank takes the branch any rank's verdict asks for (``agree``: the job's answer)."""
+    guard = SpikeGuard(sigma=3, window=2)
+    _verdicts(guard, [(1.0, 1.0), (1.2, 1.1)])
+    line = guard.judge_values(3, 1.1, 1.05, agree=lambda mine: True)
+    assert line == (
+        "Step 3: another rank's values spiked (equal to this rank's but for rounding): update "
+        "skipped as a spike (--training.spike_sigma 3; 1 so far)"
+    )
+    assert guard.judge_values(4, 9.0, 9.0, agree=lambda mine: False) is None
+    assert guard.skipped == 1 and list(guard.history["loss"]) == [1.1, 9.0]
+
+
+def test_a_dropped_update_leaves_no_routing_counts() -> None:
+    """Like a step whose data was skipped: the next bias update counts only trained steps."""
+    import torch
+
+    from torchtitan.components.nonfinite import drop_update
+    from torchtitan.models.common.moe import moe_layers
+    from torchtitan.models.spec import get_model_spec
+
+    spec = get_model_spec("qwen3")
+    model = spec.build_model(spec.flavors["debugmodel_moe"])
+    layers = moe_layers([model])
+    assert layers
+    for _, layer in layers:
+        layer.tokens_per_expert += 3.0
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    drop_update(optimizer, [model])  # (anything with zero_grad: Optimizers in a run)
+    assert all(not layer.tokens_per_expert.any() for _, layer in layers)
+    assert all(p.grad is None for p in model.parameters())

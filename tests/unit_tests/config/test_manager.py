@@ -939,6 +939,21 @@ def test_pre_flight_imports_no_torch() -> None:
     assert run.stdout.strip() == "[]"
 
 
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ([], "--validation.only runs one validation: add --validation.enable"),
+        (
+            ["--validation.enable", "--checkpoint.create_seed_checkpoint"],
+            "--validation.only and --checkpoint.create_seed_checkpoint are two different runs",
+        ),
+    ],
+)
+def test_validation_only_is_refused_without_a_validation_or_with_another_run(flags, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        validate(parse("--validation.only", *flags))
+
+
 def test_settings_of_a_feature_that_is_off_are_named_as_ignored() -> None:
     from torchtitan.config.validation import ignored_settings
 
@@ -954,7 +969,7 @@ def test_settings_of_a_feature_that_is_off_are_named_as_ignored() -> None:
         "--validation.freq 3 is ignored without --validation.enable",
         "--activation_checkpoint.selective_ac_option op is ignored without "
         "--activation_checkpoint.mode selective",
-        "--lr_scheduler.warmup_steps 20 is longer than the run (--training.steps 10): the LR "
+        "--lr_scheduler.warmup_steps 20 lasts the whole run (--training.steps 10): the LR "
         "never reaches --optimizer.lr 0.002",
     ]
     ramp = parse(
@@ -976,17 +991,21 @@ def test_settings_of_a_feature_that_is_off_are_named_as_ignored() -> None:
         "--training.global_batch_size_ramp_sequences 100 lasts past the run: the batch reaches "
         "--training.global_batch_size at step 10, and --training.steps is 9"
     )
+    # Step 10 of a 10-step warm-up trains at 10/11 of the peak; of a 9-step one, at the peak.
+    for warmup, noted in (("10", True), ("9", False)):
+        run = parse("--lr_scheduler.warmup_steps", warmup, "--training.steps", "10")
+        assert any("lasts the whole run" in note for note in ignored_settings(run)) == noted
     # Counted in tokens, the 9 steps hold 120 sequences: 3.75 full batches.
     in_tokens = dataclasses.replace(ramp.lr_scheduler, warmup_steps=4, unit="tokens")
     assert ignored_settings(dataclasses.replace(ramp, lr_scheduler=in_tokens), ramp)[0] == (
-        "--lr_scheduler.warmup_steps 4 is longer than the run (--training.steps 9, the tokens of "
+        "--lr_scheduler.warmup_steps 4 lasts the whole run (--training.steps 9, the tokens of "
         "3.75 full batches): the LR never reaches --optimizer.lr 0.002"
     )
     in_steps = dataclasses.replace(in_tokens, unit="steps")
     assert len(ignored_settings(dataclasses.replace(ramp, lr_scheduler=in_steps), ramp)) == 1
     on = parse(
         "--checkpoint.enable", "--checkpoint.interval", "5", "--validation.enable",
-        "--validation.freq", "3", "--training.steps", "10",
+        "--validation.freq", "3", "--training.steps", "20",
     )  # fmt: skip
     assert ignored_settings(on) == []
     assert ignored_settings(parse("--module", "llama3", "--config", "llama3_8b")) == []

@@ -203,7 +203,7 @@ def test_skipped_data_is_listed_shaded_and_not_timed(tmp_path):
         {"event": "start", "time": 0.0, "step": 0, "restart": 0, "requeue": 0, "world_size": 1},
         {"event": "skip", "time": 1.0, "step": 11, "last": 19},
         {"event": "skip", "time": 2.0, "step": 25, "last": 25},
-        *({"event": "spike", "time": 2.5, "step": s, "why": "..."} for s in (21, 22, 24)),
+        *({"event": "spike", "time": 2.5, "step": s, "why": "..."} for s in (21, 22, 24, 22)),
         {"event": "end", "time": 3.0, "step": 25, "status": "finished"},
     ]
     _write(tmp_path / "events.jsonl", events)
