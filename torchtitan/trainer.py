@@ -260,7 +260,7 @@ class Trainer:
         saved = self.checkpointer.saved_config(config)
         if (note := resumed_note_for(config, saved, self.step, self.batches.stages)) is not None:
             logger.warning(note)
-        if saved is not None and self.step > 0:
+        if saved is not None and self.step > 0 and not config.validation.only:
             if (note := changed_settings_note(config.optimizer, saved.optimizer)) is not None:
                 logger.warning(note)
             if (note := resumed_batch_note(config.training, saved.training, self.step)) is not None:

@@ -166,7 +166,7 @@ def resumed_note_for(current: Any, saved: Any, step: int, stages: Stages = FIXED
     """:func:`resumed_schedule_note` between two ``JobConfig``s (``saved``: the checkpoint's
     run's, None when unknown; ``stages``: this run's batches; the saved run's are those of its
     flags at this run's full batch where it left the batch to the layout)."""
-    if saved is None:
+    if saved is None or current.validation.only:  # (a validation-only run trains nothing)
         return None
     full = stages[-1][1]
     if saved.training.global_batch_size != -1:
