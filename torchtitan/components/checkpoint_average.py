@@ -24,11 +24,10 @@ from torchtitan.components.checkpoint_files import (
     CONFIG_FILE,
     FROZEN_SOURCE,
     MANIFEST,
-    SafeFileSystemReader,
-    SafeLoadPlanner,
     complete_checkpoints,
     manifest_entries,
     manifest_step,
+    read_full_model,
     saved_state_keys,
     saved_tensor_metadata,
     verify,
@@ -71,7 +70,7 @@ def check_sources(paths: list[Path]) -> dict[str, tuple[tuple[int, ...], torch.d
         if "model" not in saved_state_keys(path):
             raise ConfigError(f"{path} holds no model weights")
         found = {
-            fqn: (tuple(meta.size), meta.properties.dtype)
+            fqn.removeprefix("model."): (tuple(meta.size), meta.properties.dtype)
             for fqn, meta in saved_tensor_metadata(path).items()
             if fqn.startswith("model.")
         }
@@ -81,7 +80,7 @@ def check_sources(paths: list[Path]) -> dict[str, tuple[tuple[int, ...], torch.d
         for name in sorted(model.keys() | found.keys()):
             if model.get(name) != found.get(name):
                 raise ConfigError(
-                    f"{path} and {first} are not the same model: {name.removeprefix('model.')} "
+                    f"{path} and {first} are not the same model: {name} "
                     f"is {_describe(found.get(name))} there, {_describe(model.get(name))} in "
                     f"{first.name}"
                 )
@@ -107,7 +106,9 @@ def average(paths: list[Path], out: Path, *, chunk_bytes: int = 1 << 30) -> int:
     for names in _chunks(model, chunk_bytes):
         sums = {n: torch.zeros(model[n][0], dtype=torch.float64) for n in names}
         for path in paths:
-            part = _read(path, {n: model[n] for n in names})
+            with warnings.catch_warnings():  # one process on purpose
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                part = read_full_model(path, names)
             for name, tensor in part.items():
                 if tensor.is_floating_point():
                     sums[name] += tensor.to(torch.float64)
@@ -122,7 +123,7 @@ def average(paths: list[Path], out: Path, *, chunk_bytes: int = 1 << 30) -> int:
     tmp.mkdir(parents=True)
     with warnings.catch_warnings():  # one process on purpose
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(averaged, storage_writer=CheckpointWriter(str(tmp)), no_dist=True)
+        dcp.save({"model": averaged}, storage_writer=CheckpointWriter(str(tmp)), no_dist=True)
     for name in SIDECARS:
         if (newest / name).is_file():
             shutil.copyfile(newest / name, tmp / name)
@@ -147,16 +148,3 @@ def _chunks(model: dict[str, tuple[tuple[int, ...], torch.dtype]], limit: int) -
         groups[-1].append(name)
         size += nbytes
     return groups
-
-
-def _read(path: Path, entries: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict:
-    state = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in entries.items()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(
-            state,
-            storage_reader=SafeFileSystemReader(str(path)),
-            planner=SafeLoadPlanner(),
-            no_dist=True,
-        )
-    return state

@@ -17,7 +17,7 @@ import shutil
 import sys
 import tomllib
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -381,13 +381,14 @@ def free_name(path: Path) -> Path:
     return candidate
 
 
-def read_full_model(path: Path) -> dict[str, torch.Tensor]:
-    """Every model tensor of a checkpoint, whole, as host tensors (one process's view)."""
+def read_full_model(path: Path, names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+    """Every model tensor of a checkpoint (or those of ``names``), whole, as host tensors (one
+    process's view)."""
     with local_tensor.host_only():
         state = {
             fqn.removeprefix("model."): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
             for fqn, meta in saved_tensor_metadata(path).items()
-            if fqn.startswith("model.")
+            if fqn.startswith("model.") and (names is None or fqn.removeprefix("model.") in names)
         }
         dcp.load(
             {"model": state},
