@@ -15,10 +15,14 @@ first (sizes and CRC-32s) and must hold the same tensors; ``--out`` must not exi
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 from torchtitan.components import checkpoint_average
 from torchtitan.config.errors import ConfigError
+
+# One process on purpose: DCP's note that it reads and writes without a process group is noise.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 def main(argv: list[str] | None = None) -> int:

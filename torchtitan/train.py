@@ -1,10 +1,10 @@
 """Entry point: ``python -m torchtitan.train --module llama3 --config llama3_debugmodel [flags]``.
 
-Parses the config, checks what needs torch, chooses the run (train | seed checkpoint | validation only | dry run)
-and maps its outcome to an exit code: 0 done, 2 bad input (one line, no traceback per rank),
-3 a non-finite step, 4 another rank went away mid-collective (one line: the launcher reports
-that rank's failure as the cause), 75 preempted with a checkpoint saved
-(``components/preemption.py``). Any other exception propagates with its traceback, which the
+Parses the config, checks what needs torch, chooses the run (train | seed checkpoint |
+validation only | dry run) and maps its outcome to an exit code: 0 done, 2 bad input (one
+line, no traceback per rank), 3 a non-finite step, 4 another rank went away mid-collective
+(one line: the launcher reports that rank's failure as the cause), 75 preempted with a
+checkpoint saved (``components/preemption.py``). Any other exception propagates with its traceback, which the
 rank's log file also keeps.
 Launch several ranks with ``./run_train.sh``. The ``Trainer`` itself is in
 ``torchtitan.trainer``; nothing imports this module.

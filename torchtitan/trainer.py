@@ -471,9 +471,7 @@ class Trainer:
 
     def _log(self, result: StepResult, validation: dict[str, float]) -> None:
         local_loss = self._own(result.local_loss)
-        loss = dist_utils.dist_reduce(result.loss_sum, "sum", self.loss_mesh) / max(
-            result.global_tokens, 1
-        )
+        loss = result.global_loss(self.loss_mesh)
         loss_max = dist_utils.dist_reduce(result.local_loss, "max", self.loss_mesh)
         extra = {"loss_local": local_loss} | self.nonfinite.counts()
         extra |= self.batches.record(self.step, self.train_state.tokens_seen)

@@ -13,7 +13,6 @@ the average is summed in float64 and written in the sources' dtype.
 import json
 import os
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
@@ -106,9 +105,7 @@ def average(paths: list[Path], out: Path, *, chunk_bytes: int = 1 << 30) -> int:
     for names in _chunks(model, chunk_bytes):
         sums = {n: torch.zeros(model[n][0], dtype=torch.float64) for n in names}
         for path in paths:
-            with warnings.catch_warnings():  # one process on purpose
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                part = read_full_model(path, names)
+            part = read_full_model(path, names)
             for name, tensor in part.items():
                 if tensor.is_floating_point():
                     sums[name] += tensor.to(torch.float64)
@@ -121,9 +118,7 @@ def average(paths: list[Path], out: Path, *, chunk_bytes: int = 1 << 30) -> int:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    with warnings.catch_warnings():  # one process on purpose
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": averaged}, storage_writer=CheckpointWriter(str(tmp)), no_dist=True)
+    dcp.save({"model": averaged}, storage_writer=CheckpointWriter(str(tmp)), no_dist=True)
     for name in SIDECARS:
         if (newest / name).is_file():
             shutil.copyfile(newest / name, tmp / name)

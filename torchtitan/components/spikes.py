@@ -24,7 +24,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.components.train_state import StepResult
 from torchtitan.config.job_config import Training
 from torchtitan.distributed import local_tensor
-from torchtitan.distributed import utils as dist_utils
 
 
 class SpikeGuard(Stateful):
@@ -46,10 +45,8 @@ class SpikeGuard(Stateful):
     def judge(self, step: int, result: StepResult) -> str | None:
         """The warning line when ``step`` (finite) spikes, its update to be skipped; ``None``
         when it trains. Its values join the window either way."""
-        loss = dist_utils.dist_reduce(result.loss_sum, "sum", self.loss_mesh)
-        return self.judge_values(
-            step, loss / max(result.global_tokens, 1), result.grad_norm.item(), agree=_any_rank
-        )
+        loss = result.global_loss(self.loss_mesh)
+        return self.judge_values(step, loss, result.grad_norm.item(), agree=_any_rank)
 
     def judge_values(
         self,

@@ -4,6 +4,9 @@ import dataclasses
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan.distributed import utils as dist_utils
 
 
 class NonFiniteError(RuntimeError):
@@ -78,11 +81,20 @@ class StepResult:
     grad_norm: torch.Tensor
     lr: float
     """Learning rate this step used."""
+    _global_loss: float | None = dataclasses.field(default=None, repr=False)
 
     @property
     def local_loss(self) -> torch.Tensor:
         """This rank's mean token loss."""
         return self.loss_sum / self.local_tokens.clamp(min=1)
+
+    def global_loss(self, mesh: DeviceMesh | None) -> float:
+        """The mean token loss over the ranks of ``mesh`` (the data-parallel ones): summed
+        once, then kept (the spike guard and the log line both read it)."""
+        if self._global_loss is None:
+            total = dist_utils.dist_reduce(self.loss_sum, "sum", mesh)
+            self._global_loss = total / max(self.global_tokens, 1)
+        return self._global_loss
 
 
 def nothing_to_train(step: int, steps: int, *, forked: bool) -> str:

@@ -20,6 +20,8 @@ from torchtitan.components.checkpoint_files import (
 )
 from torchtitan.config.errors import ConfigError
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 
 def _step(folder: Path, step: int, model: dict[str, torch.Tensor], **more: torch.Tensor) -> Path:
     """A complete ``step-N`` as the checkpointer writes it: shards, config, manifest."""

@@ -145,6 +145,6 @@ def test_spike_judging_reads_the_global_loss_and_the_norm(tmp_path):
     assert sites == {
         "dist_reduce <- train_step": 1,
         "should_step <- train_step": 1,
-        "dist_reduce <- judge": 1,
+        "dist_reduce <- global_loss": 1,
         "judge <- should_step": 1,
     }
