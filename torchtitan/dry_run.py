@@ -98,6 +98,9 @@ def estimate_memory(trainer: Trainer) -> memory_estimate.MemoryEstimate:
     scaled = state["Optstate"] * grads / max(state["Gradient"], 1)
     by_probe = two["state"]["Optstate"] * grads / max(two["state"]["Gradient"], 1)
     optimizer = round(max(scaled, by_probe))
+    # Semi-synchronous training holds the synced weights beside the model (and DiLoCo the
+    # outer momentum), in the parameters' dtype: counted with the optimizer's state.
+    optimizer += grads * {"none": 0, "local_sgd": 1, "diloco": 2}[trainer.config.semi_sync.method]
     exact = {"Parameter": params, "Optstate": optimizer}
     forward, stepped = (
         memory_estimate.with_exact_state(moment, one["state"], two["state"], exact, n_layers)

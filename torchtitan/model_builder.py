@@ -28,6 +28,17 @@ class ModelBuilder:
     def __init__(self, spec: ModelSpec, config: JobConfig, device: torch.device):
         self.spec, self.config, self.device = spec, config, device
 
+    def flops_per_token(self, args: Any, lora_layers: list[nn.Module]) -> float:
+        """Training FLOPs per token (the model's, or with ``--lora.rank`` its adapters' and the
+        frozen weights' forward and input gradients: the frozen weights get no gradient)."""
+        c = self.config
+        flops = self.spec.flops_per_token(args, c.training.seq_len)
+        if c.lora.rank > 0:
+            # the whole model's adapters, whatever this rank holds
+            adapters = sum(c.lora.rank * (m.in_features + m.out_features) for m in lora_layers)
+            flops = lora.flops_per_token(flops, self.spec.flops_per_token(args, 0), adapters)
+        return flops
+
     def meta_model(self, args: Any) -> nn.Module:
         """The whole model for ``args`` on the meta device, its parameters in
         ``--training.dtype``, before any parallelism."""

@@ -14,33 +14,26 @@ import torch
 
 from torchtitan.batch_runner import Batch, BatchRunner
 from torchtitan.components import checkpoint_hf, float8, lora, preemption
-from torchtitan.components.batch_schedule import BatchSchedule, resumed_batch_note
+from torchtitan.components.batch_schedule import BatchSchedule
 from torchtitan.components.chat_template import ChatTemplate
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_states import build_checkpoint_states
 from torchtitan.components.dataloader import Tokenizer
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.components.lr_scheduler import build_lr_schedulers, resumed_note_for
+from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.nonfinite import NonFiniteSteps, drop_update
-from torchtitan.components.optimizer import (
-    build_optimizers,
-    changed_settings_note,
-)
+from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.run_data import RunData
 from torchtitan.components.run_events import RunEvents
 from torchtitan.components.spikes import SpikeGuard
-from torchtitan.components.train_state import StepResult, TrainState, nothing_to_train
+from torchtitan.components.train_state import StepResult, TrainState, nothing_to_train, resume_notes
 from torchtitan.config import JobConfig
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import save_resolved, to_toml
-from torchtitan.distributed import (
-    ParallelDims,
-    context_parallel,
-    local_tensor,
-    pipeline_split,
-)
+from torchtitan.distributed import ParallelDims, context_parallel, local_tensor, pipeline_split
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.semi_sync import SemiSync
 from torchtitan.model_builder import ModelBuilder
 from torchtitan.models.spec import ParallelizeContext, get_model_spec
 from torchtitan.tools import comm_trace, host_syncs, memory_estimate, profiling
@@ -96,13 +89,9 @@ class Trainer:
             self.model_parts, self.parallelize_context, self.device,
             stages=stages, document_start=self.document_start,
         )  # fmt: skip
-        self.validator = (
-            None
-            if on_meta
-            else self.data.validator(
-                config.validation, runner=self.runner, loss_mesh=self.loss_mesh
-            )
-        )
+        self.validator = None if on_meta else self.data.validator(
+            config.validation, runner=self.runner, loss_mesh=self.loss_mesh
+        )  # fmt: skip
         self.pipeline_bubble = (
             pipeline_split.log_ideal_bubble(
                 config.parallelism, self.model_args.n_layers, config.training.local_batch_size
@@ -114,6 +103,12 @@ class Trainer:
             self.model_parts, config.optimizer, self.device, seed=config.debug.seed
         )
         float8.after_sharding(self.model_parts, self.optimizers, config.float8)
+        # A validation of saved weights needs the synced ones, which the checkpoint's model is.
+        self.semi_sync = None if on_meta or config.validation.only else SemiSync.build(
+            config.semi_sync, self.model_parts, self.parallel_dims,
+            n_layers=self.model_args.n_layers, after_change=self.optimizers.weights_changed,
+            before_change=lambda: self.checkpointer and self.checkpointer.wait_for_staging(),
+        )  # fmt: skip
         self.lr_schedulers = build_lr_schedulers(
             self.optimizers, config.lr_scheduler, config.training.steps, self.batches.stages
         )
@@ -135,6 +130,8 @@ class Trainer:
         self.checkpointer = None if on_meta else self.build_checkpointer()
         if self.checkpointer is not None and config.checkpoint.enable:
             self._load_checkpoint()
+        if self.semi_sync is not None:  # the loaded (or initial) weights are the synced ones
+            self.semi_sync.start()
         # A seed checkpoint's run begins a new run (it writes its config, and no events).
         self.events = RunEvents(
             config.job.dump_folder,
@@ -164,12 +161,15 @@ class Trainer:
             comm_mode=config.comm.mode,
         )
         self.rank = local_tensor.own_rank()
-        dims = self.parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
+        dims = self.parallel_dims = ParallelDims.from_config(
+            config.parallelism, world_size, replicas_apart=config.semi_sync.method != "none"
+        )
         self.batches = BatchSchedule.from_config(t, dims)
         if world_size > 1:
             dims.build_mesh(self.device.type)
         # Ranks whose tokens make up one loss (gradients are averaged over the same ranks).
         self.loss_mesh = dims.mesh("dp_cp") if dims.meshes_built else None
+        self.grad_mesh = dims.gradient_mesh() if dims.meshes_built else None
         self.pp_mesh = dims.mesh("pp") if dims.meshes_built and dims.pp_enabled else None
         # This rank's place among the ranks that read different data.
         self.dp_rank = dims.mesh("dp").get_local_rank() if dims.meshes_built else 0
@@ -205,17 +205,11 @@ class Trainer:
 
     def build_metrics(self) -> MetricsProcessor:
         c = self.config
-        flops = self.model_spec.flops_per_token(self.model_args, c.training.seq_len)
-        if c.lora.rank > 0:  # the frozen weights get no gradient
-            # the whole model's adapters, whatever this rank holds
-            adapters = sum(c.lora.rank * (m.in_features + m.out_features) for m in self.lora_layers)
-            weights = self.model_spec.flops_per_token(self.model_args, 0)
-            flops = lora.flops_per_token(flops, weights, adapters)
         return MetricsProcessor(
             c.metrics,
             dump_folder=c.job.dump_folder,
             device=self.device,
-            flops_per_token=flops,
+            flops_per_token=self.model_builder.flops_per_token(self.model_args, self.lora_layers),
             rank=self.rank,
             save_rank=not self.dry and (self.rank == 0 or c.metrics.save_for_all_ranks),
             run_config=dataclasses.asdict(c),
@@ -232,11 +226,14 @@ class Trainer:
             dataloader=self.dataloader,
             train_state=self.train_state,
             spikes=self.nonfinite.spikes,
+            semi_sync=self.semi_sync,
             dp_rank=self.dp_rank,
             dp_world_size=self.parallel_dims.dp_degree,
         )
         if self.config.lora.save_adapters_only:  # the frozen weights stay where they came from
             states["model"] = states["model"].without(lora.frozen_names(self.model_parts))
+        if self.config.validation.only:  # the weights (and their step); nothing to train on
+            states = {k: v for k, v in states.items() if k in ("model", "train_state")}
         template = self.data.template_source
         return CheckpointManager(
             c,
@@ -258,13 +255,8 @@ class Trainer:
         self.checkpointer.load()
         self.lr_schedulers.reapply(config.optimizer.lr)
         saved = self.checkpointer.saved_config(config)
-        if (note := resumed_note_for(config, saved, self.step, self.batches.stages)) is not None:
+        for note in resume_notes(config, saved, self.step, self.batches.stages):
             logger.warning(note)
-        if saved is not None and self.step > 0 and not config.validation.only:
-            if (note := changed_settings_note(config.optimizer, saved.optimizer)) is not None:
-                logger.warning(note)
-            if (note := resumed_batch_note(config.training, saved.training, self.step)) is not None:
-                logger.warning(note)
 
     # ---- runs ------------------------------------------------------------------------------
 
@@ -379,6 +371,8 @@ class Trainer:
             logger.warning(news[1])
             self.events.write("skip", step=self.step, last=news[0])
         self.lr_schedulers.step(skipped=True)
+        if self.semi_sync is not None:
+            self.semi_sync.after_step(self.step)
 
     def train_step(self, batches: Sequence[Batch]) -> StepResult:
         """Forward and backward over this rank's accumulation batches (host tensors), clip,
@@ -393,13 +387,18 @@ class Trainer:
         # Counted on the host copies: no device sync. The sum over ranks travels on gloo.
         local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in batches)
         global_tokens = int(dist_utils.dist_reduce(local_tokens, "sum", self.loss_mesh))
-        dp_size = self.loss_mesh.size() if self.loss_mesh is not None else 1
+        grad_tokens = global_tokens
+        if self.grad_mesh is not self.loss_mesh:
+            grad_tokens = int(dist_utils.dist_reduce(local_tokens, "sum", self.grad_mesh))
+        dp_size = self.grad_mesh.size() if self.grad_mesh is not None else 1
         with self.nonfinite.watch(self.model_parts, self.step, self._last_checkpoint):
-            loss_sum = self.runner.forward_backward(batches, scale=dp_size / max(global_tokens, 1))
+            loss_sum = self.runner.forward_backward(batches, scale=dp_size / max(grad_tokens, 1))
         parameters = [p for part in self.model_parts for p in part.parameters()]
         norm = dist_utils.clip_grad_norm_(
             parameters, self.config.training.max_norm, pp_mesh=self.pp_mesh
         )
+        if self.semi_sync is not None:  # each replica clipped by its own norm; one verdict
+            norm = self.semi_sync.agreed_norm(norm)
         lr = self.config.optimizer.lr * self.lr_schedulers.factor()  # the unscaled groups'
         result = StepResult(loss_sum, local_tokens, global_tokens, norm, lr)
         if self.checkpointer is not None:  # a pinned-memory save may still read the weights
@@ -413,6 +412,8 @@ class Trainer:
         else:  # a non-finite norm or a spike (or the run stopped): no trace of the step
             drop_update(self.optimizers, self.model_parts)
         self.lr_schedulers.step()
+        if self.semi_sync is not None:  # the replicas meet on schedule, updated or not
+            self.semi_sync.after_step(self.step)
         # A skipped update moves and reports nothing (drop_update cleared its routing counts).
         self.model_metrics = {}
         if self._after_optimizer_step is not None and stepped:
@@ -476,6 +477,7 @@ class Trainer:
         extra = {"loss_local": local_loss} | self.nonfinite.counts()
         extra |= self.batches.record(self.step, self.train_state.tokens_seen)
         extra |= self.model_metrics | validation
+        extra |= self.semi_sync.metrics(self.step) if self.semi_sync is not None else {}
         idle = self.runner.take_pipeline_idle()
         if idle is not None:
             extra["pp_idle_pct"] = 100 * idle

@@ -28,12 +28,13 @@ from torchtitan.trainer import Trainer
 
 
 class GlobalBatchSlices:
-    """This rank's rows of fixed global batches, so every layout sees the same tokens."""
+    """This rank's rows of fixed global batches, so every layout sees the same tokens;
+    ``part=(i, n)``: the i-th of n row blocks of batches n times this trainer's (one
+    process standing for n data-parallel ranks: ``semi_sync_reference.py``)."""
 
-    def __init__(self, trainer: Trainer, steps: int):
+    def __init__(self, trainer: Trainer, steps: int, *, part: tuple[int, int] | None = None):
         t = trainer.config.training
-        dp = trainer.parallel_dims.dp_degree
-        dp_rank = trainer.dp_rank
+        dp_rank, dp = part or (trainer.dp_rank, trainer.parallel_dims.dp_degree)
         source = build_dataloader(
             dataset=t.dataset,
             dataset_path=t.dataset_path,

@@ -57,7 +57,11 @@ from torchtitan.components.checkpoint_files import (
     weights_only_message,
     write_durably,
 )
-from torchtitan.components.checkpoint_states import OPTIONAL_STATES, match_dataloader_layout
+from torchtitan.components.checkpoint_states import (
+    OPTIONAL_STATES,
+    match_dataloader_layout,
+    match_semi_sync_layout,
+)
 from torchtitan.components.checkpoint_weights import WeightsLoader
 from torchtitan.components.checkpoint_writer import CheckpointWriter
 from torchtitan.components.optimizer import Optimizers
@@ -239,6 +243,7 @@ class CheckpointManager:
                 f"Checkpoint {path} has no {name} state (saved without it): it starts empty"
             )
             del wanted[name]
+        match_semi_sync_layout(path, wanted, keys, self.states.get("semi_sync"))
         missing = set(wanted) - keys
         if missing:
             raise ConfigError(

@@ -190,6 +190,15 @@ def saved_ranks(path: Path, key: str) -> int:
     return sum(1 for fqn in _metadata(path) if fqn.startswith(f"{key}.rank_"))
 
 
+def saved_replicas(path: Path) -> tuple[int, bool]:
+    """The semi-synchronous replicas whose own weights the checkpoint holds (0: none), and
+    whether it holds DiLoCo's outer momentum."""
+    replica = re.compile(r"semi_sync\.replica(\d+)\.")
+    names = _metadata(path)
+    momentum = any(fqn.startswith("semi_sync.momentum.") for fqn in names)
+    return len({m.group(1) for fqn in names if (m := replica.match(fqn))}), momentum
+
+
 def saved_tensor_metadata(path: Path) -> dict[str, TensorStorageMetadata]:
     """The checkpoint's tensor entries (global size, dtype) by fully qualified name."""
     return {k: v for k, v in _metadata(path).items() if isinstance(v, TensorStorageMetadata)}

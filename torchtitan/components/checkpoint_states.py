@@ -2,7 +2,7 @@
 state, and the dict of states the trainer hands to ``CheckpointManager``."""
 
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.components.checkpoint_files import saved_ranks
+from torchtitan.components.checkpoint_files import saved_ranks, saved_replicas
 from torchtitan.components.lr_scheduler import LRSchedulers
 from torchtitan.components.optimizer import Optimizers
 from torchtitan.config.errors import ConfigError
@@ -54,6 +54,78 @@ class ModelState(Stateful):
         options = StateDictOptions(strict=False)
         for part in self.model_parts:
             set_model_state_dict(part, state_dict, options=options)
+
+
+class SyncedModelState(ModelState):
+    """Under semi-synchronous training, the model as the replicas last agreed on it: each
+    trainable weight's synced value (``view``) is saved, the same on every replica, so the
+    checkpoint's ``model`` is one model. Loading fills the model (the replicas' own weights
+    follow from the ``semi_sync`` state)."""
+
+    def __init__(self, inner: ModelState, view: Callable[[dict[str, Any]], dict[str, Any]]):
+        super().__init__(inner.model_parts, leave_out=inner.leave_out)
+        self.view = view
+
+    def without(self, names: set[str]) -> "SyncedModelState":
+        return SyncedModelState(super().without(names), self.view)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.view(super().state_dict())
+
+
+class _FlatOptimizers(Stateful):
+    """The optimizers' state under the parameters' names alone: an ordinary run's checkpoint
+    loading into every replica of a semi-synchronous one."""
+
+    def __init__(self, optimizers: Optimizers):
+        self.optimizers = optimizers
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizers.flat_state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizers.load_state_dict(state_dict)
+
+
+def match_semi_sync_layout(
+    path: Path, wanted: dict[str, Stateful], saved: set[str], ours: Stateful | None
+) -> None:
+    """A checkpoint of semi-synchronous training loads into a run (``ours``: its
+    ``semi_sync`` state, else ``None``) of as many replicas; an ordinary run's starts every
+    replica from its weights and moments; the other way round only its (synced) weights
+    load."""
+    fresh = f"start from its synced weights with --checkpoint.initial_load_path {path}"
+    if ours is None:
+        if "semi_sync" in saved and "optimizer" in wanted:
+            raise ConfigError(
+                f"checkpoint {path} was saved by semi-synchronous training (its optimizer "
+                "state is per replica): resume it with the --semi_sync flags and "
+                f"--parallelism.data_parallel_replicate_degree it was saved with, or {fresh} "
+                "in another --job.dump_folder"
+            )
+        return
+    if "semi_sync" not in saved:
+        logger.info(
+            f"Checkpoint {path} has no semi_sync state (an ordinary run's): every replica "
+            "starts from its weights and optimizer state"
+        )
+        wanted.pop("semi_sync", None)
+        if isinstance(wanted.get("optimizer"), Optimizers):
+            wanted["optimizer"] = _FlatOptimizers(wanted["optimizer"])
+        return
+    replicas, momentum = saved_replicas(path)
+    if momentum != ours.diloco:
+        method = "diloco" if momentum else "local_sgd"
+        raise ConfigError(
+            f"checkpoint {path} was saved with --semi_sync.method {method}: resume with it, or "
+            f"{fresh} in another --job.dump_folder"
+        )
+    if replicas != ours.replicas:
+        raise ConfigError(
+            f"checkpoint {path} holds the weights of {replicas} semi-synchronous replicas, this "
+            f"run has {ours.replicas}: resume with --parallelism.data_parallel_replicate_degree "
+            f"{replicas}, or {fresh} in another --job.dump_folder"
+        )
 
 
 class PerRankState(Stateful):
@@ -113,11 +185,14 @@ def build_checkpoint_states(
     dataloader: Stateful,
     train_state: Stateful,
     spikes: Stateful | None = None,
+    semi_sync: Stateful | None = None,
     dp_rank: int,
     dp_world_size: int,
 ) -> dict[str, Stateful]:
     """The checkpoint's states by name; ``spikes`` (``--training.spike_sigma``'s window) only
-    where the run judges spikes (one of :data:`OPTIONAL_STATES`)."""
+    where the run judges spikes (one of :data:`OPTIONAL_STATES`); ``semi_sync``
+    (``distributed.semi_sync.SemiSync``) only under semi-synchronous training, which saves the
+    synced model and each replica's own weights and moments."""
     states: dict[str, Stateful] = {
         "model": ModelState(model_parts),
         "optimizer": optimizers,
@@ -132,6 +207,10 @@ def build_checkpoint_states(
     }
     if spikes is not None:
         states["spikes"] = spikes
+    if semi_sync is not None:
+        states["model"] = SyncedModelState(states["model"], semi_sync.synced_view)
+        states["semi_sync"] = semi_sync
+        optimizers.replica_key = f"replica{semi_sync.replica}"
     return states
 
 

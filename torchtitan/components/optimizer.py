@@ -61,6 +61,9 @@ class Optimizers(Stateful):
         )
         self._post_step_hooks: list[Callable[[], object]] = []
         self._steps = 0
+        self.replica_key: str | None = None
+        """Semi-synchronous training: each replica's moments are its own, checkpointed under
+        this key (``replica<r>``) so the replicas' states do not collapse into one."""
 
     def step(self, train_step: int | None = None) -> None:
         """Step every optimizer; ``train_step`` (default: one more than the last) keys the
@@ -71,6 +74,11 @@ class Optimizers(Stateful):
             if rounding is not None:
                 rounding.step = self._steps
             optimizer.step()
+        self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """Run what follows a step (the post-step hooks) after the weights changed; also
+        called when they change outside a step (a semi-synchronous sync)."""
         for hook in self._post_step_hooks:
             hook()
 
@@ -99,6 +107,11 @@ class Optimizers(Stateful):
             yield part, [o for o, p in zip(self.optimizers, self.parts, strict=True) if p == index]
 
     def state_dict(self) -> dict[str, Any]:
+        merged = self.flat_state_dict()
+        return merged if self.replica_key is None else {self.replica_key: merged}
+
+    def flat_state_dict(self) -> dict[str, Any]:
+        """The state under the parameters' names (whatever ``replica_key`` says)."""
         merged: dict[str, Any] = {}
         for part, optimizers in self._by_part():
             merged.update(get_optimizer_state_dict(part, optimizers, options=_FLAT))
@@ -112,6 +125,8 @@ class Optimizers(Stateful):
         """Load the moments; every setting stays this run's (a checkpoint stores the saving
         run's with each parameter: weight decay, betas, eps, the kernel, Adam or AdamW;
         ``LRSchedulers.reapply`` sets the learning rates)."""
+        if self.replica_key is not None and self.replica_key in state_dict:
+            state_dict = state_dict[self.replica_key]
         for part, optimizers in self._by_part():
             groups = [group for optimizer in optimizers for group in optimizer.param_groups]
             settings = [{k: v for k, v in group.items() if k != "params"} for group in groups]

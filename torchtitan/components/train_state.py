@@ -6,6 +6,10 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan.components.batch_schedule import resumed_batch_note
+from torchtitan.components.lr_scheduler import Stages, resumed_note_for
+from torchtitan.components.optimizer import changed_settings_note
+from torchtitan.config import JobConfig
 from torchtitan.distributed import utils as dist_utils
 
 
@@ -106,3 +110,16 @@ def nothing_to_train(step: int, steps: int, *, forked: bool) -> str:
         + ("fork an earlier step" if forked else "pick another --job.dump_folder")
         + " for a new run"
     )
+
+
+def resume_notes(
+    config: JobConfig, saved: JobConfig | None, step: int, stages: Stages
+) -> list[str]:
+    """What a run resumed at ``step`` from a checkpoint saved with the config ``saved`` changes
+    (the LR curve, optimizer settings, the batch): one warning each. ``saved``: ``None`` when
+    the checkpoint holds no config."""
+    notes = [resumed_note_for(config, saved, step, stages)]
+    if saved is not None and step > 0 and not config.validation.only:
+        notes.append(changed_settings_note(config.optimizer, saved.optimizer))
+        notes.append(resumed_batch_note(config.training, saved.training, step))
+    return [note for note in notes if note is not None]

@@ -149,3 +149,40 @@ class Float8:
 
     emulate: bool = False
     """Emulate float8 matmuls in high precision (a GPU below compute capability 8.9)."""
+
+
+@dataclass
+class SemiSync:
+    """Semi-synchronous data parallelism: the replicas of
+    ``--parallelism.data_parallel_replicate_degree`` train apart (each reducing gradients only
+    among its own ranks: FSDP, TP, CP, PP inside a replica as usual) and meet every
+    ``sync_steps`` steps, so the links between replicas carry one exchange of the weights per
+    ``sync_steps`` steps instead of every step's gradients."""
+
+    method: Literal["none", "local_sgd", "diloco"] = "none"
+    """``local_sgd``: every ``sync_steps`` steps the replicas' weights are averaged. ``diloco``
+    (DiLoCo, Douillard et al. 2023): the replicas' mean change since the last sync (the
+    pseudo-gradient) is applied to the weights of the last sync by an outer SGD with Nesterov
+    momentum. ``none``: replicas reduce gradients every step (HSDP, DDP)."""
+
+    sync_steps: int = 20
+    """Optimizer steps between two syncs of each replica's weights (DiLoCo's H)."""
+
+    outer_lr: float = 0.7
+    """DiLoCo's outer learning rate (the paper's 0.7)."""
+
+    outer_momentum: float = 0.9
+    """DiLoCo's outer momentum (0: plain outer SGD)."""
+
+    outer_nesterov: bool = True
+    """Nesterov momentum for DiLoCo's outer step (the paper's choice)."""
+
+    num_fragments: int = 1
+    """Streaming DiLoCo (Douillard et al. 2025): the model's blocks are split into this many
+    fragments of consecutive blocks (the embedding with the first, the final norm and output
+    with the last), each synced every ``sync_steps`` steps at its own offset, so each exchange
+    carries a fragment of the weights; must divide ``sync_steps``."""
+
+    fragment_update_alpha: float = 0.0
+    """After a sync each replica keeps ``alpha x`` its own weights plus ``(1 - alpha) x`` the
+    synced ones (0: the synced weights, so every replica holds the same weights)."""

@@ -10,7 +10,9 @@ from pathlib import Path
 from torchtitan.config.errors import did_you_mean
 from torchtitan.config.job_config import JobConfig
 
-CHECKPOINT_STATES = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "spikes")
+CHECKPOINT_STATES = (
+    "model", "optimizer", "lr_scheduler", "dataloader", "train_state", "spikes", "semi_sync",
+)  # fmt: skip
 """What a checkpoint holds (``--checkpoint.exclude_from_loading`` names some of them)."""
 
 
@@ -272,6 +274,55 @@ def anomaly_checks(config: JobConfig) -> list[tuple[bool, str]]:
             not (d.detect_anomaly and d.skip_nonfinite_steps),
             "--debug.detect_anomaly stops at the first non-finite value and "
             "--debug.skip_nonfinite_steps steps past it: choose one",
+        ),
+    ]
+
+
+def semi_sync_checks(config: JobConfig) -> list[tuple[bool, str]]:
+    """``--semi_sync``: replicas to train apart, and an outer step that can be taken."""
+    s, p = config.semi_sync, config.parallelism
+    if s.method == "none":
+        return []
+    flag = f"--semi_sync.method {s.method}"
+    return [
+        (
+            p.data_parallel_replicate_degree >= 2,
+            f"{flag} trains the replicas of --parallelism.data_parallel_replicate_degree apart: "
+            f"it is {p.data_parallel_replicate_degree}; set it to 2 or more (each replica "
+            "shards over --parallelism.data_parallel_shard_degree)",
+        ),
+        (s.sync_steps >= 1, f"--semi_sync.sync_steps={s.sync_steps} must be >= 1"),
+        (
+            s.num_fragments >= 1 and s.sync_steps % max(s.num_fragments, 1) == 0,
+            f"--semi_sync.num_fragments={s.num_fragments} must be >= 1 and divide "
+            f"--semi_sync.sync_steps={s.sync_steps} (each fragment syncs at its own offset)",
+        ),
+        (
+            s.num_fragments == 1 or s.method == "diloco",
+            f"--semi_sync.num_fragments={s.num_fragments} is streaming DiLoCo's: use it with "
+            "--semi_sync.method diloco",
+        ),
+        (
+            s.outer_lr > 0 and 0 <= s.outer_momentum < 1,
+            f"--semi_sync.outer_lr={s.outer_lr} must be > 0 and --semi_sync.outer_momentum="
+            f"{s.outer_momentum} in [0, 1)",
+        ),
+        (
+            0 <= s.fragment_update_alpha < 1,
+            f"--semi_sync.fragment_update_alpha={s.fragment_update_alpha} must be in [0, 1) "
+            "(1 would never take the synced weights)",
+        ),
+        (
+            not config.checkpoint.last_save_in_hf,
+            f"--checkpoint.last_save_in_hf with {flag}: the export would hold rank 0's "
+            "replica's own weights, not the synced model; convert the last checkpoint instead "
+            "(python scripts/convert_hf.py to_hf: its model is the synced weights)",
+        ),
+        (
+            config.comm.mode != "local_tensor" and fsdp_impl(config) != "simple",
+            f"{flag} needs FSDP2 and real ranks: DTensor-parametrized FSDP "
+            "(--parallelism.fsdp_impl simple, COMM_MODE=local_tensor's) shards over the replicas "
+            "too; use --parallelism.fsdp_impl fsdp2 on real ranks",
         ),
     ]
 

@@ -17,7 +17,7 @@ from torchtitan.config.entries import MixEntry, ParamGroup
 
 # How the model runs across devices (parallelism, activation checkpointing, compile,
 # float8), and what a run reports and how it is debugged: sections kept in their own modules.
-from torchtitan.config.execution import ActivationCheckpoint, Compile, Float8, Parallelism
+from torchtitan.config.execution import ActivationCheckpoint, Compile, Float8, Parallelism, SemiSync
 from torchtitan.config.observability import Comm, Debug, Metrics, Profiling
 
 
@@ -484,6 +484,7 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    semi_sync: SemiSync = field(default_factory=SemiSync)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)

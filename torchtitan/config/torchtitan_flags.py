@@ -33,6 +33,22 @@ MIGRATED = {
     "debug.moe_force_load_balance": "here it is --moe.force_load_balance",
     "debug.print_config": _PRINT_CONFIG,
     "job.print_config": _PRINT_CONFIG,  # torchtitan 0.2's spelling
+    "fault_tolerance.enable": (
+        "not built here (torchft's replica groups that outlive a failed one); MAX_RESTARTS=N "
+        "restarts every rank from the last checkpoint (docs/fault_tolerance.md), and "
+        "--semi_sync.method trains replicas semi-synchronously"
+    ),
+    "fault_tolerance.semi_sync_method": (
+        "here it is --semi_sync.method (diloco or local_sgd), over the replicas of "
+        "--parallelism.data_parallel_replicate_degree in one job (docs/semi_sync.md)"
+    ),
+    "fault_tolerance.sync_steps": "here it is --semi_sync.sync_steps",
+    "fault_tolerance.num_fragments": "here it is --semi_sync.num_fragments",
+    "fault_tolerance.fragment_update_alpha": "here it is --semi_sync.fragment_update_alpha",
+    "fault_tolerance.fragment_sync_delay": (
+        "not built here: each fragment's exchange completes at its sync step "
+        "(--semi_sync.num_fragments)"
+    ),
     "metrics.disable_color_printing": "here it is --metrics.no_enable_color_printing",
     "parallelism.context_parallel_load_balancer": (
         "here it is --parallelism.context_parallel_load_balance, on by default (head-tail); "

@@ -155,6 +155,7 @@ def validate(config: JobConfig) -> None:
     checks += feature_rules.compile_checks(config)
     checks += feature_rules.anomaly_checks(config)
     checks += feature_rules.local_tensor_checks(config)
+    checks += feature_rules.semi_sync_checks(config)
     if config.validation.enable:
         checks += feature_rules.validation_checks(config)
     if config.validation.only:
@@ -329,6 +330,19 @@ def ignored_settings(config: JobConfig, named: JobConfig | None = None) -> list[
             config.checkpoint.enable,
         ),
         ("float8", ("recipe_name",), "--float8.enable", config.float8.enable),
+        (
+            "semi_sync",
+            (
+                "sync_steps",
+                "outer_lr",
+                "outer_momentum",
+                "outer_nesterov",
+                "num_fragments",
+                "fragment_update_alpha",
+            ),
+            "--semi_sync.method",
+            config.semi_sync.method != "none",
+        ),  # fmt: skip
         ("training", ("spike_window",), "--training.spike_sigma", config.training.spike_sigma > 0),
         (
             "validation",

@@ -43,6 +43,10 @@ class ParallelDims:
     pp: int
     ep: int
     world_size: int
+    replicas_apart: bool = False
+    """Semi-synchronous training (``--semi_sync.method``): the dp_replicate replicas reduce no
+    gradients between them, each shards over its own ``dp_shard_cp`` ranks, and they meet
+    every few steps (``distributed/semi_sync.py``)."""
     # Filled by build_mesh: the world mesh ("world") and the flattened meshes by name; then by
     # mesh(): every slice asked for, by name or tuple of names.
     _meshes: dict[str | tuple[str, ...], "DeviceMesh"] = dataclasses.field(
@@ -50,7 +54,9 @@ class ParallelDims:
     )
 
     @classmethod
-    def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
+    def from_config(
+        cls, parallelism, world_size: int, *, replicas_apart: bool = False
+    ) -> "ParallelDims":
         """From the ``parallelism`` config section and the number of ranks."""
         return cls(
             dp_replicate=parallelism.data_parallel_replicate_degree,
@@ -60,6 +66,7 @@ class ParallelDims:
             pp=parallelism.pipeline_parallel_degree,
             ep=parallelism.expert_parallel_degree,
             world_size=world_size,
+            replicas_apart=replicas_apart,
         )
 
     def __post_init__(self) -> None:
@@ -121,6 +128,11 @@ class ParallelDims:
     @property
     def dp_replicate_enabled(self) -> bool:
         return self.dp_replicate > 1
+
+    @property
+    def replicas_reduce_gradients(self) -> bool:
+        """Whether gradients are reduced over dp_replicate every step (HSDP, DDP)."""
+        return self.dp_replicate_enabled and not self.replicas_apart
 
     @property
     def dp_shard_enabled(self) -> bool:
@@ -220,12 +232,18 @@ class ParallelDims:
 
     def data_parallel_mesh(self) -> "DeviceMesh":
         """What data parallelism shards or replicates over: ``dp_shard_cp`` (FSDP),
-        ``(dp_replicate, dp_shard_cp)`` (HSDP) or ``dp_replicate`` (replicas only)."""
-        if not self.dp_replicate_enabled:
+        ``(dp_replicate, dp_shard_cp)`` (HSDP) or ``dp_replicate`` (replicas only); with
+        ``replicas_apart``, ``dp_shard_cp``."""
+        if not self.replicas_reduce_gradients:
             return self.mesh("dp_shard_cp")
         if self.fsdp_enabled:
             return self.mesh("dp_replicate", "dp_shard_cp")
         return self.mesh("dp_replicate")
+
+    def gradient_mesh(self) -> "DeviceMesh":
+        """The ranks whose tokens make up one gradient (averaged over them): ``dp_cp``, or a
+        replica's ``dp_shard_cp`` when replicas train apart. Needs ``build_mesh``."""
+        return self.mesh("dp_shard_cp" if self.replicas_apart else "dp_cp")
 
     def mesh(self, *names: str) -> "DeviceMesh":
         """A dimension of the world mesh (named or flattened), or several named ones as one

@@ -34,7 +34,7 @@ def compute_dtype(training: Training) -> str:
 def policy_casts(parallel_dims: ParallelDims) -> bool:
     """Whether data parallelism's mixed-precision policy (FSDP, HSDP, replicate) casts the
     parameters to the compute dtype."""
-    return parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled
+    return parallel_dims.fsdp_enabled or parallel_dims.replicas_reduce_gradients
 
 
 def uses_autocast(parallel_dims: ParallelDims, training: Training) -> bool:

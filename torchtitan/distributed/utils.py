@@ -148,15 +148,32 @@ def clip_grad_norm_(
         if p.grad is not None:
             mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
             groups[mesh].append(p)
+    total = total_norm([p.grad for p in parameters if p.grad is not None], pp_mesh=pp_mesh)
+    if max_norm > 0:
+        for params in groups.values():
+            # Takes the parameters (it scales their .grad), not the gradients themselves.
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total
+
+
+def total_norm(
+    tensors: Sequence[torch.Tensor], *, pp_mesh: DeviceMesh | None = None
+) -> torch.Tensor:
+    """The 2-norm of all of ``tensors`` together (plain tensors and DTensors on any meshes;
+    under pipeline parallelism summed over ``pp_mesh``'s stages), as a float32 tensor that is
+    the same on every rank."""
+    groups: dict[DeviceMesh | None, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        groups[t.device_mesh if isinstance(t, DTensor) else None].append(t)
     norms = []
-    for params in groups.values():
+    for group in groups.values():
         # Squares of float32 values are exact in float64 and their sum nearly so: the norm
         # rounds to the same float32 whatever the order of the sum, i.e. however the
-        # gradients are sharded. A layout-dependent norm would clip by a slightly different
-        # factor and make runs of two layouts drift apart.
+        # tensors are sharded. A layout-dependent gradient norm would clip by a slightly
+        # different factor and make runs of two layouts drift apart.
         # One foreach kernel per group (on GPU not one launch per tensor); bitwise equal to a
         # per-tensor ``vector_norm(..., dtype=float64)`` for plain tensors and DTensors.
-        per_tensor = torch._foreach_norm([p.grad for p in params], 2, dtype=torch.float64)
+        per_tensor = torch._foreach_norm(group, 2, dtype=torch.float64)
         norm = torch.linalg.vector_norm(torch.stack(per_tensor))
         # A DTensor norm is partial over its shards: reduce to the full value on every rank.
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
@@ -169,12 +186,7 @@ def clip_grad_norm_(
         squared = total**2
         dist.all_reduce(squared, group=pp_mesh.get_group())
         total = squared.sqrt()
-    total = total.float()
-    if max_norm > 0:
-        for params in groups.values():
-            # Takes the parameters (it scales their .grad), not the gradients themselves.
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    return total
+    return total.float()
 
 
 def fake_collectives() -> bool:

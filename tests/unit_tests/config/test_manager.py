@@ -493,7 +493,7 @@ def test_format_json_has_every_section() -> None:
     config = parse("--training.steps", "3", "--debug.seed", "4")
     data = json.loads(format_config(config, "json"))
     assert list(data) == [f.name for f in dataclasses.fields(JobConfig)]
-    assert len(data) == 17
+    assert len(data) == 18
     assert data["training"]["steps"] == 3
     assert data["debug"]["seed"] == 4
     assert data["training"]["dataset_path"] is None

@@ -134,7 +134,7 @@ def apply_data_parallel(
     mp_policy = mixed_precision_policy(
         precision.compute_dtype(training), training.mixed_precision_reduce
     )
-    hsdp = dims.dp_replicate_enabled
+    hsdp = dims.replicas_reduce_gradients
     efsdp_mesh = None
     if dims.ep_enabled:
         efsdp_mesh = dims.mesh("dp_replicate", "efsdp") if hsdp else dims.mesh("efsdp")
