@@ -167,8 +167,8 @@ def test_a_resume_between_meetings_is_bitwise(tmp_path: Path, method: str) -> No
     DiLoCo's outer momentum) are checkpointed beside the synced model, so steps 5-8 (a meeting
     at 6) resume bitwise. The checkpoint's model is the synced one, not replica 0's weights; an
     ordinary run refuses to resume it (its optimizer state is per replica), in one line, but
-    validates its synced weights (``--validation.only``); a run of the other method refuses it
-    too."""
+    validates its synced weights (``--validation.only``): checked once, for DiLoCo (another
+    method's or replica count's refusal: ``test_outer_step.py``)."""
     flags = [*STEPS, *REPLICAS, "--semi_sync.method", method]
     whole = tmp_path / "whole"
     done = run_train(whole, *flags, ngpu=2)
@@ -195,6 +195,8 @@ def test_a_resume_between_meetings_is_bitwise(tmp_path: Path, method: str) -> No
     assert own and set(own) <= set(saved)
     assert any(not torch.equal(own[n], saved[n]) for n in own)  # trained apart since step 3
 
+    if method != "diloco":
+        return
     ordinary = tmp_path / "ordinary"
     shutil.copytree(whole / "checkpoint/step-4", ordinary / "checkpoint/step-4")
     refused = run_train(ordinary, *STEPS, "--checkpoint.enable", ngpu=1)
@@ -207,10 +209,6 @@ def test_a_resume_between_meetings_is_bitwise(tmp_path: Path, method: str) -> No
     )  # fmt: skip
     assert validated.returncode == 0, validated.stderr[-3000:]
     assert records(ordinary / "validation_only.jsonl")[0]["step"] == 4
-    other = "local_sgd" if method == "diloco" else "diloco"
-    switched = run_train(resumed, *STEPS, *REPLICAS, "--semi_sync.method", other, ngpu=2)
-    assert switched.returncode == 2
-    assert f"was saved with --semi_sync.method {method}: resume with it" in switched.stderr
 
 
 def _read(path: Path, prefix: str) -> dict[str, torch.Tensor]:
