@@ -390,22 +390,26 @@ def free_name(path: Path) -> Path:
     return candidate
 
 
-def read_full_model(path: Path, names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+def read_full_model(
+    path: Path, names: Collection[str] | None = None, *, state: str = "model"
+) -> dict[str, torch.Tensor]:
     """Every model tensor of a checkpoint (or those of ``names``), whole, as host tensors (one
-    process's view)."""
+    process's view); ``state``: another state's tensors instead (``semi_sync``), by their names
+    within it."""
+    prefix = f"{state}."
     with local_tensor.host_only():
-        state = {
-            fqn.removeprefix("model."): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        tensors = {
+            fqn.removeprefix(prefix): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
             for fqn, meta in saved_tensor_metadata(path).items()
-            if fqn.startswith("model.") and (names is None or fqn.removeprefix("model.") in names)
+            if fqn.startswith(prefix) and (names is None or fqn.removeprefix(prefix) in names)
         }
         dcp.load(
-            {"model": state},
+            {state: tensors},
             storage_reader=SafeFileSystemReader(str(path)),
             planner=SafeLoadPlanner(),
             no_dist=True,
         )
-    return state
+    return tensors
 
 
 def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
