@@ -14,6 +14,7 @@ norms, the full final weights and the bytes its all-gathers sent by dtype.
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -116,6 +117,7 @@ def _replicas_differ(parts: list[torch.nn.Module]) -> tuple[int, list[str]]:
 
 def run_case(out_dir: Path, name: str, flags: list[str], *, trainer_data: bool = False) -> None:
     dump = out_dir / name
+    start = time.perf_counter()
     trainer = Trainer(parse_args([*flags, "--job.dump_folder", str(dump)], console_outputs=False))
     if not trainer_data:
         trainer.dataloader = GlobalBatchSlices(trainer, trainer.config.training.steps)
@@ -147,6 +149,7 @@ def run_case(out_dir: Path, name: str, flags: list[str], *, trainer_data: bool =
         records = [json.loads(line) for line in lines]
         saved = {"records": records, "weights": weights, "all_gather_bytes": all_gathers.bytes}
         saved["replicated"], saved["replicas_differ"] = replicas
+        saved["seconds"] = time.perf_counter() - start  # what the case cost the launch
         torch.save(saved, out_dir / f"{name}.pt")
 
 

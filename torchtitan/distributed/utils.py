@@ -319,14 +319,17 @@ def lost_peer(error: BaseException) -> str | None:
         seen.add(id(error))
         text = str(error).strip()
         first = text.splitlines()[0] if text else ""
+        # gloo names its source first: "[.../gloo/transport/tcp/pair.cc:553] Connection
+        # closed by peer [addr]:port. This is typically caused by ...", after "Gloo
+        # connectFullMesh failed with " when the peer went away while the group was made.
+        source, _, words = first.partition("] ")
+        gloo = isinstance(error, RuntimeError) and "/gloo/" in source and "[" in source
         backend = isinstance(error, dist.DistError) or (
-            isinstance(error, RuntimeError) and first.startswith("[") and "/gloo/" in first
+            gloo and (source.startswith("[") or source.startswith("Gloo "))
         )
         if backend and any(marker in first for marker in _LOST_PEER_MARKERS):
-            # "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [addr]:port.
-            # This is typically caused by ..." -> the middle sentence.
-            if first.startswith("[") and "] " in first:
-                first = first.split("] ", 1)[1]
+            if gloo:
+                first = words  # the backend's words without the source path
             return first.split(". ")[0].rstrip(".")
         error = error.__cause__ or error.__context__
     return None

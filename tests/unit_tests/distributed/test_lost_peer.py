@@ -18,12 +18,21 @@ RESET = (
     "hanging or bugs in the application."
 )
 
+# Raised in rank 0 by init_process_group when rank 1 had joined the group, refused its input
+# and exited before rank 0's side of the mesh was connected (seen in CI under load).
+MESH = (
+    "Gloo connectFullMesh failed with [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+    "pair.cc:553] Connection closed by peer [127.0.0.1]:5859. This is typically caused by a "
+    "remote worker crashing. Check the logs of the remote worker before reporting an error."
+)
+
 
 @pytest.mark.parametrize(
     "text, words",
     [
         (CLOSED, "Connection closed by peer [127.0.0.1]:42693"),
         (RESET, "Read error [127.0.0.1]:61077: Connection reset by peer"),
+        (MESH, "Connection closed by peer [127.0.0.1]:5859"),
     ],
 )
 def test_the_backends_words_are_kept_without_the_source_path(text, words):
@@ -62,6 +71,8 @@ def test_the_store_and_nccl_report_through_torchs_distributed_errors():
         ),
         # The words on the first line, but not from a backend.
         RuntimeError("Connection reset by peer while reading https://example.com/c4.json.gz"),
+        # Another library's message quoting a path under gloo/ is not gloo's own.
+        RuntimeError("Failed with [see third_party/gloo/README] Connection reset by peer"),
         RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"),
         KeyError("peer"),
         # This process's own pipe (a dataloader worker that died), not another rank.
