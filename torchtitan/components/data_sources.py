@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torchtitan.components.local_rows import LocalRows, fits_in_memory, read_rows
 from torchtitan.components.token_shards import TokenFolder, open_folder
 from torchtitan.config.errors import ConfigError
 from torchtitan.tools.logging import logger
@@ -61,8 +62,9 @@ def _load_c4(split: str) -> Callable[[str], HFDataset]:
 _FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 
 
-def load_files(path: str) -> datasets.Dataset:
-    """Open json/jsonl/parquet/txt files: one file, a glob, or a folder of one format."""
+def load_files(path: str) -> LocalRows | datasets.Dataset:
+    """Open json/jsonl/parquet/txt files: one file, a glob, or a folder of one format; small
+    ones are read into memory (``local_rows``), the others through ``datasets``."""
     resolved = resolve_path(path)
     if resolved.is_dir():
         files = sorted(p for p in resolved.rglob("*") if _file_format(p) is not None)
@@ -91,6 +93,11 @@ def load_files(path: str) -> datasets.Dataset:
     where = f"--training.dataset_path {path}"
     if all(f.stat().st_size == 0 for f in files):
         raise ConfigError(f"{where}: {_names(files)} empty; point it at files with documents")
+    if fmt != "parquet" and fits_in_memory(files):
+        rows = read_rows(files, fmt, where)
+        if len(rows) == 0:
+            raise ConfigError(f"{where}: {_names(files)} no documents")
+        return rows
     datasets = _datasets()  # imported first: its import sets its logger's level
     quiet = logging.getLogger("datasets")
     level = quiet.level
@@ -262,9 +269,27 @@ def open_dataset(
                 f"{' and '.join(map(repr, wanted))}{hint}"
             )
         key = spec.text_key
-        if data_format == "text" and getattr(features[key], "dtype", "string") not in (
-            "string",
-            "large_string",
-        ):
+        # No dtype (nested or mixed values): each row's reader checks its own.
+        dtype = getattr(features[key], "dtype", None) if data_format == "text" else None
+        if dtype not in (None, "string", "large_string"):
             raise ConfigError(f"{source}: the {key!r} field holds {features[key].dtype}, not text")
     return data, spec.text_key
+
+
+def is_stream(data: HFDataset) -> bool:
+    """A streamed ``datasets`` dataset (read in order, resumed by its own state)."""
+    if isinstance(data, LocalRows):
+        return False  # and ``datasets`` may not be imported at all
+    import datasets
+
+    return isinstance(data, datasets.IterableDataset)
+
+
+def shard(data: HFDataset, rank: int, world: int) -> HFDataset:
+    """Data-parallel rank ``rank``'s share: a contiguous block of the documents, or (a
+    stream) of its shards."""
+    if isinstance(data, LocalRows):
+        return data.shard(rank, world)
+    from datasets.distributed import split_dataset_by_node
+
+    return split_dataset_by_node(data, rank=rank, world_size=world)

@@ -1,13 +1,13 @@
 """Datasets and the data-parallel-aware, resumable dataloader.
 
-Documents are read through Hugging Face ``datasets`` (hub datasets streamed, local files
-memory-mapped), each data-parallel rank keeps a disjoint shard (``split_dataset_by_node``),
-every document is tokenized with BOS/EOS and the token stream is cut into windows of
-``seq_len + 1`` tokens (inputs are the first ``seq_len``, labels the last ``seq_len``).
-``state_dict()`` captures the exact read position, including tokens of a partly used document.
-Pre-tokenized folders (``--training.dataset tokens``) are read by ``token_windows`` instead,
-without ``datasets`` (imported only when documents are read: half a second of every rank's
-start).
+Documents are read through Hugging Face ``datasets`` (hub datasets streamed, large local files
+memory-mapped) or, small local files, from memory (``local_rows``); each data-parallel rank
+keeps a disjoint shard (``split_dataset_by_node``'s contiguous blocks); every document is
+tokenized with BOS/EOS and the token stream is cut into windows of ``seq_len + 1`` tokens
+(inputs are the first ``seq_len``, labels the last ``seq_len``). ``state_dict()`` captures the
+exact read position, including tokens of a partly used document. Pre-tokenized folders
+(``--training.dataset tokens``) are read by ``token_windows`` instead. ``datasets`` is imported
+only for what it reads (half a second of every rank's start).
 """
 
 import functools
@@ -23,7 +23,7 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.components.data_mix import MixedDataset
-from torchtitan.components.data_sources import HFDataset, open_dataset
+from torchtitan.components.data_sources import HFDataset, is_stream, open_dataset, shard
 from torchtitan.components.token_shards import TokenFolder
 from torchtitan.components.token_windows import (
     TokenWindows,
@@ -77,10 +77,8 @@ class TextDataset(IterableDataset, Stateful):
         the validation data); ``where``: who reads, in messages (default: this DP rank).
         ``shuffle_seed``: read the documents in a random order drawn from it, a new one each
         epoch (``None``: in the data's order)."""
-        import datasets
-        from datasets.distributed import split_dataset_by_node
-
-        if isinstance(data, datasets.Dataset) and len(data) < dp_world_size:
+        self._streaming = is_stream(data)
+        if not self._streaming and len(data) < dp_world_size:
             raise ConfigError(
                 f"dataset {name} has {len(data)} documents, fewer than the {dp_world_size} "
                 "data-parallel ranks; use a larger dataset or fewer ranks"
@@ -89,8 +87,7 @@ class TextDataset(IterableDataset, Stateful):
         self._where = where or f"data-parallel rank {dp_rank} of {dp_world_size}"
         self._flag = flag
         self._format = "text"
-        self._data = split_dataset_by_node(data, rank=dp_rank, world_size=dp_world_size)
-        self._streaming = isinstance(self._data, datasets.IterableDataset)
+        self._data = shard(data, dp_rank, dp_world_size)
         if shuffle_seed is not None and self._streaming:
             raise ConfigError(
                 f"--training.shuffle_seed: dataset {name} is streamed, and a stream cannot be "
@@ -227,10 +224,7 @@ class TextDataset(IterableDataset, Stateful):
             # A fresh split, not the first position loaded back: a dataloader worker's stream
             # picks its share of the shards when it starts (a loaded state would carry the
             # unsplit stream's, and the worker would read the other workers' shards).
-            from datasets.distributed import split_dataset_by_node
-
-            rank, world = self._node
-            self._data = split_dataset_by_node(self._all, rank=rank, world_size=world)
+            self._data = shard(self._all, *self._node)
             self._data.set_epoch(epoch)
             self._loaded_stream_state = None
 

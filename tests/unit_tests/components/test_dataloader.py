@@ -20,12 +20,14 @@ import huggingface_hub.constants
 import pytest
 import torch
 
+from torchtitan.components import local_rows
 from torchtitan.components.data_sources import DATASETS, DatasetSpec, load_files, open_dataset
 from torchtitan.components.dataloader import (
     ParallelAwareDataloader,
     TextDataset,
     build_dataloader,
 )
+from torchtitan.components.local_rows import LocalRows
 from torchtitan.components.tokenizer import (
     DEFAULT_TOKENIZER_PATH,
     Llama3Tokenizer,
@@ -627,12 +629,21 @@ def _write_gzip_jsonl(path: Path) -> Path:
     ],
 )
 def test_files_loader_formats(
-    tmp_path: Path, name: str, write: Callable[[Path], Path], expected: list[str]
+    tmp_path: Path,
+    name: str,
+    write: Callable[[Path], Path],
+    expected: list[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     path = write(tmp_path / name)
     data = load_files(str(path))
-    assert isinstance(data, datasets.Dataset)
-    assert [t.strip() for t in data["text"]] == expected
+    assert isinstance(data, datasets.Dataset if name.endswith(".parquet") else LocalRows)
+    assert [row["text"].strip() for row in data] == expected
+    # The rows ``datasets`` reads, as large files are read.
+    monkeypatch.setattr(local_rows, "IN_MEMORY_BYTES", 0)
+    through_datasets = load_files(str(path))
+    assert isinstance(through_datasets, datasets.Dataset)
+    assert list(data) == list(through_datasets)
 
     # And through the dataloader: one document per window with the stub tokenizer.
     loader = _files_loader(path, IdTokenizer(), seq_len=3, local_batch_size=1)
@@ -667,7 +678,7 @@ def test_bundled_dataset_opens_from_any_directory(
     monkeypatch.chdir(tmp_path)
     assert not Path(DATASETS["python_docs"].path).exists()  # relative, and not here
     data, text_key = open_dataset("python_docs", None)
-    assert isinstance(data, datasets.Dataset) and len(data) > 0
+    assert isinstance(data, LocalRows) and len(data) > 0
     assert text_key == "text" and data[0][text_key]
 
 
