@@ -26,7 +26,8 @@ from torchtitan.components.token_windows import contiguous_block
 from torchtitan.config.errors import ConfigError
 
 IN_MEMORY_BYTES = 64 * 2**20
-"""Files larger than this in all go through ``datasets`` (memory-mapped, not held per rank)."""
+"""Files larger than this on disk in all go through ``datasets`` (memory-mapped, not held
+per rank)."""
 
 _OPEN = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 
@@ -73,9 +74,10 @@ class LocalRows(Sequence[dict[str, Any]]):
 
 
 def fits_in_memory(files: Sequence[Path]) -> bool:
-    """Whether ``read_rows`` takes these files (else ``datasets`` does)."""
-    compressions = {f.suffix for f in files if f.suffix in (".zst", *_OPEN)}
-    return ".zst" not in compressions and sum(f.stat().st_size for f in files) <= IN_MEMORY_BYTES
+    """Whether ``read_rows`` takes these files (else ``datasets`` does): none is zstd, and
+    they hold ``IN_MEMORY_BYTES`` at most on disk."""
+    no_zstd = all(f.suffix != ".zst" for f in files)
+    return no_zstd and sum(f.stat().st_size for f in files) <= IN_MEMORY_BYTES
 
 
 def read_rows(files: Sequence[Path], fmt: str, where: str) -> LocalRows:
