@@ -88,31 +88,34 @@ def load_files(path: str) -> LocalRows | datasets.Dataset:
             "point it at files of one type"
         )
     fmt = formats.pop()
-    # A .txt file becomes one document per paragraph (blank-line separated).
-    extra = {"sample_by": "paragraph"} if fmt == "text" else {}
     where = f"--training.dataset_path {path}"
     if all(f.stat().st_size == 0 for f in files):
         raise ConfigError(f"{where}: {_names(files)} empty; point it at files with documents")
     if fmt != "parquet" and fits_in_memory(files):
-        rows = read_rows(files, fmt, where)
-        if len(rows) == 0:
-            raise ConfigError(f"{where}: {_names(files)} no documents")
-        return rows
+        data = read_rows(files, fmt, where)
+    else:
+        data = _load_with_datasets(files, fmt, where)
+    if len(data) == 0:
+        raise ConfigError(f"{where}: {_names(files)} no documents")
+    return data
+
+
+def _load_with_datasets(files: list[Path], fmt: str, where: str) -> datasets.Dataset:
+    """``datasets.load_dataset`` of the files (memory-mapped Arrow), its errors in one line."""
+    # A .txt file becomes one document per paragraph (blank-line separated).
+    extra = {"sample_by": "paragraph"} if fmt == "text" else {}
     datasets = _datasets()  # imported first: its import sets its logger's level
     quiet = logging.getLogger("datasets")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # its own error line would come before ours
     try:
-        data = datasets.load_dataset(
+        return datasets.load_dataset(
             fmt, data_files=[str(f) for f in files], split="train", **extra
         )
     except Exception as e:  # pyarrow / pandas tracebacks: one line naming the file instead
         raise ConfigError(f"{where}: {_unreadable(files, fmt, e)}") from None
     finally:
         quiet.setLevel(level)
-    if len(data) == 0:
-        raise ConfigError(f"{where}: {_names(files)} no documents")
-    return data
 
 
 def load_tokens(path: str) -> Any:

@@ -160,6 +160,6 @@ def _features(rows: list[dict[str, Any]]) -> dict[str, Column]:
     for key, seen in types.items():
         if seen == {int, float}:  # as Arrow reads a column of both
             seen = {float}
-        (only,) = seen if len(seen) == 1 else (None,)
-        features[key] = Column(_DTYPES.get(only) if only is not None else None)
+        only = next(iter(seen)) if len(seen) == 1 else None
+        features[key] = Column(_DTYPES.get(only))
     return features
