@@ -46,6 +46,13 @@ FAILURE_DIR_ENV = "TITAN_FAILURE_DIR"
 PREEMPTED_EXIT_CODE = 75  # components/preemption.EXIT_CODE (this module imports no torch)
 LOST_PEER_EXIT_CODE = 4  # a rank whose collective lost another rank (train.py)
 HANG_EXIT_CODE = 124  # a rank its hang watchdog ended (tools/watchdog.py)
+# The backends' words for a peer that went away (distributed/utils.lost_peer reads them).
+LOST_PEER_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+)
 _SIGTERM = 15
 _FINAL_HANG: list[str] = []  # the last attempt's hang report, for after torchrun's
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -303,8 +310,12 @@ def _cause(rank: int, failure) -> str:
 
 
 class _Dropping:
-    """A text stream that passes every line except torch's C++ profiler markers (``USDT:
-    ... profiler_start``), which kineto prints on every profiled step."""
+    """A text stream that passes every line except two that mean nothing to a user: torch's
+    C++ profiler markers (``USDT: ... profiler_start``), which kineto prints on every profiled
+    step, and gloo's C++ log line for a peer that went away (``[E1129 ...
+    ProcessGroupGloo.cpp:67] Gloo connectFullMesh failed with [.../pair.cc:553] Connection
+    closed by peer ...``), which the rank then says in its own one line (exit code
+    ``LOST_PEER_EXIT_CODE``)."""
 
     def __init__(self, stream):
         self._stream = stream
@@ -312,6 +323,8 @@ class _Dropping:
     def write(self, text: str) -> int:
         # torchrun writes one line per call, after its "[rank0]:" prefix.
         if "USDT:" in text and "profiler_" in text:
+            return len(text)
+        if "ProcessGroupGloo.cpp:" in text and any(m in text for m in LOST_PEER_MARKERS):
             return len(text)
         return self._stream.write(text)
 

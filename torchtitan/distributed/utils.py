@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed import local_tensor
+from torchtitan.launcher import LOST_PEER_MARKERS
 from torchtitan.tools.logging import logger
 
 
@@ -296,14 +297,6 @@ def set_pg_timeouts(seconds: float) -> None:
 
 # What a collective or the store raises on a rank whose peer died: gloo, the peer's socket
 # closed or reset; NCCL, ncclRemoteError ("remote process exited or there was a network error").
-_LOST_PEER_MARKERS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "remote process exited",
-)
-
-
 def lost_peer(error: BaseException) -> str | None:
     """The backend's own words when ``error`` (or what it was raised from) says that another
     rank went away mid-collective, e.g. ``Connection closed by peer [127.0.0.1]:42693``;
@@ -327,7 +320,7 @@ def lost_peer(error: BaseException) -> str | None:
         backend = isinstance(error, dist.DistError) or (
             gloo and (source.startswith("[") or source.startswith("Gloo "))
         )
-        if backend and any(marker in first for marker in _LOST_PEER_MARKERS):
+        if backend and any(marker in first for marker in LOST_PEER_MARKERS):
             if gloo:
                 first = words  # the backend's words without the source path
             return first.split(". ")[0].rstrip(".")

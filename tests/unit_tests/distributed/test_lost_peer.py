@@ -107,3 +107,23 @@ def test_a_schedules_log_of_a_lost_peer_is_dropped(caplog):
         "caught a stage's own failure",
         "outside any error",
     ]
+
+
+def test_the_launcher_drops_gloos_cpp_line_for_a_lost_peer():
+    """Rank 0's gloo logs from C++, before raising, the same words the rank then says in its
+    own line: the launcher's copy of the ranks' streams drops that log line and keeps gloo's
+    other lines (seen in CI: rank 1 refused its input while rank 0 was joining the group)."""
+    import io
+
+    from torchtitan.launcher import _Dropping
+
+    logged = "[rank0]:[E1129 15:09:10.408535417 ProcessGroupGloo.cpp:67] " + MESH.replace(
+        "5859", "45704"
+    )
+    other = "[rank0]:[W1129 15:09:10.40 ProcessGroupGloo.cpp:516] Warning: a gloo warning"
+    own = "[rank0]: 15:09:10 ERROR Stopping: another rank went away during a collective (...)"
+    stream = io.StringIO()
+    dropping = _Dropping(stream)
+    for line in (logged, other, own):
+        assert dropping.write(line + "\n") == len(line) + 1
+    assert stream.getvalue().splitlines() == [other, own]
