@@ -64,6 +64,13 @@ def refuse(code: int, message: str) -> bool:
     return _write_record("rank", {"code": code, "message": message, "time": time.time()})
 
 
+def a_rank_refused() -> bool:
+    """Whether a rank under this launcher has recorded its refusal: a rank that then loses it
+    in a collective has nothing to add to the refusal's line."""
+    folder = os.environ.get(FAILURE_DIR_ENV)
+    return bool(folder) and bool(refusals(folder))
+
+
 def note_preempted(signal_name: str, step: int, checkpoint: str | None) -> bool:
     """Record that this rank stopped for a preemption signal after ``step`` (having saved
     ``checkpoint``). Returns whether a launcher will report it; this rank then exits 0, so that

@@ -83,7 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A consequence, not a cause: the rank that died is the story, and torchrun reports
         # it. Thirty lines of this rank's stack inside a collective would bury it.
         where = f"; traceback in {log_file}" if log_file else ""
-        logger.error(f"Stopping: another rank went away during a collective ({words}){where}")
+        line = f"Stopping: another rank went away during a collective ({words}){where}"
+        if launcher.a_rank_refused():  # it went away after saying why: the launcher shows that
+            log_to_files_only(logging.ERROR, line)
+        else:
+            logger.error(line)
         return launcher.LOST_PEER_EXIT_CODE
     finally:
         dist_utils.shutdown()

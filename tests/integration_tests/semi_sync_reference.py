@@ -8,7 +8,7 @@ CASES_JSON: a list of ``{"name", "flags", "replicas", "rows", "method", "sync_st
 "num_fragments", "outer_lr", "outer_momentum", "nesterov", "alpha"}`` (``flags``: a replica's trainer
 flags; ``rows``: sequences per replica per step). Writes ``OUT_DIR/<name>.pt``: each step's
 loss over all replicas' tokens and replica 0's, the replicas' gradient norms' root mean
-square, and the last replica's final weights.
+square, and the last replica's final weights (with the buffers a checkpoint holds).
 """
 
 import json
@@ -18,10 +18,11 @@ import sys
 from pathlib import Path
 
 import torch
-from numerics_harness import GlobalBatchSlices
+from numerics_harness import GlobalBatchSlices, _clean
 
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.utils import shutdown
+from torchtitan.models.common.moe import moe_layers
 from torchtitan.tools.logging import init_logger
 from torchtitan.trainer import Trainer
 
@@ -62,6 +63,11 @@ def simulate(out_dir: Path, case: dict) -> None:
             return result
 
         trainer.train_step = recorded
+        # MoE routing biases move after each step by the counts of every replica (as the
+        # real run sums them over all its data-parallel ranks): after all replicas' steps.
+        stepped = trainer._after_optimizer_step
+        if stepped is not None:
+            trainer._after_optimizer_step = lambda *args, **kwargs: {}
         trainers.append(trainer)
         sums.append(losses)
     own = [dict(t.model_parts[0].named_parameters()) for t in trainers]
@@ -75,6 +81,14 @@ def simulate(out_dir: Path, case: dict) -> None:
     for step in range(1, steps + 1):
         for trainer in trainers:
             trainer.train(until=step)
+        if stepped is not None:
+            layers = [moe_layers(t.model_parts) for t in trainers]
+            alike = zip(*[[m for _, m in ls] for ls in layers], strict=True)  # a layer's replicas
+            counts = [sum(m.tokens_per_expert for m in same) for same in alike]
+            for trainer, ls in zip(trainers, layers, strict=True):
+                for (_, m), total in zip(ls, counts, strict=True):
+                    m.tokens_per_expert.copy_(total)
+                stepped(trainer.model_parts, None, None, report=False)
         due = {f for f in range(fragments) if step % h == (f + 1) * h // fragments % h}
         names = [n for n in synced if _fragment(n, fragments, n_layers) in due]
         with torch.no_grad():
@@ -94,8 +108,11 @@ def simulate(out_dir: Path, case: dict) -> None:
     first = {s: v[0] / v[1] for s, v in sums[0].items()}
     # The norm every rank logs: the root mean square of the replicas' own.
     norm = {s: (sum(m[s][2] ** 2 for m in sums) / replicas) ** 0.5 for s in sums[0]}
-    # The last replica's: the harness merges every rank's weights, the last rank's last.
-    weights = {n: p.detach().clone() for n, p in own[-1].items()}
+    # The last replica's (and its routing biases): the harness merges every rank's weights, the
+    # last rank's last.
+    weights = {
+        _clean(n): t.detach().clone() for n, t in trainers[-1].model_parts[0].state_dict().items()
+    }
     for trainer in trainers:
         trainer.close()
     record = {"loss": loss, "loss_local": first, "grad_norm": norm, "weights": weights}

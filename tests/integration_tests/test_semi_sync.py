@@ -1,9 +1,9 @@
 """Semi-synchronous training (``--semi_sync``: LocalSGD, DiLoCo, streaming DiLoCo) trains as
-its definition says: each case's real run (replicas of 1 or 2 ranks, FSDP or TP inside them)
-against a one-process simulation of the same replicas on the same rows of the same global
-batches, whose meetings are written with ``torch.optim.SGD`` (``semi_sync_reference.py``);
-a resume between two meetings continues bitwise; a checkpoint of it refuses to resume as an
-ordinary run in one line."""
+its definition says: each case's real run (replicas of 1 or 2 ranks, FSDP, TP, PP, CP or EP
+inside them) against a one-process simulation of the same replicas on the same rows of the
+same global batches, whose meetings are written with ``torch.optim.SGD``
+(``semi_sync_reference.py``); a resume between two meetings continues bitwise; a checkpoint
+of it refuses to resume as an ordinary run in one line."""
 
 import json
 import os
@@ -28,7 +28,9 @@ SFT = (
     "--training.dataset chat_demo --training.data_format chat --model.attn_mask block_causal "
     "--training.seq_len 128"
 )
-# name: (ranks, the run's layout flags, rows per replica, the semi-synchronous settings)
+MOE = "--module deepseek_v3 --config deepseek_v3_debugmodel"
+# name: (ranks, the run's layout flags, rows per replica, the semi-synchronous settings,
+# flags of the run and its reference alike)
 CASES = {
     # Replicas of one rank each: the same kernels as one process, so bitwise.
     "diloco_ddp2": (2, "--training.local_batch_size 4", 4, dict(method="diloco", sync_steps=2)),
@@ -43,9 +45,36 @@ CASES = {
     # global count's share).
     "diloco_fsdp2_sft": (
         4,
-        f"--training.local_batch_size 2 --parallelism.data_parallel_shard_degree 2 {SFT}",
+        "--training.local_batch_size 2 --parallelism.data_parallel_shard_degree 2",
         4,
         dict(method="diloco", sync_steps=3),
+        SFT,
+    ),
+    # LoRA: only the adapters train, so only they meet.
+    "diloco_lora_ddp2": (
+        2,
+        "--training.local_batch_size 4",
+        4,
+        dict(method="diloco", sync_steps=2),
+        "--lora.rank 4 --lora.alpha 32",
+    ),
+    # Context parallel inside each replica: its two ranks hold halves of the same rows.
+    "diloco_cp2": (
+        4,
+        "--training.local_batch_size 4 --parallelism.context_parallel_degree 2",
+        4,
+        dict(method="diloco", sync_steps=2),
+    ),
+    # Experts split over each replica's two FSDP ranks (DeepSeek-V3): the experts' shards meet
+    # with their own replica's; the routing biases move every step by the counts of both
+    # replicas (semi_sync.md), which the reference sums over its replicas.
+    "local_sgd_ep2_moe": (
+        4,
+        "--training.local_batch_size 2 --parallelism.data_parallel_shard_degree 2 "
+        "--parallelism.expert_parallel_degree 2",
+        4,
+        dict(method="local_sgd", sync_steps=2),
+        MOE,
     ),
     # TP inside each replica (replicated norm weights among sharded matrices); 3 fragments
     # meeting in turn, one each step; plain outer momentum; each replica keeping a quarter of
@@ -98,11 +127,11 @@ def _run(cmd: list[str]) -> None:
 def results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("semi_sync")
     reference = []
-    for name, (_, layout, rows, settings) in CASES.items():
+    for name, (_, _, rows, settings, *shared) in CASES.items():
         s = DEFAULTS | settings
         reference.append(
             dict(
-                name=f"ref_{name}", flags=f"{BASE} {SFT if SFT in layout else ''}", replicas=2, rows=rows, method=s["method"],
+                name=f"ref_{name}", flags=f"{BASE} {''.join(shared)}", replicas=2, rows=rows, method=s["method"],
                 sync_steps=s["sync_steps"], num_fragments=s["num_fragments"],
                 outer_lr=s["outer_lr"], outer_momentum=s["outer_momentum"],
                 nesterov=s.get("outer_nesterov", True), alpha=s["fragment_update_alpha"],
@@ -111,9 +140,9 @@ def results(tmp_path_factory) -> Path:
     _run([sys.executable, str(REFERENCE), str(out), json.dumps(reference)])
     for world in (2, 4):
         args = [
-            f"{name}:{BASE} {layout} --parallelism.data_parallel_replicate_degree 2 "
-            f"{_flags(settings)}"
-            for name, (ranks, layout, _, settings) in CASES.items()
+            f"{name}:{BASE} {''.join(shared)} {layout} "
+            f"--parallelism.data_parallel_replicate_degree 2 {_flags(settings)}"
+            for name, (ranks, layout, _, settings, *shared) in CASES.items()
             if ranks == world
         ]
         _run([
@@ -145,6 +174,8 @@ def test_semi_sync_trains_as_its_one_process_simulation(results, case):
     first_meeting = settings["sync_steps"] // settings["num_fragments"]
     assert logged[6]["semi_sync_syncs"] == 6 // first_meeting
     assert logged[6]["semi_sync_pseudo_grad_norm"] > 0
+    if MOE in CASES[case][4:]:  # the routing biases moved and are compared too
+        assert any(w.abs().sum() > 0 for n, w in want["weights"].items() if "expert_bias" in n)
     for name, weight in want["weights"].items():
         mine = got["weights"][name]
         if bitwise:
