@@ -8,8 +8,8 @@ rank, whatever ``LOG_RANK`` shows, and exits with that rank's code. torchrun's o
 ``ChildFailedError`` traceback naming only an exit code) is printed only for crashes, kills
 and unexpected exceptions, whose traceback is what a user needs, followed by one line that
 names the failure that started it before the ranks that only followed (a rank whose collective
-lost the dead one exits with ``LOST_PEER_EXIT_CODE`` after one line of its own; torchrun ends
-the others). When the hang watchdog ended ranks, the launcher reads their flight-recorder dumps
+lost the dead one exits with ``LOST_PEER_EXIT_CODE`` after one line of its own, written to its
+log file only when a rank had refused; torchrun ends the others). When the hang watchdog ended ranks, the launcher reads their flight-recorder dumps
 together and says who waited for whom (``tools/hang_report.py``). ``run_train.sh`` and
 ``multinode_trainer.slurm`` start ranks through it.
 
@@ -46,7 +46,9 @@ FAILURE_DIR_ENV = "TITAN_FAILURE_DIR"
 PREEMPTED_EXIT_CODE = 75  # components/preemption.EXIT_CODE (this module imports no torch)
 LOST_PEER_EXIT_CODE = 4  # a rank whose collective lost another rank (train.py)
 HANG_EXIT_CODE = 124  # a rank its hang watchdog ended (tools/watchdog.py)
-# The backends' words for a peer that went away (distributed/utils.lost_peer reads them).
+# What a collective or the store raises on a rank whose peer died: gloo, the peer's socket
+# closed or reset; NCCL, ncclRemoteError ("remote process exited or there was a network error").
+# Read by distributed/utils.lost_peer, and by _Dropping in gloo's C++ log lines.
 LOST_PEER_MARKERS = (
     "Connection closed by peer",
     "Connection reset by peer",
@@ -65,8 +67,10 @@ def refuse(code: int, message: str) -> bool:
 
 
 def a_rank_refused() -> bool:
-    """Whether a rank under this launcher has recorded its refusal: a rank that then loses it
-    in a collective has nothing to add to the refusal's line."""
+    """Whether a rank under this launcher (this node's ranks) has recorded its refusal, or a
+    non-finite step: a rank that then loses a peer in a collective has nothing to add to the
+    line the launcher prints. Not which rank: a crash of another rank at the same moment is
+    then told only by torchrun's exit codes."""
     folder = os.environ.get(FAILURE_DIR_ENV)
     return bool(folder) and bool(refusals(folder))
 
@@ -321,8 +325,9 @@ class _Dropping:
     C++ profiler markers (``USDT: ... profiler_start``), which kineto prints on every profiled
     step, and gloo's C++ log line for a peer that went away (``[E1129 ...
     ProcessGroupGloo.cpp:67] Gloo connectFullMesh failed with [.../pair.cc:553] Connection
-    closed by peer ...``), which the rank then says in its own one line (exit code
-    ``LOST_PEER_EXIT_CODE``)."""
+    closed by peer ...``), whatever the cause: the same words are in the exception the rank
+    then reports in one line (exit code ``LOST_PEER_EXIT_CODE``) and keeps, with its
+    traceback, in its log file."""
 
     def __init__(self, stream):
         self._stream = stream

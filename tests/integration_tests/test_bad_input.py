@@ -172,6 +172,10 @@ def test_only_rank_1_refuses_and_its_line_is_shown(tmp_path):
         [sys.executable, "-m", "torchtitan.launcher", "--nproc_per_node", "2"]
         + ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
         + ["--local-ranks-filter", "0", "--role", "rank", "--tee", "3"]
+        # torchrun stops rank 0 up to 3 s after rank 1 exits (0.1 s by default): time for
+        # rank 0, still building its trainer (no SIGTERM handler yet), to reach its next
+        # collective and write what it lost to its log.
+        + ["--monitor-interval", "3"]
         + ["tests/integration_tests/refuse_harness.py", *SMALL]
         + ["--job.dump_folder", str(tmp_path)],
         cwd=REPO,

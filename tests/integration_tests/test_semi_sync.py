@@ -131,7 +131,7 @@ def results(tmp_path_factory) -> Path:
         s = DEFAULTS | settings
         reference.append(
             dict(
-                name=f"ref_{name}", flags=f"{BASE} {''.join(shared)}", replicas=2, rows=rows, method=s["method"],
+                name=f"ref_{name}", flags=f"{BASE} {' '.join(shared)}", replicas=2, rows=rows, method=s["method"],
                 sync_steps=s["sync_steps"], num_fragments=s["num_fragments"],
                 outer_lr=s["outer_lr"], outer_momentum=s["outer_momentum"],
                 nesterov=s.get("outer_nesterov", True), alpha=s["fragment_update_alpha"],
@@ -140,7 +140,7 @@ def results(tmp_path_factory) -> Path:
     _run([sys.executable, str(REFERENCE), str(out), json.dumps(reference)])
     for world in (2, 4):
         args = [
-            f"{name}:{BASE} {''.join(shared)} {layout} "
+            f"{name}:{BASE} {' '.join(shared)} {layout} "
             f"--parallelism.data_parallel_replicate_degree 2 {_flags(settings)}"
             for name, (ranks, layout, _, settings, *shared) in CASES.items()
             if ranks == world

@@ -295,8 +295,6 @@ def set_pg_timeouts(seconds: float) -> None:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
-# What a collective or the store raises on a rank whose peer died: gloo, the peer's socket
-# closed or reset; NCCL, ncclRemoteError ("remote process exited or there was a network error").
 def lost_peer(error: BaseException) -> str | None:
     """The backend's own words when ``error`` (or what it was raised from) says that another
     rank went away mid-collective, e.g. ``Connection closed by peer [127.0.0.1]:42693``;
