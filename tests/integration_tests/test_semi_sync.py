@@ -1,5 +1,5 @@
 """Semi-synchronous training (``--semi_sync``: LocalSGD, DiLoCo, streaming DiLoCo) trains as
-its definition says: each case's real run (replicas of 1 or 2 ranks, FSDP, TP, PP, CP or EP
+its definition says: each case's real run (replicas of 1 or 2 ranks, FSDP, TP, PP or EP
 inside them) against a one-process simulation of the same replicas on the same rows of the
 same global batches, whose meetings are written with ``torch.optim.SGD``
 (``semi_sync_reference.py``); a resume between two meetings continues bitwise; a checkpoint
@@ -57,13 +57,6 @@ CASES = {
         4,
         dict(method="diloco", sync_steps=2),
         "--lora.rank 4 --lora.alpha 32",
-    ),
-    # Context parallel inside each replica: its two ranks hold halves of the same rows.
-    "diloco_cp2": (
-        4,
-        "--training.local_batch_size 4 --parallelism.context_parallel_degree 2",
-        4,
-        dict(method="diloco", sync_steps=2),
     ),
     # Experts split over each replica's two FSDP ranks (DeepSeek-V3): the experts' shards meet
     # with their own replica's; the routing biases move every step by the counts of both
