@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -209,25 +210,45 @@ def test_pipeline_memory_estimate_matches_a_real_runs_memory_timeline(tmp_path):
     pp = ["--parallelism.pipeline_parallel_degree", "2", "--debug.seed", "0"]
     snapshot = ["--profiling.enable_memory_snapshot", "--profiling.profile_freq", "2"]
     real = tmp_path / "real"
-    result = run_train(
-        real, *pp, "--training.steps", "2", *snapshot, "--profiling.profiler_warmup", "0",
-        "--training.seq_len", "512", ngpu=2,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    folder = real / "memory_snapshot" / "iteration_2"
+    for _ in range(2):
+        shutil.rmtree(real, ignore_errors=True)
+        result = run_train(
+            real, *pp, "--training.steps", "2", *snapshot, "--profiling.profiler_warmup", "0",
+            "--training.seq_len", "512", ngpu=2,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        # torch's memory categorizer asserts now and then (once in CI, on the last stage,
+        # under load): that rank writes its raw allocation events instead; once more then.
+        if all((folder / f"rank{r}_memory_timeline.json").is_file() for r in (0, 1)):
+            break
     activation = _CATEGORY_TO_INDEX[Category.ACTIVATION] + 1  # column 0 is unused
+    checked = 0
     for rank in (0, 1):
-        timeline = real / "memory_snapshot" / "iteration_2" / f"rank{rank}_memory_timeline.json"
-        _, sizes = json.loads(timeline.read_text())
-        measured_activations = max(row[activation] for row in sizes) / 2**30
-        measured_peak = max(sum(row) for row in sizes) / 2**30
         dry = _dry_run(tmp_path / f"dry{rank}", "llama3_debugmodel", 2, *pp, rank=rank)
         out = dry.stdout + dry.stderr
         assert dry.returncode == 0, out[-3000:]
         assert "activations of the micro-batches in flight at once under 1F1B" in out
         estimated = (_gib(out, "Activation"), _gib(out, "peak of a step"))
+        timeline = folder / f"rank{rank}_memory_timeline.json"
+        if not timeline.is_file():  # twice uncategorized: the whole peak alone
+            events = json.loads((folder / f"rank{rank}_memory_trace.json").read_text())
+            totals = [
+                e["args"]["Total Allocated"]
+                for e in events["traceEvents"]
+                if e["name"] == "[memory]"
+            ]
+            peak = max(totals) / 2**30
+            assert estimated[1] == pytest.approx(peak, rel=0.15), f"rank {rank}: {estimated}"
+            continue
+        _, sizes = json.loads(timeline.read_text())
+        measured_activations = max(row[activation] for row in sizes) / 2**30
+        measured_peak = max(sum(row) for row in sizes) / 2**30
         why = f"rank {rank}: estimated {estimated}, measured {measured_activations, measured_peak}"
         assert estimated[0] == pytest.approx(measured_activations, rel=0.15), why
         assert estimated[1] == pytest.approx(measured_peak, rel=0.15), why
+        checked += 1
+    assert checked  # the activations of at least one rank
 
 
 @pytest.mark.parametrize("tp", [1, 8])
