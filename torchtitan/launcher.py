@@ -9,9 +9,10 @@ rank, whatever ``LOG_RANK`` shows, and exits with that rank's code. torchrun's o
 and unexpected exceptions, whose traceback is what a user needs, followed by one line that
 names the failure that started it before the ranks that only followed (a rank whose collective
 lost the dead one exits with ``LOST_PEER_EXIT_CODE`` after one line of its own, written to its
-log file only when a rank had refused; torchrun ends the others). When the hang watchdog ended ranks, the launcher reads their flight-recorder dumps
-together and says who waited for whom (``tools/hang_report.py``). ``run_train.sh`` and
-``multinode_trainer.slurm`` start ranks through it.
+log file only when a rank had refused; torchrun ends the others). When the hang watchdog ended
+ranks, the launcher reads their flight-recorder dumps together and says who waited for whom
+(``tools/hang_report.py``). ``run_train.sh`` and ``multinode_trainer.slurm`` start ranks
+through it.
 
 Two more things a long job needs:
 
