@@ -171,7 +171,8 @@ def test_a_moe_models_spikes_skip_its_routing_bias_updates_too(tmp_path: Path) -
     moe = ["--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel"]
     flags = [*moe, *RUN, "--training.steps", "8", "--checkpoint.interval", "8"]
     spiky, skipping = tmp_path / "spiky", tmp_path / "skipping"
-    spikes = ["--training.spike_sigma", "0.5", "--training.spike_window", "2"]
+    # A window of 3: with 2, torch 2.11's numbers flag every step from the 3rd.
+    spikes = ["--training.spike_sigma", "0.5", "--training.spike_window", "3"]
     assert main([*flags, *spikes, "--job.dump_folder", str(spiky)]) == 0
     flagged = [e["step"] for e in _events(spiky, "spike")]
     assert flagged and set(range(min(flagged), 9)) - set(flagged)  # steps train after a spike
