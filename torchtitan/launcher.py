@@ -2,7 +2,9 @@
 refusals reported as one line.
 
 A rank that refuses its input (exit code 2) or stops on a non-finite step (3) writes its one
-line to a file in a folder this launcher makes (``TITAN_FAILURE_DIR``) instead of the console.
+line to a file in a folder this launcher makes (``TITAN_FAILURE_DIR``) instead of the console;
+in a job of several nodes also to torchrun's store, where a rank of another node that loses it
+finds it and copies it to its own launcher's folder, so every node prints that line.
 When the job fails, the launcher prints the line of the rank that failed first, prefixed by the
 rank, whatever ``LOG_RANK`` shows, and exits with that rank's code. torchrun's own report (a
 ``ChildFailedError`` traceback naming only an exit code) is printed only for crashes, kills
@@ -30,10 +32,13 @@ Two more things a long job needs:
 The rank side is :func:`refuse`. This module imports torch only inside :func:`main`.
 """
 
+import contextlib
+import datetime
 import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -44,6 +49,7 @@ from torchtitan.tools import hang_report
 from torchtitan.tools.hang_report import ranks_text
 
 FAILURE_DIR_ENV = "TITAN_FAILURE_DIR"
+JOB_STORE_ENV = "TITAN_JOB_STORE"  # host:port of a c10d rendezvous's store, for the ranks
 PREEMPTED_EXIT_CODE = 75  # components/preemption.EXIT_CODE (this module imports no torch)
 LOST_PEER_EXIT_CODE = 4  # a rank whose collective lost another rank (train.py)
 HANG_EXIT_CODE = 124  # a rank its hang watchdog ended (tools/watchdog.py)
@@ -59,21 +65,42 @@ LOST_PEER_MARKERS = (
 _SIGTERM = 15
 _FINAL_HANG: list[str] = []  # the last attempt's hang report, for after torchrun's
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+# After a refusal in a job of several nodes, how long the agent waits before it ends (and with
+# it the store, when it hosts it): the other nodes' ranks learn of the refusal when the refusing
+# rank's process exits, and read it from the store in the meantime (milliseconds, unloaded).
+_LINGER_S = 3.0
 
 
 def refuse(code: int, message: str) -> bool:
     """Record this rank's reason to stop (``code`` 2: bad input, 3: non-finite step) for the
-    launcher. Returns whether a launcher will print it (else log it yourself)."""
-    return _write_record("rank", {"code": code, "message": message, "time": time.time()})
+    launcher, and in the job's store for the launchers of other nodes (see
+    :func:`a_rank_refused`). Returns whether a launcher will print it (else log it yourself)."""
+    record = {"code": code, "message": message, "time": time.time()}
+    if not _write_record("rank", record):
+        return False
+    _publish_refusal({"rank": _rank(), **record})
+    return True
 
 
 def a_rank_refused() -> bool:
-    """Whether a rank under this launcher (this node's ranks) has recorded its refusal, or a
-    non-finite step: a rank that then loses a peer in a collective has nothing to add to the
-    line the launcher prints. Not which rank: a crash of another rank at the same moment is
-    then told only by torchrun's exit codes."""
+    """Whether a rank of this job has recorded its refusal, or a non-finite step: a rank that
+    then loses a peer in a collective has nothing to add to the line the launcher prints. Not
+    which rank: a crash of another rank at the same moment is then told only by torchrun's
+    exit codes.
+
+    This node's ranks are in the launcher's folder. A rank on another node published its
+    record in the job's store (torchrun's, which every rank reaches); found there, it is copied
+    to this node's folder, so that this node's launcher prints the same line, exits with its
+    code and does not restart the ranks (the other node would not come back to meet them)."""
     folder = os.environ.get(FAILURE_DIR_ENV)
-    return bool(folder) and bool(refusals(folder))
+    if not folder:
+        return False
+    if refusals(folder):
+        return True
+    record = _published_refusal()
+    if record is None:
+        return False
+    return _write_record("rank", record, rank=record["rank"])
 
 
 def note_preempted(signal_name: str, step: int, checkpoint: str | None) -> bool:
@@ -110,17 +137,98 @@ def hang_lines(folder: str | Path, world_size: int | None) -> list[str]:
     return [f"[launcher] the hang: {line}" for line in hang_report.diagnose(dumps, world_size)]
 
 
-def _write_record(name: str, record: dict) -> bool:
-    """``<folder>/<name><rank>.json``, whole or not at all; False without a launcher."""
+def _write_record(name: str, record: dict, *, rank: int | None = None) -> bool:
+    """``<folder>/<name><rank>.json`` (this rank's unless ``rank`` is given), whole or not at
+    all; False without a launcher."""
     folder = os.environ.get(FAILURE_DIR_ENV)
     if not folder or not os.path.isdir(folder):
         return False
-    rank = int(os.environ.get("RANK", "0"))
+    rank = _rank() if rank is None else rank
     path = Path(folder) / f"{name}{rank}.json"
-    partial = path.with_suffix(".tmp")
-    partial.write_text(json.dumps({"rank": rank, **record}))
+    partial = path.with_suffix(f".tmp{_rank()}")  # ranks of this node may copy one record
+    partial.write_text(json.dumps({**record, "rank": rank}))
     partial.replace(path)  # the launcher never reads half a record
     return True
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+# The job's first refusal, in torchrun's store (per attempt: a shared store outlives them).
+_REFUSAL_KEY = "titan/refusal/attempt{}"
+_STORE_TIMEOUT_S = 2.0
+
+
+@contextlib.contextmanager
+def _job_store():
+    """A client of the job's store: the c10d rendezvous's (``JOB_STORE_ENV``, hosted by one
+    node's agent for the whole job), else the one torchrun's ranks meet in
+    (``MASTER_ADDR:MASTER_PORT``: the agent's, or rank 0's when the agents do not share theirs,
+    gone with rank 0); None when the job has one node (its launcher's folder is enough), or no
+    store, or it is gone. c10d's C++ logger writes its connection retries and failures to
+    stderr, for a process that is about to say why it stops in one line: those go to
+    /dev/null while the store is used."""
+    import torch.distributed as dist
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    # Rank 0 hosts an unshared store only once its process group is made.
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    made = dist.is_available() and dist.is_initialized()
+    if rendezvous := os.environ.get(JOB_STORE_ENV):
+        addr, port = rendezvous.rsplit(":", 1)
+        shared = True
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    other_nodes = world > int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if not other_nodes or not addr or not port or not (shared or made):
+        yield None
+        return
+    try:  # a refused connection, at once; TCPStore would retry it until its timeout
+        socket.create_connection((addr, int(port)), timeout=_STORE_TIMEOUT_S).close()
+    except OSError:
+        yield None
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        timeout = datetime.timedelta(seconds=_STORE_TIMEOUT_S)
+        try:
+            store = dist.TCPStore(addr, int(port), is_master=False, timeout=timeout)
+        except RuntimeError:  # DistError, DistNetworkError
+            store = None
+        yield store
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _refusal_key() -> str:
+    return _REFUSAL_KEY.format(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _publish_refusal(record: dict) -> None:
+    """The job's first refusal, for the ranks of other nodes (the first rank's stays)."""
+    with _job_store() as store:
+        if store is None:
+            return
+        try:
+            store.compare_set(_refusal_key(), "", json.dumps(record))
+        except RuntimeError:
+            pass  # the store went away: the other nodes report a lost peer, as before
+
+
+def _published_refusal() -> dict | None:
+    with _job_store() as store:
+        if store is None:
+            return None
+        try:
+            if not store.check([_refusal_key()]):
+                return None
+            return json.loads(store.get(_refusal_key()))
+        except (RuntimeError, ValueError):
+            return None
 
 
 def _preempted(folder: str | Path) -> dict | None:
@@ -161,9 +269,20 @@ def format_refusal(record: dict, *, also: Sequence[int] = ()) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # This process's own C++ warnings are pages of stack frames for one event a user needs no
+    # more than a line about: its agent's store connection failing when the launcher of the
+    # node that hosted the rendezvous ended first (below). Read when torch loads; the ranks
+    # keep the user's level.
+    cpp_log_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = cpp_log_level or "ERROR"
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousError
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    if cpp_log_level is None:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
 
     # torchrun's own log lines (OMP_NUM_THREADS defaults, closing signals, "failed (exitcode:
     # 2)") are noise to a user; a failure is reported below, in full when it is a crash.
@@ -192,8 +311,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # sharing, each attempt's rank 0 hosts a fresh store on a fresh port.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     _report_restarts(folder)
+    parsed = torchrun.parse_args(args)
+    if parsed.rdzv_backend == "c10d" and parsed.rdzv_endpoint:
+        host, port = parse_rendezvous_endpoint(parsed.rdzv_endpoint, default_port=29400)
+        if port:  # 0: a free port torchrun picks, on one node (run_train.sh)
+            os.environ[JOB_STORE_ENV] = f"{host}:{port}"
     try:
-        torchrun.run(torchrun.parse_args(args))
+        torchrun.run(parsed)
         if (record := _preempted(folder)) is not None:
             print(_preemption_line(record), file=sys.stderr)
             return PREEMPTED_EXIT_CODE
@@ -224,12 +348,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             for line in _FINAL_HANG:
                 print(line, file=sys.stderr)
             return 1
-        first, others = records[0], records[1:]
-        same = sorted(r["rank"] for r in others if r["message"] == first["message"])
-        print(format_refusal(first, also=same), file=sys.stderr)
-        return int(first["code"])
+        return _print_refusal(records)
+    except RendezvousError as e:
+        # Several nodes: this agent watches the rendezvous while its ranks run, and the node
+        # hosting it went away (its ranks failed there, and its launcher ended; this one then
+        # stops its ranks). A refusal found in the job's store is the reason to print.
+        if records := refusals(folder):
+            return _print_refusal(records)
+        if isinstance(e, RendezvousConnectionError):
+            cause = str(e.__cause__ or e).strip().splitlines()[0]
+            print(
+                f"[launcher] this node lost the job's rendezvous ({cause}): the node hosting it "
+                "ended first, and its output says why; this node's ranks were stopped",
+                file=sys.stderr,
+            )
+        else:
+            print(f"[launcher] the rendezvous failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _print_refusal(records: list[dict]) -> int:
+    """The first refusal's line, naming the ranks that refused alike; its exit code."""
+    first, others = records[0], records[1:]
+    same = sorted(r["rank"] for r in others if r["message"] == first["message"])
+    print(format_refusal(first, also=same), file=sys.stderr)
+    return int(first["code"])
 
 
 def _max_restarts(args: Sequence[str]) -> int:
@@ -266,6 +411,9 @@ def _report_restarts(folder: str) -> None:
             hang = [f"[launcher] the hang: could not read the dumps ({type(e).__name__}: {e})"]
         if refusals(folder):
             agent._remaining_restarts = 0  # the launcher prints the refusal
+            workers = worker_group.workers
+            if workers and workers[0].world_size > len(workers):
+                time.sleep(_LINGER_S)  # other nodes: see _LINGER_S
         elif left > 0:
             spec = worker_group.spec
             done = spec.max_restarts - left + 1

@@ -1,6 +1,8 @@
-"""A trainer whose rank ``REFUSE_RANK`` alone refuses its input while building (the others go
-on and wait for it in a collective), ``REFUSE_AFTER_S`` seconds late (0 by default): tests
-that the launcher shows that rank's line, and only it.
+"""A trainer whose rank ``REFUSE_RANK`` alone (or, with ``REFUSE_ON_THIS_NODE=1``, the ranks
+of the launcher given it) refuses its input while building (the others go on and wait for it
+in a collective), ``REFUSE_AFTER_S`` seconds late (0 by default): tests that the launcher
+shows that rank's line, and only it. ``READ_REFUSAL_AFTER_S`` delays the other ranks' look
+into the job's store for a refusal, as a loaded node would.
 
 Launched with ``python -m torchtitan.launcher`` like ``torchtitan.train``; the remaining
 arguments are trainer flags.
@@ -11,21 +13,30 @@ import time
 
 from launch import run_trainer_and_exit
 
-from torchtitan import trainer
+from torchtitan import launcher, trainer
 from torchtitan.config.errors import ConfigError
 
-REFUSE_RANK = int(os.environ["REFUSE_RANK"])
+REFUSE_RANK = int(os.environ.get("REFUSE_RANK", "-1"))
+ON_THIS_NODE = os.environ.get("REFUSE_ON_THIS_NODE") == "1"
 REFUSE_AFTER_S = float(os.environ.get("REFUSE_AFTER_S", "0"))
+READ_REFUSAL_AFTER_S = float(os.environ.get("READ_REFUSAL_AFTER_S", "0"))
+_published_refusal = launcher._published_refusal
 _build_data = trainer.Trainer.build_data
 
 
 def build_data(self):
-    if self.rank == REFUSE_RANK:
+    if self.rank == REFUSE_RANK or ON_THIS_NODE:
         time.sleep(REFUSE_AFTER_S)
-        raise ConfigError(f"only rank {REFUSE_RANK} refuses this input")
+        raise ConfigError(f"only rank {self.rank} refuses this input")
     return _build_data(self)
+
+
+def published_refusal():
+    time.sleep(READ_REFUSAL_AFTER_S)
+    return _published_refusal()
 
 
 if __name__ == "__main__":
     trainer.Trainer.build_data = build_data
+    launcher._published_refusal = published_refusal
     run_trainer_and_exit()

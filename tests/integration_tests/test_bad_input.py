@@ -2,13 +2,16 @@
 code 2, no Python traceback; before any rank starts where the rule needs no torch, and
 whichever rank refuses when a rank finds it. docs/troubleshooting.md lists the same cases."""
 
+import json
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from launch import REPO, SMALL, clean_env, run_train
+from slurm_cluster import submit, wait
 
 pytestmark = pytest.mark.integration
 
@@ -188,6 +191,76 @@ def test_only_rank_1_refuses_and_its_line_is_shown(tmp_path):
     assert line.startswith("[rank1] error:")
     logs = list(tmp_path.glob("logs/*/rank0.log"))
     assert len(logs) == 1 and LOST_PEER in logs[0].read_text()  # it did lose rank 1
+
+
+def test_a_refusal_on_another_node_is_each_nodes_one_line(tmp_path):
+    """Two launchers of one rank each, as on two nodes under Slurm (a c10d rendezvous, one
+    restart allowed; each launcher with its own failure folder): the rank of the node hosting
+    the rendezvous's store refuses 2 s late while the other waits for it in a collective. The
+    other node's rank, which only lost its peer, looks into that store 1 s later, as under
+    load, and finds the refusal (still there: the refusing node's launcher waits before it
+    ends); its launcher prints the same line with the same exit code and does not restart: not
+    its rank's lost peer, torchrun's report of exit code 4, a restart, or a traceback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torchtitan.launcher", "--nnodes", "2", "--max-restarts", "1"]
+            + ["--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_id", "test"]
+            + ["--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_conf", f"is_host={host}"]
+            + ["--role", "rank", "--tee", "3", "tests/integration_tests/refuse_harness.py"]
+            + [*SMALL, "--job.dump_folder", str(tmp_path / f"node{i}")],
+            cwd=REPO,
+            env=clean_env(
+                REFUSE_ON_THIS_NODE=str(int(host)), REFUSE_AFTER_S="2", READ_REFUSAL_AFTER_S="1"
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i, host in enumerate((True, False))
+    ]
+    lines = []
+    for node in nodes:
+        stdout, stderr = node.communicate(timeout=120)
+        result = subprocess.CompletedProcess(node.args, node.returncode, stdout, stderr)
+        lines.append(_assert_one_line(result, "refuses this input"))
+        assert LOST_PEER not in stdout + stderr and "[launcher]" not in stdout + stderr
+    refusing = int(lines[0].split("]")[0].removeprefix("[rank"))
+    assert lines == [f"[rank{refusing}] error: only rank {refusing} refuses this input"] * 2
+    logs = list(tmp_path.glob(f"node1/logs/*/rank{1 - refusing}.log"))
+    assert len(logs) == 1 and LOST_PEER in logs[0].read_text()  # it did lose the other
+
+
+@pytest.mark.usefixtures("slurm_cluster")
+def test_a_refusal_on_one_slurm_node_is_each_nodes_one_line(tmp_path):
+    """``multinode_trainer.slurm`` on the local two-node cluster, one rank per node, restarts
+    on: a data file whose second half is empty documents leaves data-parallel rank 1's share
+    all empty, so rank 1 alone refuses, while rank 0, on the other node, waits for it. Each
+    node's launcher prints rank 1's line and exits 2, and the job fails with 2: before the
+    job's store carried the refusal, the first node printed its rank's lost peer, restarted
+    it, and ended in a traceback of the lost rendezvous."""
+    data = tmp_path / "half_empty.jsonl"
+    rows = [{"text": f"document {i}. " * 20} for i in range(10)] + [{"text": ""}] * 10
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    job = submit(
+        REPO / "multinode_trainer.slurm", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1",
+        f"--output={tmp_path}/slurm-%j.out",
+        script_args=(
+            *SMALL, "--job.dump_folder", str(tmp_path / "dump"), "--training.dataset", "files",
+            "--training.dataset_path", str(data),
+        ),
+        env=clean_env(CONFIG="llama3_debugmodel", NPROC_PER_NODE="1", MAX_RESTARTS="1"),
+        cwd=REPO,
+    )  # fmt: skip
+    end = wait(job, 240)
+    out = (tmp_path / f"slurm-{job}.out").read_text()
+    assert (end["state"], end["exit_code"]) == ("FAILED", 2), out[-3000:]
+    refusal = "[rank1] error: dataset files=" + str(data) + ": all 10 documents of data-parallel"
+    lines = out.splitlines()
+    assert sum(line.startswith(refusal) for line in lines) == 2, out[-3000:]
+    assert "Traceback" not in out and "[launcher]" not in out and LOST_PEER not in out, out[-3000:]
 
 
 def test_non_finite_step_exits_3_in_one_line(tmp_path):

@@ -1,9 +1,16 @@
 """A rank whose collective lost another rank is told apart from one that failed by itself
 (``train.py`` then says so in one line and exits ``launcher.LOST_PEER_EXIT_CODE``)."""
 
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
+from torchtitan import launcher
 from torchtitan.distributed.utils import lost_peer
 
 # Raised in rank 0 by torch 2.13's gloo when rank 1 was killed mid-step (seen both ways).
@@ -127,3 +134,108 @@ def test_the_launcher_drops_gloos_cpp_line_for_a_lost_peer():
     for line in (logged, other, own):
         assert dropping.write(line + "\n") == len(line) + 1
     assert stream.getvalue().splitlines() == [other, own]
+
+
+def _node(monkeypatch, tmp_path, name: str, rank: int, port: int) -> Path:
+    """The environment of ``rank`` under a launcher of its own (a node), torchrun's shared
+    store at ``port``."""
+    folder = tmp_path / name
+    folder.mkdir(exist_ok=True)
+    env = {
+        launcher.FAILURE_DIR_ENV: str(folder), "RANK": str(rank), "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
+    }  # fmt: skip
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return folder
+
+
+def test_a_refusal_reaches_the_launchers_of_other_nodes_through_the_store(monkeypatch, tmp_path):
+    """Rank 3 refuses under the second node's launcher: its record is in that node's folder
+    and the job's store. Rank 0, under the first node's launcher, finds none in its folder,
+    reads the store's and copies it there (rank 3's, first refusal kept), so that its launcher
+    prints that line."""
+    from torch.distributed import TCPStore
+
+    agent = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    second = _node(monkeypatch, tmp_path, "second", rank=3, port=agent.port)
+    assert launcher.refuse(2, "rank 3's data is empty")
+    assert [r["rank"] for r in launcher.refusals(second)] == [3]
+    monkeypatch.setenv("RANK", "2")
+    assert launcher.refuse(2, "rank 2 refuses later")  # its own node's record; the store's stays
+    first = _node(monkeypatch, tmp_path, "first", rank=0, port=agent.port)
+    assert launcher.refusals(first) == []
+    assert launcher.a_rank_refused()
+    [record] = launcher.refusals(first)
+    assert launcher.format_refusal(record) == "[rank3] error: rank 3's data is empty"
+    assert record["code"] == 2
+
+
+def test_without_a_refusal_or_a_store_a_lost_peer_is_reported(monkeypatch, tmp_path, capfd):
+    """No refusal in the store; then a refusal in a store that is gone (the refusing node's
+    agent ended first): none found, at once and without c10d's C++ lines about the
+    connection."""
+    from torch.distributed import TCPStore
+
+    agent = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    folder = _node(monkeypatch, tmp_path, "first", rank=0, port=agent.port)
+    assert not launcher.a_rank_refused()
+    record = {"rank": 1, "code": 2, "message": "refused", "time": 0.0}
+    agent.set(launcher._refusal_key(), json.dumps(record))
+    del agent
+    started = time.monotonic()
+    assert not launcher.a_rank_refused()
+    assert time.monotonic() - started < 1
+    assert launcher.refusals(folder) == []
+    assert capfd.readouterr().err == ""
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_a_lost_rendezvous_is_one_line_or_the_refusal_found(monkeypatch, capsys, refused):
+    """The agent of a node that did not host the rendezvous loses its store when the hosting
+    node's launcher ends first (torchrun raises from its monitoring loop): the launcher says
+    so in one line and exits 1, or prints the refusal one of its ranks found in the job's
+    store, with its code."""
+    from torch.distributed import DistNetworkError
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    def run(args):
+        if refused:
+            record = {"rank": 0, "code": 2, "message": "rank 0 refuses", "time": 0.0}
+            monkeypatch.setenv("RANK", "1")
+            launcher._write_record("rank", record, rank=0)
+        lost = DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+        raise RendezvousConnectionError("The connection to the C10d store has failed.") from lost
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # what main sets stays here
+    for stream in ("stdout", "stderr"):
+        monkeypatch.setattr(sys, stream, getattr(sys, stream))
+    monkeypatch.setattr(torchrun, "run", run)
+    code = launcher.main(["--nnodes", "2", "--nproc_per_node", "1", "train.py"])
+    lines = capsys.readouterr().err.splitlines()
+    if refused:
+        assert (code, lines) == (2, ["[rank0] error: rank 0 refuses"])
+    else:
+        assert code == 1 and len(lines) == 1, lines
+        assert lines[0].startswith("[launcher] this node lost the job's rendezvous (Failed to recv")
+
+
+def test_the_rendezvous_store_is_preferred_to_the_ranks_own(monkeypatch, tmp_path):
+    """With restarts on, the ranks' store (``MASTER_PORT``) is rank 0's own and goes with it:
+    a refusal is published in the c10d rendezvous's store (the launcher's ``JOB_STORE_ENV``,
+    the agents' for the whole job) and read from there."""
+    from torch.distributed import TCPStore
+
+    ranks, rendezvous = (
+        TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in "rr"
+    )
+    _node(monkeypatch, tmp_path, "second", rank=1, port=ranks.port)
+    monkeypatch.setenv(launcher.JOB_STORE_ENV, f"127.0.0.1:{rendezvous.port}")
+    assert launcher.refuse(2, "rank 1 refuses")
+    assert rendezvous.check([launcher._refusal_key()]) and not ranks.check(
+        [launcher._refusal_key()]
+    )
+    _node(monkeypatch, tmp_path, "first", rank=0, port=ranks.port)
+    assert launcher.a_rank_refused()
