@@ -65,6 +65,15 @@ MIGRATED = {
         "not needed here: tensor, context and expert parallelism use DTensor, data parallelism "
         "FSDP2 or DTensor parametrizations (--parallelism.fsdp_impl simple)"
     ),
+    "parallelism.expert_tensor_parallel_degree": (
+        "not built here (each expert's matrices split over the tensor-parallel ranks as well; "
+        "torchtitan has since dropped it): --parallelism.expert_parallel_degree spans the "
+        "tensor-parallel ranks, each holding whole experts (docs/moe.md)"
+    ),
+    "parallelism.expert_parallel_comm_backend": (
+        "not built here (DeepEP's dispatch kernels, CUDA only): experts exchange their tokens "
+        "with torch's all-to-all (docs/moe.md)"
+    ),
     "parallelism.pipeline_parallel_first_stage_less_layers": _PIPELINE_SPLIT,
     "parallelism.pipeline_parallel_last_stage_less_layers": _PIPELINE_SPLIT,
     "training.disable_cuda_graphs": (
