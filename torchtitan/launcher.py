@@ -29,27 +29,25 @@ Two more things a long job needs:
   printed with its cause; a refusal (bad input, a non-finite step) is not retried, since it would
   only fail again.
 
-The rank side is :func:`refuse`. This module imports torch only inside :func:`main`.
+The rank side is :func:`refuse`. This module imports torch only inside :func:`main` (and
+``job_store.py``, which ranks call, inside its functions).
 """
 
-import contextlib
-import datetime
 import json
 import logging
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from torchtitan import job_store
 from torchtitan.tools import hang_report
 from torchtitan.tools.hang_report import ranks_text
 
 FAILURE_DIR_ENV = "TITAN_FAILURE_DIR"
-JOB_STORE_ENV = "TITAN_JOB_STORE"  # host:port of a c10d rendezvous's store, for the ranks
 PREEMPTED_EXIT_CODE = 75  # components/preemption.EXIT_CODE (this module imports no torch)
 LOST_PEER_EXIT_CODE = 4  # a rank whose collective lost another rank (train.py)
 HANG_EXIT_CODE = 124  # a rank its hang watchdog ended (tools/watchdog.py)
@@ -68,7 +66,7 @@ SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 # After a refusal in a job of several nodes, how long the agent waits before it ends (and with
 # it the store, when it hosts it): the other nodes' ranks learn of the refusal when the refusing
 # rank's process exits, and read it from the store in the meantime (milliseconds, unloaded).
-_LINGER_S = 3.0
+_LINGER_S = 5.0
 
 
 def refuse(code: int, message: str) -> bool:
@@ -78,7 +76,7 @@ def refuse(code: int, message: str) -> bool:
     record = {"code": code, "message": message, "time": time.time()}
     if not _write_record("rank", record):
         return False
-    _publish_refusal({"rank": _rank(), **record})
+    job_store.publish({"rank": _rank(), **record})
     return True
 
 
@@ -89,15 +87,16 @@ def a_rank_refused() -> bool:
     exit codes.
 
     This node's ranks are in the launcher's folder. A rank on another node published its
-    record in the job's store (torchrun's, which every rank reaches); found there, it is copied
-    to this node's folder, so that this node's launcher prints the same line, exits with its
-    code and does not restart the ranks (the other node would not come back to meet them)."""
+    record in the job's store (``job_store.py``); found there, it is copied to this node's
+    folder, so that this node's launcher prints the same line, exits with its code and does not
+    restart the ranks (the other node would not come back to meet them). That takes a rank
+    that notices the lost peer while the store is there (``_LINGER_S``): gloo's at once."""
     folder = os.environ.get(FAILURE_DIR_ENV)
     if not folder:
         return False
     if refusals(folder):
         return True
-    record = _published_refusal()
+    record = job_store.published()
     if record is None:
         return False
     return _write_record("rank", record, rank=record["rank"])
@@ -155,82 +154,6 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-# The job's first refusal, in torchrun's store (per attempt: a shared store outlives them).
-_REFUSAL_KEY = "titan/refusal/attempt{}"
-_STORE_TIMEOUT_S = 2.0
-
-
-@contextlib.contextmanager
-def _job_store():
-    """A client of the job's store: the c10d rendezvous's (``JOB_STORE_ENV``, hosted by one
-    node's agent for the whole job), else the one torchrun's ranks meet in
-    (``MASTER_ADDR:MASTER_PORT``: the agent's, or rank 0's when the agents do not share theirs,
-    gone with rank 0); None when the job has one node (its launcher's folder is enough), or no
-    store, or it is gone. c10d's C++ logger writes its connection retries and failures to
-    stderr, for a process that is about to say why it stops in one line: those go to
-    /dev/null while the store is used."""
-    import torch.distributed as dist
-
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    # Rank 0 hosts an unshared store only once its process group is made.
-    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    made = dist.is_available() and dist.is_initialized()
-    if rendezvous := os.environ.get(JOB_STORE_ENV):
-        addr, port = rendezvous.rsplit(":", 1)
-        shared = True
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    other_nodes = world > int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if not other_nodes or not addr or not port or not (shared or made):
-        yield None
-        return
-    try:  # a refused connection, at once; TCPStore would retry it until its timeout
-        socket.create_connection((addr, int(port)), timeout=_STORE_TIMEOUT_S).close()
-    except OSError:
-        yield None
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-        timeout = datetime.timedelta(seconds=_STORE_TIMEOUT_S)
-        try:
-            store = dist.TCPStore(addr, int(port), is_master=False, timeout=timeout)
-        except RuntimeError:  # DistError, DistNetworkError
-            store = None
-        yield store
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def _refusal_key() -> str:
-    return _REFUSAL_KEY.format(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def _publish_refusal(record: dict) -> None:
-    """The job's first refusal, for the ranks of other nodes (the first rank's stays)."""
-    with _job_store() as store:
-        if store is None:
-            return
-        try:
-            store.compare_set(_refusal_key(), "", json.dumps(record))
-        except RuntimeError:
-            pass  # the store went away: the other nodes report a lost peer, as before
-
-
-def _published_refusal() -> dict | None:
-    with _job_store() as store:
-        if store is None:
-            return None
-        try:
-            if not store.check([_refusal_key()]):
-                return None
-            return json.loads(store.get(_refusal_key()))
-        except (RuntimeError, ValueError):
-            return None
-
-
 def _preempted(folder: str | Path) -> dict | None:
     """Rank 0's (or the lowest rank's) preemption record, if the ranks were preempted."""
     records = _read_records(folder, "preempted-rank")
@@ -274,7 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # node that hosted the rendezvous ended first (below). Read when torch loads; the ranks
     # keep the user's level.
     cpp_log_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
-    os.environ["TORCH_CPP_LOG_LEVEL"] = cpp_log_level or "ERROR"
+    if cpp_log_level is None:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -310,13 +234,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # their dead predecessors' addresses and hang (pytorch/pytorch#135712). Without
         # sharing, each attempt's rank 0 hosts a fresh store on a fresh port.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    _report_restarts(folder)
-    parsed = torchrun.parse_args(args)
-    if parsed.rdzv_backend == "c10d" and parsed.rdzv_endpoint:
-        host, port = parse_rendezvous_endpoint(parsed.rdzv_endpoint, default_port=29400)
-        if port:  # 0: a free port torchrun picks, on one node (run_train.sh)
-            os.environ[JOB_STORE_ENV] = f"{host}:{port}"
+    started = _report_restarts(folder)
     try:
+        parsed = torchrun.parse_args(args)
+        os.environ.pop(job_store.JOB_STORE_ENV, None)  # not another launcher's
+        if parsed.rdzv_backend == "c10d" and parsed.rdzv_endpoint:
+            host, port = parse_rendezvous_endpoint(parsed.rdzv_endpoint, default_port=29400)
+            if port:  # 0: a free port torchrun picks, on one node (run_train.sh)
+                os.environ[job_store.JOB_STORE_ENV] = f"{host}:{port}"
         torchrun.run(parsed)
         if (record := _preempted(folder)) is not None:
             print(_preemption_line(record), file=sys.stderr)
@@ -350,20 +275,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         return _print_refusal(records)
     except RendezvousError as e:
-        # Several nodes: this agent watches the rendezvous while its ranks run, and the node
-        # hosting it went away (its ranks failed there, and its launcher ended; this one then
-        # stops its ranks). A refusal found in the job's store is the reason to print.
+        # Several nodes. Once the ranks run, this agent keeps watching the rendezvous, and the
+        # node hosting it can end first (its ranks failed there; this agent then stops its
+        # own): a refusal found in the job's store is the reason to print. Before, the
+        # rendezvous could not be reached or made at all.
         if records := refusals(folder):
             return _print_refusal(records)
-        if isinstance(e, RendezvousConnectionError):
-            cause = str(e.__cause__ or e).strip().splitlines()[0]
+        cause = (str(e.__cause__ or e).strip().splitlines() or [type(e).__name__])[0]
+        if started and isinstance(e, RendezvousConnectionError):
             print(
                 f"[launcher] this node lost the job's rendezvous ({cause}): the node hosting it "
                 "ended first, and its output says why; this node's ranks were stopped",
                 file=sys.stderr,
             )
         else:
-            print(f"[launcher] the rendezvous failed: {type(e).__name__}: {e}", file=sys.stderr)
+            print(f"[launcher] the rendezvous failed: {type(e).__name__}: {cause}", file=sys.stderr)
         return 1
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -387,19 +313,22 @@ def _max_restarts(args: Sequence[str]) -> int:
     return 0
 
 
-def _report_restarts(folder: str) -> None:
+def _report_restarts(folder: str) -> list[bool]:
     """Print each restart of the ranks with its cause, and do not restart after a refusal.
+    Returns a list that holds ``True`` once the agent has watched its ranks.
 
     torchrun's agent decides restarts in its monitoring loop and logs them without the cause;
     the failure is in the ``RunResult`` that ``_monitor_workers`` (the method an agent
     implements) returns, so this wraps that method of the local agent."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    monitor = LocalElasticAgent._monitor_workers
-    if getattr(monitor, "reports_restarts", False):
-        return
+    started: list[bool] = []
+    monitor = getattr(
+        LocalElasticAgent._monitor_workers, "wrapped", LocalElasticAgent._monitor_workers
+    )
 
     def monitor_and_report(agent, worker_group):
+        started[:] = [True]
         result = monitor(agent, worker_group)
         if not result.is_failed():
             return result
@@ -430,8 +359,9 @@ def _report_restarts(folder: str) -> None:
             _FINAL_HANG[:] = hang  # printed after torchrun's report of the failure
         return result
 
-    monitor_and_report.reports_restarts = True
+    monitor_and_report.wrapped = monitor
     LocalElasticAgent._monitor_workers = monitor_and_report
+    return started
 
 
 def _causes(failures: dict) -> str:

@@ -13,14 +13,14 @@ import time
 
 from launch import run_trainer_and_exit
 
-from torchtitan import launcher, trainer
+from torchtitan import job_store, trainer
 from torchtitan.config.errors import ConfigError
 
 REFUSE_RANK = int(os.environ.get("REFUSE_RANK", "-1"))
 ON_THIS_NODE = os.environ.get("REFUSE_ON_THIS_NODE") == "1"
 REFUSE_AFTER_S = float(os.environ.get("REFUSE_AFTER_S", "0"))
 READ_REFUSAL_AFTER_S = float(os.environ.get("READ_REFUSAL_AFTER_S", "0"))
-_published_refusal = launcher._published_refusal
+_published = job_store.published
 _build_data = trainer.Trainer.build_data
 
 
@@ -31,12 +31,12 @@ def build_data(self):
     return _build_data(self)
 
 
-def published_refusal():
+def published():
     time.sleep(READ_REFUSAL_AFTER_S)
-    return _published_refusal()
+    return _published()
 
 
 if __name__ == "__main__":
     trainer.Trainer.build_data = build_data
-    launcher._published_refusal = published_refusal
+    job_store.published = published
     run_trainer_and_exit()

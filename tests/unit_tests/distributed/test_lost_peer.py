@@ -3,14 +3,16 @@
 
 import json
 import os
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from torchtitan import launcher
+from torchtitan import job_store, launcher
 from torchtitan.distributed.utils import lost_peer
 
 # Raised in rank 0 by torch 2.13's gloo when rank 1 was killed mid-step (seen both ways).
@@ -137,28 +139,33 @@ def test_the_launcher_drops_gloos_cpp_line_for_a_lost_peer():
 
 
 def _node(monkeypatch, tmp_path, name: str, rank: int, port: int) -> Path:
-    """The environment of ``rank`` under a launcher of its own (a node), torchrun's shared
-    store at ``port``."""
+    """The environment of ``rank`` under a launcher of its own (a node) in a job of 4 ranks on 2
+    nodes, torchrun's shared store at ``port``."""
     folder = tmp_path / name
     folder.mkdir(exist_ok=True)
     env = {
         launcher.FAILURE_DIR_ENV: str(folder), "RANK": str(rank), "WORLD_SIZE": "4",
         "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "job7",
     }  # fmt: skip
     for key, value in env.items():
         monkeypatch.setenv(key, value)
+    monkeypatch.delenv(job_store.JOB_STORE_ENV, raising=False)
     return folder
+
+
+def _store():
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def test_a_refusal_reaches_the_launchers_of_other_nodes_through_the_store(monkeypatch, tmp_path):
     """Rank 3 refuses under the second node's launcher: its record is in that node's folder
     and the job's store. Rank 0, under the first node's launcher, finds none in its folder,
     reads the store's and copies it there (rank 3's, first refusal kept), so that its launcher
-    prints that line."""
-    from torch.distributed import TCPStore
-
-    agent = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    prints that line. Another job meeting at the same store has a key of its own."""
+    agent = _store()
     second = _node(monkeypatch, tmp_path, "second", rank=3, port=agent.port)
     assert launcher.refuse(2, "rank 3's data is empty")
     assert [r["rank"] for r in launcher.refusals(second)] == [3]
@@ -166,76 +173,139 @@ def test_a_refusal_reaches_the_launchers_of_other_nodes_through_the_store(monkey
     assert launcher.refuse(2, "rank 2 refuses later")  # its own node's record; the store's stays
     first = _node(monkeypatch, tmp_path, "first", rank=0, port=agent.port)
     assert launcher.refusals(first) == []
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job8")
+    assert not launcher.a_rank_refused()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
     assert launcher.a_rank_refused()
     [record] = launcher.refusals(first)
     assert launcher.format_refusal(record) == "[rank3] error: rank 3's data is empty"
     assert record["code"] == 2
 
 
-def test_without_a_refusal_or_a_store_a_lost_peer_is_reported(monkeypatch, tmp_path, capfd):
-    """No refusal in the store; then a refusal in a store that is gone (the refusing node's
-    agent ended first): none found, at once and without c10d's C++ lines about the
-    connection."""
-    from torch.distributed import TCPStore
-
-    agent = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    folder = _node(monkeypatch, tmp_path, "first", rank=0, port=agent.port)
-    assert not launcher.a_rank_refused()
-    record = {"rank": 1, "code": 2, "message": "refused", "time": 0.0}
-    agent.set(launcher._refusal_key(), json.dumps(record))
-    del agent
-    started = time.monotonic()
-    assert not launcher.a_rank_refused()
-    assert time.monotonic() - started < 1
-    assert launcher.refusals(folder) == []
-    assert capfd.readouterr().err == ""
-
-
-@pytest.mark.parametrize("refused", [False, True])
-def test_a_lost_rendezvous_is_one_line_or_the_refusal_found(monkeypatch, capsys, refused):
-    """The agent of a node that did not host the rendezvous loses its store when the hosting
-    node's launcher ends first (torchrun raises from its monitoring loop): the launcher says
-    so in one line and exits 1, or prints the refusal one of its ranks found in the job's
-    store, with its code."""
-    from torch.distributed import DistNetworkError
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
-
-    def run(args):
-        if refused:
-            record = {"rank": 0, "code": 2, "message": "rank 0 refuses", "time": 0.0}
-            monkeypatch.setenv("RANK", "1")
-            launcher._write_record("rank", record, rank=0)
-        lost = DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
-        raise RendezvousConnectionError("The connection to the C10d store has failed.") from lost
-
-    monkeypatch.setattr(os, "environ", dict(os.environ))  # what main sets stays here
-    for stream in ("stdout", "stderr"):
-        monkeypatch.setattr(sys, stream, getattr(sys, stream))
-    monkeypatch.setattr(torchrun, "run", run)
-    code = launcher.main(["--nnodes", "2", "--nproc_per_node", "1", "train.py"])
-    lines = capsys.readouterr().err.splitlines()
-    if refused:
-        assert (code, lines) == (2, ["[rank0] error: rank 0 refuses"])
-    else:
-        assert code == 1 and len(lines) == 1, lines
-        assert lines[0].startswith("[launcher] this node lost the job's rendezvous (Failed to recv")
+def test_one_node_never_uses_the_store(monkeypatch, tmp_path):
+    agent = _store()
+    _node(monkeypatch, tmp_path, "only", rank=1, port=agent.port)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert launcher.refuse(2, "refused")
+    assert not agent.check([job_store.refusal_key()])
 
 
 def test_the_rendezvous_store_is_preferred_to_the_ranks_own(monkeypatch, tmp_path):
     """With restarts on, the ranks' store (``MASTER_PORT``) is rank 0's own and goes with it:
     a refusal is published in the c10d rendezvous's store (the launcher's ``JOB_STORE_ENV``,
     the agents' for the whole job) and read from there."""
-    from torch.distributed import TCPStore
-
-    ranks, rendezvous = (
-        TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in "rr"
-    )
+    ranks, rendezvous = _store(), _store()
     _node(monkeypatch, tmp_path, "second", rank=1, port=ranks.port)
-    monkeypatch.setenv(launcher.JOB_STORE_ENV, f"127.0.0.1:{rendezvous.port}")
+    monkeypatch.setenv(job_store.JOB_STORE_ENV, f"127.0.0.1:{rendezvous.port}")
     assert launcher.refuse(2, "rank 1 refuses")
-    assert rendezvous.check([launcher._refusal_key()]) and not ranks.check(
-        [launcher._refusal_key()]
-    )
+    key = job_store.refusal_key()
+    assert rendezvous.check([key]) and not ranks.check([key])
     _node(monkeypatch, tmp_path, "first", rank=0, port=ranks.port)
+    monkeypatch.setenv(job_store.JOB_STORE_ENV, f"127.0.0.1:{rendezvous.port}")
     assert launcher.a_rank_refused()
+
+
+def _silent_listener(close: bool) -> tuple[socket.socket, int]:
+    """A port that accepts connections and then closes each at once (``close``) or never
+    answers: not a store."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def serve() -> None:
+        held = []
+        while True:
+            try:
+                connection, _ = server.accept()
+            except OSError:
+                return
+            if close:
+                connection.close()
+            else:
+                held.append(connection)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server, server.getsockname()[1]
+
+
+@pytest.mark.parametrize("server", ["gone", "closes", "silent"])
+def test_without_a_store_that_answers_no_refusal_is_found_quietly(
+    monkeypatch, tmp_path, capfd, server
+):
+    """A store gone (the refusing node's agent ended first), a port that closes each
+    connection, one that never answers: no refusal found, within the deadline, and none of
+    c10d's C++ lines about the connection on the console."""
+    if server == "gone":
+        agent = _store()
+        port = agent.port
+        record = {"rank": 1, "code": 2, "message": "refused", "time": 0.0}
+        folder = _node(monkeypatch, tmp_path, "first", rank=0, port=port)
+        agent.set(job_store.refusal_key(), json.dumps(record))
+        del agent
+    else:
+        listener, port = _silent_listener(close=server == "closes")
+        folder = _node(monkeypatch, tmp_path, "first", rank=0, port=port)
+    started = time.monotonic()
+    assert not launcher.a_rank_refused()
+    assert time.monotonic() - started < job_store._DEADLINE_S + 1
+    assert launcher.refusals(folder) == []
+    assert capfd.readouterr().err == ""
+
+
+def test_a_bad_record_in_the_store_is_not_taken(monkeypatch, tmp_path):
+    agent = _store()
+    folder = _node(monkeypatch, tmp_path, "first", rank=0, port=agent.port)
+    agent.set(job_store.refusal_key(), json.dumps({"message": "no rank"}))
+    assert not launcher.a_rank_refused() and launcher.refusals(folder) == []
+
+
+@pytest.mark.parametrize("when", ["at_start", "refused", "while_running"])
+def test_a_rendezvous_error_is_one_line_or_the_refusal_found(monkeypatch, capsys, when):
+    """torchrun raises ``RendezvousConnectionError`` when its store cannot be reached at the
+    start, or, from its monitoring loop once the ranks run, when the node hosting it ended
+    first: one line each, exit 1; or the refusal one of its ranks found in the job's store,
+    with its code."""
+    import logging
+
+    from torch.distributed import DistNetworkError
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    class Healthy:
+        def is_failed(self) -> bool:
+            return False
+
+    def run(args):
+        if when != "at_start":
+            LocalElasticAgent._monitor_workers(None, None)  # the ranks run
+        if when == "refused":
+            record = {"rank": 0, "code": 2, "message": "rank 0 refuses", "time": 0.0}
+            monkeypatch.setenv("RANK", "1")
+            launcher._write_record("rank", record, rank=0)
+        lost = DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+        raise RendezvousConnectionError("The connection to the C10d store has failed.") from lost
+
+    # What main sets for the process stays in this test.
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    for stream in ("stdout", "stderr"):
+        monkeypatch.setattr(sys, stream, getattr(sys, stream))
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda agent, group: Healthy())
+    for name in ("torch.distributed.run", "torch.distributed.elastic"):
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
+    agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    monkeypatch.setattr(agent_log, "filters", list(agent_log.filters))
+    monkeypatch.setattr(torchrun, "run", run)
+    code = launcher.main(["--nnodes", "2", "--nproc_per_node", "1", "train.py"])
+    lines = capsys.readouterr().err.splitlines()
+    if when == "refused":
+        assert (code, lines) == (2, ["[rank0] error: rank 0 refuses"])
+        return
+    assert code == 1 and len(lines) == 1, lines
+    if when == "at_start":
+        assert lines[0] == (
+            "[launcher] the rendezvous failed: RendezvousConnectionError: Failed to recv, got 0 "
+            "bytes. Connection was likely closed."
+        )
+    else:
+        assert lines[0].startswith("[launcher] this node lost the job's rendezvous (Failed to recv")

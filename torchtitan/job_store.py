@@ -1,0 +1,119 @@
+"""The job's first refusal, shared across nodes through a store every rank reaches.
+
+Each node's launcher collects its own ranks' refusals in a folder (``launcher.py``). A rank of
+another node only sees its peer go away; it reads the refusal here and hands it to its own
+launcher, so every node prints the same line and none restarts. The store is the c10d
+rendezvous's (``JOB_STORE_ENV``, ``host:port``, set by the launcher from ``--rdzv_endpoint``:
+hosted by one node's agent for the whole job), else the one torchrun's ranks meet in
+(``MASTER_ADDR:MASTER_PORT``: an agent's, or rank 0's own when the agents do not share theirs,
+which goes with rank 0). One node's job never uses it: its folder is enough.
+
+Every exchange is bounded: ``TCPStore``'s client blocks without end on an address that accepts
+connections but never answers, so the exchange runs in a daemon thread given
+``_DEADLINE_S``. c10d's C++ logger writes its connection retries and failures to stderr, in a
+process that is about to say why it stops in one line: file descriptor 2 goes to /dev/null
+while the exchange runs, for every thread of the process (a C++ line of another thread in that
+window is lost; Python's loggers write to the log file as well).
+
+torch is imported inside the functions: the launcher imports this module without it.
+"""
+
+import contextlib
+import datetime
+import json
+import os
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+JOB_STORE_ENV = "TITAN_JOB_STORE"
+_TIMEOUT_S = 2.0  # the client's own timeout; it retries a failed connection for about twice that
+_DEADLINE_S = 3 * _TIMEOUT_S
+
+
+def refusal_key() -> str:
+    """One key per torchrun run (``--rdzv_id``: the Slurm job's id): a refusal ends the job, so
+    a later attempt never reads an earlier one's, and another job meeting at the same address
+    (a store is shared by every client of its port) reads its own."""
+    return f"titan/refusal/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}"
+
+
+def publish(record: dict) -> None:
+    """``record`` as the job's refusal, unless a rank was first."""
+    _exchange(lambda store: store.compare_set(refusal_key(), "", json.dumps(record)))
+
+
+def published() -> dict | None:
+    """The job's refusal (``rank``, ``code``, ``message``, ``time``), if a rank published one."""
+
+    def read(store) -> dict | None:
+        if not store.check([refusal_key()]):
+            return None
+        record = json.loads(store.get(refusal_key()))
+        fields = {"rank": int, "code": int, "message": str, "time": (int, float)}
+        ok = isinstance(record, dict) and all(
+            isinstance(record.get(k), t) for k, t in fields.items()
+        )
+        return record if ok else None
+
+    return _exchange(read)
+
+
+def _address() -> tuple[str, int] | None:
+    """Where the job's store is, or None: one node, no store yet, or a malformed address."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+        return None  # one node
+    if rendezvous := os.environ.get(JOB_STORE_ENV):
+        addr, _, port = rendezvous.rpartition(":")
+    else:
+        import torch.distributed as dist
+
+        addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+        # Rank 0 hosts an unshared store only once its process group is made.
+        shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+        if not (shared or (dist.is_available() and dist.is_initialized())):
+            return None
+    return (addr, int(port)) if addr and port.isdigit() else None
+
+
+def _exchange(use: Callable[[Any], Any]) -> Any:
+    """``use(store)`` with a client of the job's store, within ``_DEADLINE_S``; None when there
+    is no store, it is gone, or it does not answer."""
+    if (address := _address()) is None:
+        return None
+    try:  # a refused connection fails here at once; TCPStore would retry it until its timeout
+        socket.create_connection(address, timeout=_TIMEOUT_S).close()
+    except OSError:
+        return None
+    result: list[Any] = [None]
+
+    def run() -> None:
+        import torch.distributed as dist
+
+        try:
+            timeout = datetime.timedelta(seconds=_TIMEOUT_S)
+            result[0] = use(dist.TCPStore(*address, is_master=False, timeout=timeout))
+        except (RuntimeError, ValueError):  # DistError (a RuntimeError), a bad record
+            pass
+
+    with _stderr_silenced():
+        thread = threading.Thread(target=run, name="titan-job-store", daemon=True)
+        thread.start()
+        thread.join(_DEADLINE_S)
+    return result[0]
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
