@@ -5,8 +5,9 @@ another node only sees its peer go away; it reads the refusal here and hands it 
 launcher, so every node prints the same line and none restarts. The store is the c10d
 rendezvous's (``JOB_STORE_ENV``, ``host:port``, set by the launcher from ``--rdzv_endpoint``:
 hosted by one node's agent for the whole job), else the one torchrun's ranks meet in
-(``MASTER_ADDR:MASTER_PORT``: an agent's, or rank 0's own when the agents do not share theirs,
-which goes with rank 0). One node's job never uses it: its folder is enough.
+(``MASTER_ADDR:MASTER_PORT``: the first node's agent's under the static rendezvous; under c10d
+with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which the launcher sets with restarts on, rank
+0's own, which goes with rank 0). One node's job never uses it: its folder is enough.
 
 Every exchange is bounded: ``TCPStore``'s client blocks without end on an address that accepts
 connections but never answers, so the exchange runs in a daemon thread given
