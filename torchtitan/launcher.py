@@ -39,6 +39,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -282,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if records := refusals(folder):
             return _print_refusal(records)
         cause = (str(e.__cause__ or e).strip().splitlines() or [type(e).__name__])[0]
-        if started and isinstance(e, RendezvousConnectionError):
+        if started.is_set() and isinstance(e, RendezvousConnectionError):
             print(
                 f"[launcher] this node lost the job's rendezvous ({cause}): the node hosting it "
                 "ended first, and its output says why; this node's ranks were stopped",
@@ -313,22 +314,22 @@ def _max_restarts(args: Sequence[str]) -> int:
     return 0
 
 
-def _report_restarts(folder: str) -> list[bool]:
+def _report_restarts(folder: str) -> threading.Event:
     """Print each restart of the ranks with its cause, and do not restart after a refusal.
-    Returns a list that holds ``True`` once the agent has watched its ranks.
+    Returns an event set once the agent has watched its ranks.
 
     torchrun's agent decides restarts in its monitoring loop and logs them without the cause;
     the failure is in the ``RunResult`` that ``_monitor_workers`` (the method an agent
     implements) returns, so this wraps that method of the local agent."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    started: list[bool] = []
+    started = threading.Event()
     monitor = getattr(
         LocalElasticAgent._monitor_workers, "wrapped", LocalElasticAgent._monitor_workers
     )
 
     def monitor_and_report(agent, worker_group):
-        started[:] = [True]
+        started.set()
         result = monitor(agent, worker_group)
         if not result.is_failed():
             return result
