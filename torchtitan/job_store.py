@@ -1,8 +1,9 @@
-"""The job's first refusal, shared across nodes through a store every rank reaches.
+"""The job's first refusal and first crash, shared across nodes through a store every rank
+reaches.
 
-Each node's launcher collects its own ranks' refusals in a folder (``launcher.py``). A rank of
-another node only sees its peer go away; it reads the refusal here and hands it to its own
-launcher, so every node prints the same line and none restarts. The store is the c10d
+Each node's launcher collects its own ranks' records in a folder (``failure_records.py``). A
+rank of another node only sees its peer go away; it reads the record here and hands it to its
+own launcher, so every node names the same cause (and none restarts after a refusal). The store is the c10d
 rendezvous's (``JOB_STORE_ENV``, ``host:port``, set by the launcher from ``--rdzv_endpoint``:
 hosted by one node's agent for the whole job), else the one torchrun's ranks meet in
 (``MASTER_ADDR:MASTER_PORT``: the first node's agent's under the static rendezvous; under c10d
@@ -32,34 +33,56 @@ from typing import Any
 JOB_STORE_ENV = "TITAN_JOB_STORE"
 _TIMEOUT_S = 2.0  # the client's own timeout; it retries a failed connection for about twice that
 _DEADLINE_S = 3 * _TIMEOUT_S
+# What a rank publishes, by kind, with the fields a record read back must have.
+_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "refusal": {"rank": int, "code": int, "message": str, "time": (int, float)},
+    "crash": {"rank": int, "error": str, "host": str, "time": (int, float)},
+}
 
 
-def refusal_key() -> str:
-    """One key per torchrun run (``--rdzv_id``: the Slurm job's id): a refusal ends the job, so
-    a later attempt never reads an earlier one's, and another job meeting at the same address
-    (a store is shared by every client of its port) reads its own."""
-    return f"titan/refusal/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}"
+def key(kind: str) -> str:
+    """One key per kind of record and torchrun run (``--rdzv_id``: the Slurm job's id): another
+    job meeting at the same address (a store is shared by every client of its port) reads its
+    own. A refusal ends the run; a crash is its attempt's: keyed also by where that attempt's
+    ranks meet (``MASTER_ADDR:MASTER_PORT``: under the c10d rendezvous with restarts on, rank
+    0's own store on a port of its own per attempt, since the launcher stops torchrun sharing
+    one) and, under the static rendezvous, whose port every attempt shares, by the restart
+    count (the same on every node there: each restarts when its ranks fail; not under c10d,
+    where a node restarts without counting when another arrives to meet again)."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if kind == "refusal":
+        return f"titan/refusal/{run}"
+    attempt = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+    if not os.environ.get(JOB_STORE_ENV):
+        attempt += f"/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return f"titan/{kind}/{run}/{attempt}"
 
 
-def publish(record: dict) -> None:
-    """``record`` as the job's refusal, unless a rank was first."""
-    _exchange(lambda store: store.compare_set(refusal_key(), "", json.dumps(record)))
+def publish(kind: str, record: dict) -> None:
+    """``record`` as the job's ``kind`` (``refusal`` or ``crash``), unless a rank was first."""
+    _exchange(lambda store: store.compare_set(key(kind), "", json.dumps(record)))
 
 
-def published() -> dict | None:
-    """The job's refusal (``rank``, ``code``, ``message``, ``time``), if a rank published one."""
+def published() -> dict[str, dict]:
+    """The job's first refusal and first crash, by kind, as far as ranks published them (each
+    record checked: a malformed one is left out)."""
 
-    def read(store) -> dict | None:
-        if not store.check([refusal_key()]):
-            return None
-        record = json.loads(store.get(refusal_key()))
-        fields = {"rank": int, "code": int, "message": str, "time": (int, float)}
-        ok = isinstance(record, dict) and all(
-            isinstance(record.get(k), t) for k, t in fields.items()
-        )
-        return record if ok else None
+    def read(store) -> dict[str, dict]:
+        found = {}
+        for kind, fields in _FIELDS.items():
+            if not store.check([key(kind)]):
+                continue
+            try:
+                record = json.loads(store.get(key(kind)))
+            except ValueError:
+                continue
+            if isinstance(record, dict) and all(
+                isinstance(record.get(k), t) for k, t in fields.items()
+            ):
+                found[kind] = record
+        return found
 
-    return _exchange(read)
+    return _exchange(read) or {}
 
 
 def _address() -> tuple[str, int] | None:

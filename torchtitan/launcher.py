@@ -1,20 +1,26 @@
 """``python -m torchtitan.launcher [torchrun flags] -m torchtitan.train ...``: torchrun, with
-refusals reported as one line.
+each failure told once, by its cause.
 
-A rank that refuses its input (exit code 2) or stops on a non-finite step (3) writes its one
-line to a file in a folder this launcher makes (``TITAN_FAILURE_DIR``) instead of the console;
-in a job of several nodes also to torchrun's store, where a rank of another node that loses it
-finds it and copies it to its own launcher's folder, so every node prints that line.
-When the job fails, the launcher prints the line of the rank that failed first, prefixed by the
-rank, whatever ``LOG_RANK`` shows, and exits with that rank's code. torchrun's own report (a
-``ChildFailedError`` traceback naming only an exit code) is printed only for crashes, kills
-and unexpected exceptions, whose traceback is what a user needs, followed by one line that
-names the failure that started it before the ranks that only followed (a rank whose collective
-lost the dead one exits with ``LOST_PEER_EXIT_CODE`` after one line of its own, written to its
-log file only when a rank had refused; torchrun ends the others). When the hang watchdog ended
-ranks, the launcher reads their flight-recorder dumps together and says who waited for whom
-(``tools/hang_report.py``). ``run_train.sh`` and ``multinode_trainer.slurm`` start ranks
-through it.
+The ranks leave records of why they stop in a folder this launcher makes
+(``failure_records.py``); in a job of several nodes a refusal or a crash also reaches the
+other nodes' launchers through the job's store. When the job fails:
+
+- a rank that refused its input (exit code 2) or stopped on a non-finite step (3): the first
+  such rank's one line, prefixed by the rank, whatever ``LOG_RANK`` shows, and its exit code;
+- otherwise one line that names the failures that started it before the ranks that only
+  followed (``[launcher] the job failed: rank 1 raised ValueError: ... (traceback in
+  <log>) (then rank 0 lost contact and stopped)``). A rank's exception is named from its
+  record, first even when torchrun saw it end later (killed while exiting), and its
+  traceback is printed here when ``LOG_RANK`` hid that rank's console. torchrun's own report
+  (a ``ChildFailedError`` naming only exit codes) comes before it for kills and other deaths
+  without a record. A rank whose collective lost the dead one exits with
+  ``LOST_PEER_EXIT_CODE`` after one line of its own (only in its log file when another rank
+  said why it stopped); torchrun ends the others.
+- when the hang watchdog ended ranks, their flight-recorder dumps read together: who waited
+  for whom (``tools/hang_report.py``).
+
+The ranks' lines carry their global rank (``[rank9]:``), on every node. ``run_train.sh`` and
+``multinode_trainer.slurm`` start ranks through it.
 
 Two more things a long job needs:
 
@@ -29,11 +35,9 @@ Two more things a long job needs:
   printed with its cause; a refusal (bad input, a non-finite step) is not retried, since it would
   only fail again.
 
-The rank side is :func:`refuse`. This module imports torch only inside :func:`main` (and
-``job_store.py``, which ranks call, inside its functions).
+This module imports torch only inside :func:`main`.
 """
 
-import json
 import logging
 import os
 import shutil
@@ -45,78 +49,29 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from torchtitan import job_store
+from torchtitan.failure_records import (
+    FAILURE_DIR_ENV,
+    HANG_EXIT_CODE,
+    LOST_PEER_EXIT_CODE,
+    LOST_PEER_MARKERS,
+    PREEMPTED_EXIT_CODE,
+    clear_crashes,
+    crashes,
+    format_refusal,
+    preempted,
+    read_records,
+    refusals,
+)
 from torchtitan.tools import hang_report
 from torchtitan.tools.hang_report import ranks_text
 
-FAILURE_DIR_ENV = "TITAN_FAILURE_DIR"
-PREEMPTED_EXIT_CODE = 75  # components/preemption.EXIT_CODE (this module imports no torch)
-LOST_PEER_EXIT_CODE = 4  # a rank whose collective lost another rank (train.py)
-HANG_EXIT_CODE = 124  # a rank its hang watchdog ended (tools/watchdog.py)
-# What a collective or the store raises on a rank whose peer died: gloo, the peer's socket
-# closed or reset; NCCL, ncclRemoteError ("remote process exited or there was a network error").
-# Read by distributed/utils.lost_peer, and by _Dropping in gloo's C++ log lines.
-LOST_PEER_MARKERS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "remote process exited",
-)
 _SIGTERM = 15
-_FINAL_HANG: list[str] = []  # the last attempt's hang report, for after torchrun's
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-# After a refusal in a job of several nodes, how long the agent waits before it ends (and with
-# it the store, when it hosts it): the other nodes' ranks learn of the refusal when the refusing
-# rank's process exits, and read it from the store in the meantime (milliseconds, unloaded).
+# After a refusal or a crash in a job of several nodes, how long the agent waits before it ends
+# (and with it the store, when it hosts it): the other nodes' ranks learn of it when the
+# failing rank's process exits, and read it from the store in the meantime (milliseconds,
+# unloaded).
 _LINGER_S = 5.0
-
-
-def refuse(code: int, message: str) -> bool:
-    """Record this rank's reason to stop (``code`` 2: bad input, 3: non-finite step) for the
-    launcher, and in the job's store for the launchers of other nodes (see
-    :func:`a_rank_refused`). Returns whether a launcher will print it (else log it yourself)."""
-    record = {"code": code, "message": message, "time": time.time()}
-    if not _write_record("rank", record):
-        return False
-    job_store.publish({"rank": _rank(), **record})
-    return True
-
-
-def a_rank_refused() -> bool:
-    """Whether a rank of this job has recorded its refusal, or a non-finite step: a rank that
-    then loses a peer in a collective has nothing to add to the line the launcher prints. Not
-    which rank: a crash of another rank at the same moment is then told only by torchrun's
-    exit codes.
-
-    This node's ranks are in the launcher's folder. A rank on another node published its
-    record in the job's store (``job_store.py``); found there, it is copied to this node's
-    folder, so that this node's launcher prints the same line, exits with its code and does not
-    restart the ranks (the other node would not come back to meet them). That takes a rank
-    that notices the lost peer while the store is there (``_LINGER_S``): gloo's at once."""
-    folder = os.environ.get(FAILURE_DIR_ENV)
-    if not folder:
-        return False
-    if refusals(folder):
-        return True
-    record = job_store.published()
-    if record is None:
-        return False
-    return _write_record("rank", record, rank=record["rank"])
-
-
-def note_preempted(signal_name: str, step: int, checkpoint: str | None) -> bool:
-    """Record that this rank stopped for a preemption signal after ``step`` (having saved
-    ``checkpoint``). Returns whether a launcher will report it; this rank then exits 0, so that
-    torchrun does not count it as a failure to restart from."""
-    record = {"signal": signal_name, "step": step, "checkpoint": checkpoint}
-    return _write_record("preempted-rank", record)
-
-
-def note_hung(step: int, traces: str) -> bool:
-    """Record that this rank's hang watchdog ended it in ``step``, having written its dumps to
-    ``traces``: the launcher reads them together (``tools/hang_report.py``)."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    record = {"step": step, "traces": traces, "attempt": attempt, "time": time.time()}
-    return _write_record("hung-rank", record)
 
 
 def hang_lines(folder: str | Path, world_size: int | None) -> list[str]:
@@ -124,7 +79,7 @@ def hang_lines(folder: str | Path, world_size: int | None) -> list[str]:
     ``folder``): ``[launcher] the hang: ...`` lines; the records are then removed, so that a
     restarted attempt's hang is read alone. (Its caller keeps an error here from hiding the
     failure it reports on.)"""
-    records = _read_records(folder, "hung-rank")
+    records = read_records(folder, "hung-rank")
     for path in Path(folder).glob("hung-rank*.json"):
         path.unlink(missing_ok=True)
     if not records:
@@ -137,30 +92,6 @@ def hang_lines(folder: str | Path, world_size: int | None) -> list[str]:
     return [f"[launcher] the hang: {line}" for line in hang_report.diagnose(dumps, world_size)]
 
 
-def _write_record(name: str, record: dict, *, rank: int | None = None) -> bool:
-    """``<folder>/<name><rank>.json`` (this rank's unless ``rank`` is given), whole or not at
-    all; False without a launcher."""
-    folder = os.environ.get(FAILURE_DIR_ENV)
-    if not folder or not os.path.isdir(folder):
-        return False
-    rank = _rank() if rank is None else rank
-    path = Path(folder) / f"{name}{rank}.json"
-    partial = path.with_suffix(f".tmp{_rank()}")  # ranks of this node may copy one record
-    partial.write_text(json.dumps({**record, "rank": rank}))
-    partial.replace(path)  # the launcher never reads half a record
-    return True
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def _preempted(folder: str | Path) -> dict | None:
-    """Rank 0's (or the lowest rank's) preemption record, if the ranks were preempted."""
-    records = _read_records(folder, "preempted-rank")
-    return min(records, key=lambda r: r["rank"]) if records else None
-
-
 def _preemption_line(record: dict) -> str:
     saved = record["checkpoint"]
     where = f"saved {saved}" if saved else "nothing saved (checkpointing is off)"
@@ -168,28 +99,6 @@ def _preemption_line(record: dict) -> str:
         f"preempted by {record['signal']} after step {record['step']}: {where}; "
         f"exit code {PREEMPTED_EXIT_CODE}, the same command resumes"
     )
-
-
-def refusals(folder: str | Path) -> list[dict]:
-    """Every rank's record in ``folder``, earliest first (empty if no rank refused)."""
-    return sorted(_read_records(folder, "rank"), key=lambda r: (r["time"], r["rank"]))
-
-
-def _read_records(folder: str | Path, name: str) -> list[dict]:
-    records = []
-    for path in Path(folder).glob(f"{name}*.json"):
-        try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    return records
-
-
-def format_refusal(record: dict, *, also: Sequence[int] = ()) -> str:
-    """``[rank1] error: <message>``, naming the other ranks that refused alike."""
-    plural = "s" if len(also) > 1 else ""
-    others = f" (rank{plural} {', '.join(map(str, also))} too)" if also else ""
-    return f"[rank{record['rank']}] error: {record['message']}{others}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -226,6 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TITAN_RUN_ID", time.strftime("%Y%m%d-%H%M%S"))  # one log folder
     os.environ.setdefault("TITAN_TERMINAL", "1" if sys.stderr.isatty() else "0")
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")  # torch >= 2.13 reads it
+    # The ranks' lines carry their global rank: torchrun's default is the local one, the same
+    # on every node of a job.
+    os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[${role_name}${rank}]:")
     args = list(sys.argv[1:] if argv is None else argv)
     if not any(a.split("=")[0] in ("--signals_to_handle", "--signals-to-handle") for a in args):
         args = ["--signals_to_handle", SIGNALS_TO_HANDLE, *args]
@@ -235,22 +147,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         # their dead predecessors' addresses and hang (pytorch/pytorch#135712). Without
         # sharing, each attempt's rank 0 hosts a fresh store on a fresh port.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    started = _report_restarts(folder)
     try:
         parsed = torchrun.parse_args(args)
+        watch = _watch_agent(folder, _shown_ranks(parsed.local_ranks_filter))
         os.environ.pop(job_store.JOB_STORE_ENV, None)  # not another launcher's
         if parsed.rdzv_backend == "c10d" and parsed.rdzv_endpoint:
             host, port = parse_rendezvous_endpoint(parsed.rdzv_endpoint, default_port=29400)
             if port:  # 0: a free port torchrun picks, on one node (run_train.sh)
                 os.environ[job_store.JOB_STORE_ENV] = f"{host}:{port}"
         torchrun.run(parsed)
-        if (record := _preempted(folder)) is not None:
+        if (record := preempted(folder)) is not None:
             print(_preemption_line(record), file=sys.stderr)
             return PREEMPTED_EXIT_CODE
         return 0
     except SignalException as e:
         # This process was signalled: torchrun passed the signal to the ranks and waited.
-        if (record := _preempted(folder)) is not None:
+        if (record := preempted(folder)) is not None:
             print(_preemption_line(record), file=sys.stderr)
             return PREEMPTED_EXIT_CODE
         print(
@@ -260,21 +172,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        records = refusals(folder)
-        if not records:
-            # A rank ended by its watchdog, or stopped on losing a peer, said why in its own
-            # line: torchrun's report (exit codes, no traceback) adds nothing then.
-            if not all(
-                f.exitcode in (HANG_EXIT_CODE, LOST_PEER_EXIT_CODE) for f in e.failures.values()
-            ):
-                print(e.format_msg(), file=sys.stderr)
-            # torchrun's "Root Cause" is the earliest failure it saw, and a rank that lost
-            # contact with a dead one can be seen first; this line orders them by what they say.
-            print(f"[launcher] the job failed: {_causes(e.failures)}", file=sys.stderr)
-            for line in _FINAL_HANG:
-                print(line, file=sys.stderr)
-            return 1
-        return _print_refusal(records)
+        if records := refusals(folder):
+            return _print_refusal(records)
+        crashed = crashes(folder)
+        # A rank ended by its watchdog, stopped on losing a peer, or whose exception is
+        # recorded, says why in its own lines: torchrun's report (exit codes, no traceback)
+        # adds nothing then.
+        told = {c["rank"] for c in crashed}
+        if any(
+            r not in told and f.exitcode not in (HANG_EXIT_CODE, LOST_PEER_EXIT_CODE)
+            for r, f in _first(e.failures, crashed).items()
+        ):
+            print(e.format_msg(), file=sys.stderr)
+        # torchrun's "Root Cause" is the earliest failure it saw, and a rank that lost contact
+        # with a dead one can be seen first; this line orders them by what they say.
+        lines = [*_hidden_traceback(crashed, watch.shown), "[launcher] the job failed: "]
+        lines[-1] += _causes(e.failures, crashed)
+        print(*lines, *watch.hang, sep="\n", file=sys.stderr)
+        return 1
     except RendezvousError as e:
         # Several nodes. Once the ranks run, this agent keeps watching the rendezvous, and the
         # node hosting it can end first (its ranks failed there; this agent then stops its
@@ -283,7 +198,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if records := refusals(folder):
             return _print_refusal(records)
         cause = (str(e.__cause__ or e).strip().splitlines() or [type(e).__name__])[0]
-        if started.is_set() and isinstance(e, RendezvousConnectionError):
+        if watch.restarting is not None and isinstance(e, RendezvousConnectionError):
+            # The ranks failed and this node came back to meet again: the host had ended. (An
+            # agent also restarts its ranks, without counting it, when a node arrives to meet
+            # again, so one node can have a restart left that the others do not.)
+            print(
+                f"[launcher] the job failed: {watch.restarting}; the other nodes did not come "
+                f"back to restart ({cause})",
+                file=sys.stderr,
+            )
+        elif watch.started.is_set() and isinstance(e, RendezvousConnectionError):
             print(
                 f"[launcher] this node lost the job's rendezvous ({cause}): the node hosting it "
                 "ended first, and its output says why; this node's ranks were stopped",
@@ -314,78 +238,156 @@ def _max_restarts(args: Sequence[str]) -> int:
     return 0
 
 
-def _report_restarts(folder: str) -> threading.Event:
+class _Watch:
+    """What the agent's monitoring saw, for :func:`main`'s report: whether the ranks ran, the
+    causes of the failure it is restarting from (until the ranks start again), the last
+    attempt's hang lines; and which local ranks' consoles are shown (None: all)."""
+
+    def __init__(self, shown: set[int] | None):
+        self.started = threading.Event()
+        self.restarting: str | None = None
+        self.hang: list[str] = []
+        self.shown = shown
+
+
+def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
     """Print each restart of the ranks with its cause, and do not restart after a refusal.
-    Returns an event set once the agent has watched its ranks.
 
     torchrun's agent decides restarts in its monitoring loop and logs them without the cause;
     the failure is in the ``RunResult`` that ``_monitor_workers`` (the method an agent
-    implements) returns, so this wraps that method of the local agent."""
+    implements) returns, so this wraps that method of the local agent; and its
+    ``_start_workers``, to forget the crashes of an earlier attempt. (An agent also restarts
+    its ranks, without counting a restart, when another node arrives to meet again: only a
+    start marks a new attempt on every node.)"""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    started = threading.Event()
+    watch = _Watch(shown)
     monitor = getattr(
         LocalElasticAgent._monitor_workers, "wrapped", LocalElasticAgent._monitor_workers
     )
+    start = getattr(LocalElasticAgent._start_workers, "wrapped", LocalElasticAgent._start_workers)
+
+    def start_afresh(agent, worker_group):
+        clear_crashes(folder)  # the earlier attempt's ranks are stopped
+        watch.restarting = None
+        return start(agent, worker_group)
 
     def monitor_and_report(agent, worker_group):
-        started.set()
+        watch.started.set()
         result = monitor(agent, worker_group)
         if not result.is_failed():
             return result
         left = getattr(agent, "_remaining_restarts", 0)
+        workers = worker_group.workers
         try:
-            workers = worker_group.workers
             hang = hang_lines(folder, workers[0].world_size if workers else None)
         except Exception as e:  # the report must never hide the failure it reports on
             hang = [f"[launcher] the hang: could not read the dumps ({type(e).__name__}: {e})"]
+        several_nodes = bool(workers) and workers[0].world_size > len(workers)
+        crashed = crashes(folder)
         if refusals(folder):
             agent._remaining_restarts = 0  # the launcher prints the refusal
-            workers = worker_group.workers
-            if workers and workers[0].world_size > len(workers):
+            if several_nodes:
                 time.sleep(_LINGER_S)  # other nodes: see _LINGER_S
         elif left > 0:
             spec = worker_group.spec
-            done = spec.max_restarts - left + 1
-            causes = _causes(result.failures)
+            causes = watch.restarting = _causes(result.failures, crashed)
             print(
-                f"[launcher] restart {done} of {spec.max_restarts}: {causes}; restarting every "
-                f"rank from the last complete checkpoint",
+                *_hidden_traceback(crashed, watch.shown),
+                f"[launcher] restart {spec.max_restarts - left + 1} of {spec.max_restarts}: "
+                f"{causes}; restarting every rank from the last complete checkpoint",
                 *hang,
                 sep="\n",
                 file=sys.stderr,
                 flush=True,
             )
         else:
-            _FINAL_HANG[:] = hang  # printed after torchrun's report of the failure
+            watch.hang = hang  # printed after torchrun's report of the failure
+            if several_nodes and any("copied_by" not in c for c in crashed):
+                time.sleep(_LINGER_S)  # this node's crash, read by the others: see _LINGER_S
         return result
 
     monitor_and_report.wrapped = monitor
+    start_afresh.wrapped = start
     LocalElasticAgent._monitor_workers = monitor_and_report
-    return started
+    LocalElasticAgent._start_workers = start_afresh
+    return watch
 
 
-def _causes(failures: dict) -> str:
-    """The ranks' failures, those that started it first: ``rank 1 was killed by SIGKILL (then
-    rank 0 lost contact and stopped)``. Following are a rank that stopped because a collective
-    lost a peer (``LOST_PEER_EXIT_CODE``), one ended by SIGTERM, and one that ended after the
-    first failures torchrun saw (its ``timestamp``, in seconds, is later: torchrun stops the
-    other ranks then, with SIGTERM and after a while SIGKILL, and a rank hung on a dead peer
-    under NCCL ends that way or by its own watchdog). When every failure is of that kind (a
-    network fault), they are all listed."""
+def _shown_ranks(local_ranks_filter: str | None) -> set[int] | None:
+    """The local ranks whose console torchrun shows (``--local-ranks-filter``); None: all."""
+    if not local_ranks_filter:
+        return None
+    try:
+        return {int(r) for r in local_ranks_filter.split(",")}
+    except ValueError:
+        return None  # torchrun refuses it itself
+
+
+def _hidden_traceback(crashed: list[dict], shown: set[int] | None) -> list[str]:
+    """The first crash's traceback, prefixed by its rank, when it happened on this node and no
+    crashed rank's console was shown (``LOG_RANK``); else nothing (it is above, or on its own
+    node's console)."""
+    own = [c for c in crashed if "copied_by" not in c]
+    if not own or shown is None or any(c.get("local_rank") in shown for c in own):
+        return []
+    first = own[0]
+    return [f"[rank{first['rank']}]: {line}" for line in first.get("traceback", "").splitlines()]
+
+
+def _first(failures: dict, crashed: list[dict]) -> dict:
+    """The failures that started it (see :func:`_causes`), by rank; a rank whose exception is
+    recorded always is one."""
     earliest = min(f.timestamp for f in failures.values())
+    told = {c["rank"] for c in crashed}
 
-    def follows(failure) -> bool:
+    def follows(rank: int, failure) -> bool:
         late = failure.timestamp > earliest
-        return late or failure.exitcode in (LOST_PEER_EXIT_CODE, -_SIGTERM)
+        return rank not in told and (late or failure.exitcode in (LOST_PEER_EXIT_CODE, -_SIGTERM))
 
-    first = {r: f for r, f in failures.items() if not follows(f)} or failures
+    first = {r: f for r, f in failures.items() if not follows(r, f)}
+    return first if first or crashed else failures
+
+
+def _causes(failures: dict, crashed: list[dict] = ()) -> str:
+    """The ranks' failures, those that started it first: ``rank 1 was killed by SIGKILL (then
+    rank 0 lost contact and stopped)``. A rank that raised an exception is named by it, from
+    its record in ``crashed`` (``rank 1 raised ValueError: ...``), also one of another node
+    (copied here by a rank that lost it). Following are a rank that stopped because a
+    collective lost a peer (``LOST_PEER_EXIT_CODE``), one ended by SIGTERM, and one that ended
+    after the first failures torchrun saw (its ``timestamp``, in seconds, is later: torchrun
+    stops the other ranks then, with SIGTERM and after a while SIGKILL, and a rank hung on a
+    dead peer under NCCL ends that way or by its own watchdog). When every failure is of that
+    kind and none is recorded (a network fault), they are all listed."""
+    first = _first(failures, crashed)
+    told = {c["rank"] for c in crashed}
     lost = [r for r, f in failures.items() if r not in first and f.exitcode == LOST_PEER_EXIT_CODE]
-    stopped = [r for r, f in failures.items() if r not in first and r not in lost]
+    stopped = [r for r in failures if r not in first and r not in lost and r not in told]
     then = [f"{ranks_text(lost)} lost contact and stopped"] if lost else []
     then += [f"{ranks_text(stopped)} stopped by torchrun"] if stopped else []
-    line = "; ".join(_cause(rank, f) for rank, f in sorted(first.items()))
+    parts = _crash_causes(crashed)
+    parts += [_cause(rank, f) for rank, f in sorted(first.items()) if rank not in told]
+    line = "; ".join(parts)
     return line + (f" (then {'; '.join(then)})" if then else "")
+
+
+def _crash_causes(crashed: list[dict]) -> list[str]:
+    """``rank 1 raised ValueError: ... (traceback in <log>)``, ranks that raised alike named
+    together; another node's with its host."""
+    groups: dict[tuple, list[dict]] = {}
+    for record in crashed:
+        where = record["host"] if "copied_by" in record else None
+        groups.setdefault((record["error"], where), []).append(record)
+    parts = []
+    for (error, where), records in groups.items():
+        first, ranks = records[0], [r["rank"] for r in records]
+        on = f", on {where}," if where else ""
+        log = first.get("log")
+        whose = "" if len(ranks) == 1 else f"rank {first['rank']}'s "
+        there = " there" if where else ""
+        tail = f" ({whose}traceback in {log}{there})" if log else ""
+        parts.append(f"{ranks_text(ranks)}{on} raised {error}{tail}")
+    return parts
 
 
 def _cause(rank: int, failure) -> str:
@@ -394,7 +396,7 @@ def _cause(rank: int, failure) -> str:
         return f"rank {rank} was killed by {failure.signal_name()}"
     known = {
         HANG_EXIT_CODE: " (the hang watchdog)",
-        1: " (an exception; its traceback is above)",
+        1: " (an exception; its traceback is in its output)",
         LOST_PEER_EXIT_CODE: " (a collective lost another rank)",
     }
     return f"rank {rank} exited with code {failure.exitcode}{known.get(failure.exitcode, '')}"

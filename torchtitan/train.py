@@ -4,8 +4,10 @@ Parses the config, checks what needs torch, chooses the run (train | seed checkp
 validation only | dry run) and maps its outcome to an exit code: 0 done, 2 bad input (one
 line, no traceback per rank), 3 a non-finite step, 4 another rank went away mid-collective
 (one line: the launcher reports that rank's failure as the cause), 75 preempted with a
-checkpoint saved (``components/preemption.py``). Any other exception propagates with its traceback, which the
-rank's log file also keeps.
+checkpoint saved (``components/preemption.py``). Any other exception propagates with its
+traceback, which the rank's log file also keeps; under the launcher it is recorded for it
+(``failure_records.note_crash``: the launcher names it first) and this rank exits 1 after
+printing the traceback.
 Launch several ranks with ``./run_train.sh``. The ``Trainer`` itself is in
 ``torchtitan.trainer``; nothing imports this module.
 """
@@ -21,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from torchtitan import dry_run, generate, launcher
+from torchtitan import dry_run, failure_records, generate
 from torchtitan.components import preemption
 from torchtitan.components.preemption import Preempted
 from torchtitan.components.train_state import NonFiniteError
@@ -64,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # The launcher reports it and exits with EXIT_CODE; torchrun must see this rank
             # succeed, or it would restart the ranks in a job that is being stopped.
             p = preempted[0]
-            under_launcher = launcher.note_preempted(p.signal.name, p.step, p.checkpoint)
+            under_launcher = failure_records.note_preempted(p.signal.name, p.step, p.checkpoint)
             return 0 if under_launcher else preemption.EXIT_CODE
         return 0
     except (ConfigError, FileNotFoundError) as e:
@@ -79,21 +81,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         log_to_files_only(logging.ERROR, "".join(traceback.format_exception(e)).rstrip())
         if (words := dist_utils.lost_peer(e)) is None:
-            raise
+            if not failure_records.note_crash(e, log_file):
+                raise
+            # The launcher names it as the cause, and shows this traceback where LOG_RANK hides
+            # this rank's console: printed now, before this rank's process group goes and the
+            # ranks that lose it end the job (torchrun may kill this process while it exits).
+            lines = traceback.format_exception(e)  # after torchrun's prefix, as log lines are
+            sys.stderr.write("".join(f" {line}" for line in "".join(lines).splitlines(True)))
+            return CRASH_EXIT_CODE
         # A consequence, not a cause: the rank that died is the story, and torchrun reports
         # it. Thirty lines of this rank's stack inside a collective would bury it.
         where = f"; traceback in {log_file}" if log_file else ""
         line = f"Stopping: another rank went away during a collective ({words}){where}"
-        if launcher.a_rank_refused():  # it went away after saying why: the launcher shows that
+        if failure_records.a_rank_said_why():  # it went away after saying why: the launcher
             log_to_files_only(logging.ERROR, line)
         else:
             logger.error(line)
-        return launcher.LOST_PEER_EXIT_CODE
+        return failure_records.LOST_PEER_EXIT_CODE
     finally:
         dist_utils.shutdown()
 
 
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports it
+CRASH_EXIT_CODE = 1  # an unexpected exception, as Python's own exit reports it
 
 
 def _resumes(config: JobConfig | None) -> str:
@@ -110,7 +120,7 @@ def _resumes(config: JobConfig | None) -> str:
 def _stop(code: int, message: str) -> int:
     """One line for the user: through the launcher (which prints the first rank's) when there
     is one, else on this rank's console."""
-    if launcher.refuse(code, message):
+    if failure_records.refuse(code, message):
         log_to_files_only(logging.ERROR, message)  # the launcher prints it on the console
     else:
         logger.error(message)

@@ -1,8 +1,9 @@
 """A trainer whose rank ``REFUSE_RANK`` alone (or, with ``REFUSE_ON_THIS_NODE=1``, the ranks
 of the launcher given it) refuses its input while building (the others go on and wait for it
 in a collective), ``REFUSE_AFTER_S`` seconds late (0 by default): tests that the launcher
-shows that rank's line, and only it. ``READ_REFUSAL_AFTER_S`` delays the other ranks' look
-into the job's store for a refusal, as a loaded node would.
+shows that rank's line, and only it. With ``REFUSE_BY_CRASHING=1`` it raises a ``ValueError``
+instead, an exception the trainer does not expect. ``READ_REFUSAL_AFTER_S`` delays the other ranks' look
+into the job's store for a refusal or a crash, as a loaded node would.
 
 Launched with ``python -m torchtitan.launcher`` like ``torchtitan.train``; the remaining
 arguments are trainer flags.
@@ -20,6 +21,7 @@ REFUSE_RANK = int(os.environ.get("REFUSE_RANK", "-1"))
 ON_THIS_NODE = os.environ.get("REFUSE_ON_THIS_NODE") == "1"
 REFUSE_AFTER_S = float(os.environ.get("REFUSE_AFTER_S", "0"))
 READ_REFUSAL_AFTER_S = float(os.environ.get("READ_REFUSAL_AFTER_S", "0"))
+CRASH = os.environ.get("REFUSE_BY_CRASHING") == "1"
 _published = job_store.published
 _build_data = trainer.Trainer.build_data
 
@@ -27,6 +29,8 @@ _build_data = trainer.Trainer.build_data
 def build_data(self):
     if self.rank == REFUSE_RANK or ON_THIS_NODE:
         time.sleep(REFUSE_AFTER_S)
+        if CRASH:
+            raise ValueError(f"rank {self.rank} crashed while building its data")
         raise ConfigError(f"only rank {self.rank} refuses this input")
     return _build_data(self)
 

@@ -1,6 +1,7 @@
 """Bad input, tried as a new user would: one line naming the flag (or file) and the fix, exit
 code 2, no Python traceback; before any rank starts where the rule needs no torch, and
-whichever rank refuses when a rank finds it. docs/troubleshooting.md lists the same cases."""
+whichever rank refuses when a rank finds it. docs/troubleshooting.md lists the same cases.
+Also an unexpected exception in one rank: named as the cause on every node."""
 
 import json
 import re
@@ -166,12 +167,9 @@ def test_refused_by_a_rank_in_one_line(tmp_path, flags, expected):
     assert line.startswith("[rank")
 
 
-def test_only_rank_1_refuses_and_its_line_is_shown(tmp_path):
-    """Rank 0 goes on and waits for rank 1 in a collective, which rank 1 leaves 2 s later by
-    refusing; LOG_RANK=0 hides rank 1's console: the launcher still shows rank 1's line and
-    exits with its code, and rank 0's loss of rank 1 (exit code 4) goes to its log file only,
-    as does gloo's C++ line for it."""
-    result = subprocess.run(
+def _rank_1_fails(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """``refuse_harness.py`` on two ranks of one node, rank 1 failing, ``LOG_RANK=0``."""
+    return subprocess.run(
         [sys.executable, "-m", "torchtitan.launcher", "--nproc_per_node", "2"]
         + ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
         + ["--local-ranks-filter", "0", "--role", "rank", "--tee", "3"]
@@ -182,25 +180,30 @@ def test_only_rank_1_refuses_and_its_line_is_shown(tmp_path):
         + ["tests/integration_tests/refuse_harness.py", *SMALL]
         + ["--job.dump_folder", str(tmp_path)],
         cwd=REPO,
-        env=clean_env(REFUSE_RANK="1", REFUSE_AFTER_S="2"),
+        env=clean_env(REFUSE_RANK="1", **env),
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_only_rank_1_refuses_and_its_line_is_shown(tmp_path):
+    """Rank 0 goes on and waits for rank 1 in a collective, which rank 1 leaves 2 s later by
+    refusing; LOG_RANK=0 hides rank 1's console: the launcher still shows rank 1's line and
+    exits with its code, and rank 0's loss of rank 1 (exit code 4) goes to its log file only,
+    as does gloo's C++ line for it."""
+    result = _rank_1_fails(tmp_path, REFUSE_AFTER_S="2")
     line = _assert_one_line(result, "only rank 1 refuses this input")
     assert line.startswith("[rank1] error:")
     logs = list(tmp_path.glob("logs/*/rank0.log"))
     assert len(logs) == 1 and LOST_PEER in logs[0].read_text()  # it did lose rank 1
 
 
-def test_a_refusal_on_another_node_is_each_nodes_one_line(tmp_path):
+def _two_nodes(tmp_path: Path, **env: str) -> list[subprocess.CompletedProcess]:
     """Two launchers of one rank each, as on two nodes under Slurm (a c10d rendezvous, one
-    restart allowed; each launcher with its own failure folder): the rank of the node hosting
-    the rendezvous's store refuses 2 s late while the other waits for it in a collective. The
-    other node's rank, which only lost its peer, looks into that store 1 s later, as under
-    load, and finds the refusal (still there: the refusing node's launcher waits before it
-    ends); its launcher prints the same line with the same exit code and does not restart: not
-    its rank's lost peer, torchrun's report of exit code 4, a restart, or a traceback."""
+    restart allowed, each launcher with its own failure folder), running ``refuse_harness.py``
+    with ``env``; the first hosts the rendezvous's store (``REFUSE_ON_THIS_NODE=1``) and gets
+    rank 0 (ranks follow the order the launchers started in)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -212,9 +215,7 @@ def test_a_refusal_on_another_node_is_each_nodes_one_line(tmp_path):
             + ["--role", "rank", "--tee", "3", "tests/integration_tests/refuse_harness.py"]
             + [*SMALL, "--job.dump_folder", str(tmp_path / f"node{i}")],
             cwd=REPO,
-            env=clean_env(
-                REFUSE_ON_THIS_NODE=str(int(host)), REFUSE_AFTER_S="2", READ_REFUSAL_AFTER_S="1"
-            ),
+            env=clean_env(REFUSE_ON_THIS_NODE=str(int(host)), **env),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -223,22 +224,78 @@ def test_a_refusal_on_another_node_is_each_nodes_one_line(tmp_path):
     ]
     try:
         outputs = [node.communicate(timeout=120) for node in nodes]
-        results = [
+        return [
             subprocess.CompletedProcess(node.args, node.returncode, *output)
             for node, output in zip(nodes, outputs, strict=True)
         ]
     finally:
         for node in nodes:
             node.kill()
+
+
+def test_a_refusal_on_another_node_is_each_nodes_one_line(tmp_path):
+    """The rank of the node hosting the rendezvous's store refuses 2 s late while the other
+    waits for it in a collective. The other node's rank, which only lost its peer, looks into
+    that store 1 s later, as under load, and finds the refusal (still there: the refusing
+    node's launcher waits before it ends); its launcher prints the same line with the same exit
+    code and does not restart: not its rank's lost peer, torchrun's report of exit code 4, a
+    restart, or a traceback."""
+    results = _two_nodes(tmp_path, REFUSE_AFTER_S="2", READ_REFUSAL_AFTER_S="1")
     lines = [_assert_one_line(result, "refuses this input") for result in results]
     for result in results:
         assert LOST_PEER not in result.stdout + result.stderr
         assert "[launcher]" not in result.stdout + result.stderr
-    # Ranks follow the order the launchers started in: the host's is rank 0, whose store goes
-    # with it when restarts are on (the rendezvous's stays).
+    # The host's rank is rank 0, whose own store goes with it when restarts are on (the
+    # rendezvous's stays).
     assert lines == ["[rank0] error: only rank 0 refuses this input"] * 2
     logs = list(tmp_path.glob("node1/logs/*/rank1.log"))
     assert len(logs) == 1 and LOST_PEER in logs[0].read_text()  # it did lose rank 0
+
+
+def test_an_exception_on_another_node_is_named_by_every_node(tmp_path):
+    """As above, but rank 0 raises an exception, in both attempts (one restart). Its node
+    shows its traceback and names it; the other node, whose rank only lost it (and read the
+    store 1 s late), names it too, with its host and log file, at the restart and at the end,
+    rather than its own rank's lost peer. The second node's lines carry its global rank."""
+    results = _two_nodes(
+        tmp_path, REFUSE_BY_CRASHING="1", REFUSE_AFTER_S="2", READ_REFUSAL_AFTER_S="1"
+    )
+    outs = [result.stdout + result.stderr for result in results]
+    assert [result.returncode for result in results] == [1, 1], outs[1][-3000:]
+    error = "ValueError: rank 0 crashed while building its data"
+    assert outs[0].count(f"[rank0]: {error}") == 2, outs[0][-3000:]  # each attempt's traceback
+    [log] = tmp_path.glob("node0/logs/*/rank0.log")
+    named = f"rank 0 raised {error} (traceback in {log})"
+    there = f"rank 0, on {socket.gethostname()}, raised {error} (traceback in {log} there)"
+    restart = "[launcher] restart 1 of 1: "
+    assert f"{restart}{named}; restarting" in outs[0], outs[0][-3000:]
+    assert outs[0].splitlines()[-1] == f"[launcher] the job failed: {named}"
+    assert f"{restart}{there} (then rank 1 lost contact and stopped); restarting" in outs[1]
+    # Its node may have a restart left (see launcher.main): then it says the others ended.
+    final = f"[launcher] the job failed: {there} (then rank 1 lost contact and stopped)"
+    assert outs[1].splitlines()[-1].startswith(final), outs[1][-3000:]
+    assert LOST_PEER not in outs[1] and "Root Cause" not in outs[0] + outs[1]
+    ranks = {line.split("]:")[0] for line in outs[1].splitlines() if line.startswith("[rank")}
+    assert ranks == {"[rank1"}, ranks  # not torchrun's local rank, 0 on every node
+
+
+def test_an_exception_on_a_hidden_rank_is_named_with_its_traceback(tmp_path):
+    """One node, ``LOG_RANK=0``: rank 1 raises while rank 0 waits for it in a collective. The
+    launcher shows rank 1's traceback (its console is hidden) and names its exception first,
+    though rank 0 may end before it; not torchrun's report of exit codes, nor rank 0's lost
+    peer (in its log file only)."""
+    result = _rank_1_fails(tmp_path, REFUSE_BY_CRASHING="1")
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out[-3000:]
+    lines = out.splitlines()
+    error = "ValueError: rank 1 crashed while building its data"
+    assert f"[rank1]: {error}" in lines and "[rank1]: Traceback (most recent call last):" in lines
+    [log] = tmp_path.glob("logs/*/rank1.log")
+    assert lines[-1].startswith(f"[launcher] the job failed: rank 1 raised {error} (traceback in ")
+    assert f"(traceback in {log})" in lines[-1] and "Root Cause" not in out
+    assert LOST_PEER not in out
+    logs = list(tmp_path.glob("logs/*/rank0.log"))
+    assert len(logs) == 1 and LOST_PEER in logs[0].read_text()  # it did lose rank 1
 
 
 @pytest.mark.usefixtures("slurm_cluster")

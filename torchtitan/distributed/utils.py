@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed import local_tensor
-from torchtitan.launcher import LOST_PEER_MARKERS
+from torchtitan.failure_records import LOST_PEER_MARKERS
 from torchtitan.tools.logging import logger
 
 

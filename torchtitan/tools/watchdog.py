@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from torchtitan.config.observability import Comm
-from torchtitan.launcher import HANG_EXIT_CODE, note_hung
+from torchtitan.failure_records import HANG_EXIT_CODE, note_hung
 from torchtitan.tools.logging import logger
 
 EXIT_CODE = HANG_EXIT_CODE

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from torchtitan import launcher
+from torchtitan import failure_records, launcher
 from torchtitan.components import preemption
 
 
@@ -24,16 +24,16 @@ def test_a_signal_is_only_noted_and_asks_to_stop_at_the_next_check():
 
 
 def test_the_launcher_and_the_ranks_agree_on_the_exit_code_and_records(tmp_path, monkeypatch):
-    assert launcher.PREEMPTED_EXIT_CODE == preemption.EXIT_CODE == 75
-    assert not launcher.note_preempted("SIGTERM", 7, None)  # no launcher: the rank exits 75
-    monkeypatch.setenv(launcher.FAILURE_DIR_ENV, str(tmp_path))
+    assert failure_records.PREEMPTED_EXIT_CODE == preemption.EXIT_CODE == 75
+    assert not failure_records.note_preempted("SIGTERM", 7, None)  # no launcher: the rank exits 75
+    monkeypatch.setenv(failure_records.FAILURE_DIR_ENV, str(tmp_path))
     for rank in (1, 0):
         monkeypatch.setenv("RANK", str(rank))
-        assert launcher.note_preempted("SIGUSR1", 7, "ckpt/step-7")
-    record = launcher._preempted(tmp_path)
+        assert failure_records.note_preempted("SIGUSR1", 7, "ckpt/step-7")
+    record = failure_records.preempted(tmp_path)
     assert record == {"rank": 0, "signal": "SIGUSR1", "step": 7, "checkpoint": "ckpt/step-7"}
     assert launcher._preemption_line(record).startswith("preempted by SIGUSR1 after step 7: saved")
-    assert launcher.refusals(tmp_path) == []  # a preemption is not a refusal
+    assert failure_records.refusals(tmp_path) == []  # a preemption is not a refusal
 
 
 @pytest.mark.parametrize(
@@ -92,7 +92,7 @@ class _Failure:
         ({1: -9, 0: 4}, "rank 1 was killed by SIGKILL (then rank 0 lost contact and stopped)"),
         (
             {0: 4, 1: 1, 2: -15, 3: 4},
-            "rank 1 exited with code 1 (an exception; its traceback is above) "
+            "rank 1 exited with code 1 (an exception; its traceback is in its output) "
             "(then ranks 0, 3 lost contact and stopped; rank 2 stopped by torchrun)",
         ),
         ({0: 124, 1: -15}, "rank 0 exited with code 124 (the hang watchdog) (then rank 1 stopped"),
@@ -110,7 +110,7 @@ def test_a_rank_that_ended_after_the_first_failures_follows_them_whatever_its_co
     SIGTERM's grace) or its own watchdog aborts it: later than the failure it follows."""
     failures = {0: _Failure(-9, timestamp=131), 1: _Failure(1, timestamp=100)}
     assert launcher._causes(failures) == (
-        "rank 1 exited with code 1 (an exception; its traceback is above) "
+        "rank 1 exited with code 1 (an exception; its traceback is in its output) "
         "(then rank 0 stopped by torchrun)"
     )
     failures[2] = _Failure(-6, timestamp=140)  # NCCL's watchdog: SIGABRT

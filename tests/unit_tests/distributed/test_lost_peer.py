@@ -1,18 +1,20 @@
 """A rank whose collective lost another rank is told apart from one that failed by itself
-(``train.py`` then says so in one line and exits ``launcher.LOST_PEER_EXIT_CODE``)."""
+(``train.py`` then says so in one line and exits ``failure_records.LOST_PEER_EXIT_CODE``)."""
 
 import json
 import os
+import signal
 import socket
 import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from torchtitan import job_store, launcher
+from torchtitan import failure_records, job_store, launcher
 from torchtitan.distributed.utils import lost_peer
 
 # Raised in rank 0 by torch 2.13's gloo when rank 1 was killed mid-step (seen both ways).
@@ -144,7 +146,7 @@ def _node(monkeypatch, tmp_path, name: str, rank: int, port: int) -> Path:
     folder = tmp_path / name
     folder.mkdir(exist_ok=True)
     env = {
-        launcher.FAILURE_DIR_ENV: str(folder), "RANK": str(rank), "WORLD_SIZE": "4",
+        failure_records.FAILURE_DIR_ENV: str(folder), "RANK": str(rank), "WORLD_SIZE": "4",
         "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "job7",
     }  # fmt: skip
@@ -167,18 +169,20 @@ def test_a_refusal_reaches_the_launchers_of_other_nodes_through_the_store(monkey
     prints that line. Another job meeting at the same store has a key of its own."""
     agent = _store()
     second = _node(monkeypatch, tmp_path, "second", rank=3, port=agent.port)
-    assert launcher.refuse(2, "rank 3's data is empty")
-    assert [r["rank"] for r in launcher.refusals(second)] == [3]
+    assert failure_records.refuse(2, "rank 3's data is empty")
+    assert [r["rank"] for r in failure_records.refusals(second)] == [3]
     monkeypatch.setenv("RANK", "2")
-    assert launcher.refuse(2, "rank 2 refuses later")  # its own node's record; the store's stays
+    assert failure_records.refuse(
+        2, "rank 2 refuses later"
+    )  # its own node's record; the store's stays
     first = _node(monkeypatch, tmp_path, "first", rank=0, port=agent.port)
-    assert launcher.refusals(first) == []
+    assert failure_records.refusals(first) == []
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job8")
-    assert not launcher.a_rank_refused()
+    assert not failure_records.a_rank_said_why()
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
-    assert launcher.a_rank_refused()
-    [record] = launcher.refusals(first)
-    assert launcher.format_refusal(record) == "[rank3] error: rank 3's data is empty"
+    assert failure_records.a_rank_said_why()
+    [record] = failure_records.refusals(first)
+    assert failure_records.format_refusal(record) == "[rank3] error: rank 3's data is empty"
     assert record["code"] == 2
 
 
@@ -186,8 +190,8 @@ def test_one_node_never_uses_the_store(monkeypatch, tmp_path):
     agent = _store()
     _node(monkeypatch, tmp_path, "only", rank=1, port=agent.port)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert launcher.refuse(2, "refused")
-    assert not agent.check([job_store.refusal_key()])
+    assert failure_records.refuse(2, "refused")
+    assert not agent.check([job_store.key("refusal")])
 
 
 def test_the_rendezvous_store_is_preferred_to_the_ranks_own(monkeypatch, tmp_path):
@@ -197,12 +201,12 @@ def test_the_rendezvous_store_is_preferred_to_the_ranks_own(monkeypatch, tmp_pat
     ranks, rendezvous = _store(), _store()
     _node(monkeypatch, tmp_path, "second", rank=1, port=ranks.port)
     monkeypatch.setenv(job_store.JOB_STORE_ENV, f"127.0.0.1:{rendezvous.port}")
-    assert launcher.refuse(2, "rank 1 refuses")
-    key = job_store.refusal_key()
+    assert failure_records.refuse(2, "rank 1 refuses")
+    key = job_store.key("refusal")
     assert rendezvous.check([key]) and not ranks.check([key])
     _node(monkeypatch, tmp_path, "first", rank=0, port=ranks.port)
     monkeypatch.setenv(job_store.JOB_STORE_ENV, f"127.0.0.1:{rendezvous.port}")
-    assert launcher.a_rank_refused()
+    assert failure_records.a_rank_said_why()
 
 
 def _silent_listener(close: bool) -> tuple[socket.socket, int]:
@@ -240,23 +244,23 @@ def test_without_a_store_that_answers_no_refusal_is_found_quietly(
         port = agent.port
         record = {"rank": 1, "code": 2, "message": "refused", "time": 0.0}
         folder = _node(monkeypatch, tmp_path, "first", rank=0, port=port)
-        agent.set(job_store.refusal_key(), json.dumps(record))
+        agent.set(job_store.key("refusal"), json.dumps(record))
         del agent
     else:
         listener, port = _silent_listener(close=server == "closes")
         folder = _node(monkeypatch, tmp_path, "first", rank=0, port=port)
     started = time.monotonic()
-    assert not launcher.a_rank_refused()
+    assert not failure_records.a_rank_said_why()
     assert time.monotonic() - started < job_store._DEADLINE_S + 1
-    assert launcher.refusals(folder) == []
+    assert failure_records.refusals(folder) == []
     assert capfd.readouterr().err == ""
 
 
 def test_a_bad_record_in_the_store_is_not_taken(monkeypatch, tmp_path):
     agent = _store()
     folder = _node(monkeypatch, tmp_path, "first", rank=0, port=agent.port)
-    agent.set(job_store.refusal_key(), json.dumps({"message": "no rank"}))
-    assert not launcher.a_rank_refused() and launcher.refusals(folder) == []
+    agent.set(job_store.key("refusal"), json.dumps({"message": "no rank"}))
+    assert not failure_records.a_rank_said_why() and failure_records.refusals(folder) == []
 
 
 @pytest.mark.parametrize("when", ["at_start", "refused", "while_running"])
@@ -278,11 +282,12 @@ def test_a_rendezvous_error_is_one_line_or_the_refusal_found(monkeypatch, capsys
 
     def run(args):
         if when != "at_start":
-            LocalElasticAgent._monitor_workers(None, None)  # the ranks run
+            group = SimpleNamespace(spec=SimpleNamespace(max_restarts=0), workers=[])
+            LocalElasticAgent._monitor_workers(SimpleNamespace(), group)  # the ranks run
         if when == "refused":
             record = {"rank": 0, "code": 2, "message": "rank 0 refuses", "time": 0.0}
             monkeypatch.setenv("RANK", "1")
-            launcher._write_record("rank", record, rank=0)
+            failure_records.write_record("rank", record, rank=0)
         lost = DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
         raise RendezvousConnectionError("The connection to the C10d store has failed.") from lost
 
@@ -309,3 +314,106 @@ def test_a_rendezvous_error_is_one_line_or_the_refusal_found(monkeypatch, capsys
         )
     else:
         assert lines[0].startswith("[launcher] this node lost the job's rendezvous (Failed to recv")
+
+
+def test_a_crash_reaches_the_launchers_of_other_nodes_through_the_store(monkeypatch, tmp_path):
+    """Rank 3 raises under the second node's launcher: its record (first line, traceback, log
+    file) is in that node's folder, and in the job's store without the traceback. Rank 0 on
+    the first node, which lost rank 3, copies it to its own folder, marked as copied. Another
+    attempt reads only its own: under the static rendezvous one of another restart count,
+    under c10d one whose ranks meet at another port."""
+    agent = _store()
+    second = _node(monkeypatch, tmp_path, "second", rank=3, port=agent.port)
+    try:
+        raise ValueError("rank 3 found no data\nsecond line")
+    except ValueError as e:
+        assert failure_records.note_crash(e, "logs/run/rank3.log")
+    [own] = failure_records.crashes(second)
+    assert own["error"] == "ValueError: rank 3 found no data" and own["rank"] == 3
+    assert own["traceback"].endswith("ValueError: rank 3 found no data\nsecond line")
+    assert "copied_by" not in own and own["log"] == "logs/run/rank3.log"
+    first = _node(monkeypatch, tmp_path, "first", rank=0, port=agent.port)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert not failure_records.a_rank_said_why()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert failure_records.a_rank_said_why()
+    [copy] = failure_records.crashes(first)
+    assert copy["copied_by"] == 0 and copy["rank"] == 3 and "traceback" not in copy
+    assert failure_records.refusals(first) == []  # a crash is not a refusal: restarts go on
+    failure_records.clear_crashes(first)  # what the launcher does when the ranks start again
+    assert failure_records.crashes(first) == [] and failure_records.crashes(second) != []
+    # Under c10d the restart count differs between nodes; the ranks' meeting port does not.
+    monkeypatch.setenv(job_store.JOB_STORE_ENV, f"127.0.0.1:{agent.port}")
+    assert not failure_records.a_rank_said_why()  # published without it: another key
+    monkeypatch.setenv("RANK", "3")
+    try:
+        raise ValueError("rank 3 again")
+    except ValueError as e:
+        assert failure_records.note_crash(e, None)
+    monkeypatch.setenv("RANK", "0")
+    failure_records.clear_crashes(first)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert failure_records.a_rank_said_why()
+    monkeypatch.setenv("MASTER_PORT", str(agent.port + 1))
+    failure_records.clear_crashes(first)
+    assert not failure_records.a_rank_said_why()
+
+
+class _Failure:
+    """What torchrun's ``ProcessFailure`` offers the launcher."""
+
+    def __init__(self, exitcode: int, timestamp: int = 100):
+        self.exitcode, self.timestamp = exitcode, timestamp
+
+    def signal_name(self) -> str:
+        return signal.Signals(-self.exitcode).name
+
+
+def _crash(rank: int, error: str = "ValueError: boom", *, remote: bool = False) -> dict:
+    record = {"rank": rank, "error": error, "log": f"logs/run/rank{rank}.log", "host": "node-b"}
+    record |= {"local_rank": rank % 2, "attempt": 0, "time": float(rank), "traceback": "T\nV"}
+    return record | ({"copied_by": 5} if remote else {})
+
+
+@pytest.mark.parametrize(
+    "codes, crashed, line",
+    [
+        # The crashed rank was killed while it exited, after the rank that lost it: still first.
+        (
+            {0: 4, 1: -15},
+            [_crash(1)],
+            "rank 1 raised ValueError: boom (traceback in logs/run/rank1.log) "
+            "(then rank 0 lost contact and stopped)",
+        ),
+        (
+            {0: 1, 1: 1},
+            [_crash(0), _crash(1)],
+            "ranks 0, 1 raised ValueError: boom (rank 0's traceback in logs/run/rank0.log)",
+        ),
+        # Another node's crash, copied here by the rank that lost it.
+        (
+            {4: 4, 5: 4},
+            [_crash(1, remote=True)],
+            "rank 1, on node-b, raised ValueError: boom (traceback in logs/run/rank1.log there) "
+            "(then ranks 4, 5 lost contact and stopped)",
+        ),
+        # A kill here at the same moment is a cause too.
+        (
+            {4: -9, 5: 4},
+            [_crash(1, remote=True)],
+            "rank 1, on node-b, raised ValueError: boom (traceback in logs/run/rank1.log there); "
+            "rank 4 was killed by SIGKILL (then rank 5 lost contact and stopped)",
+        ),
+    ],
+)
+def test_the_launcher_names_a_recorded_exception_first(codes, crashed, line):
+    assert launcher._causes({r: _Failure(c) for r, c in codes.items()}, crashed) == line
+
+
+def test_a_crashed_ranks_traceback_is_shown_where_its_console_was_not():
+    crash = _crash(1)
+    assert launcher._hidden_traceback([crash], shown={0}) == ["[rank1]: T", "[rank1]: V"]
+    assert launcher._hidden_traceback([crash], shown={0, 1}) == []  # it is above
+    assert launcher._hidden_traceback([crash], shown=None) == []  # every console is shown
+    assert launcher._hidden_traceback([_crash(1, remote=True)], shown={0}) == []  # another node's
+    assert launcher._shown_ranks("0,1") == {0, 1} and launcher._shown_ranks(None) is None
