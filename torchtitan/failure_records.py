@@ -26,19 +26,23 @@ from pathlib import Path
 from torchtitan import job_store
 
 FAILURE_DIR_ENV = "TITAN_FAILURE_DIR"
+ATTEMPT_START_ENV = "TITAN_ATTEMPT_START"  # when the launcher started this attempt's ranks
 PREEMPTED_EXIT_CODE = 75  # components/preemption.EXIT_CODE (this module imports no torch)
 LOST_PEER_EXIT_CODE = 4  # a rank whose collective lost another rank (train.py)
 HANG_EXIT_CODE = 124  # a rank its hang watchdog ended (tools/watchdog.py)
 # What a collective or the store raises on a rank whose peer died: gloo, the peer's socket
-# closed or reset; NCCL, ncclRemoteError ("remote process exited or there was a network error").
+# closed or reset; NCCL, ncclRemoteError ("remote process exited or there was a network error");
+# the store, "Failed to recv, got 0 bytes. Connection was likely closed. ...".
 # Read by distributed/utils.lost_peer, and by the launcher's filter of gloo's C++ log lines.
 LOST_PEER_MARKERS = (
     "Connection closed by peer",
     "Connection reset by peer",
     "Broken pipe",
     "remote process exited",
+    "Connection was likely closed",  # the store's, when the rank hosting it went away
 )
-_TRACEBACK_LINES = 200  # a crash's traceback is kept to its last lines (the raise is at the end)
+# A crash's traceback is kept to its first and last lines (the raise is at the end).
+_TRACEBACK_HEAD, _TRACEBACK_TAIL = 40, 160
 
 
 def refuse(code: int, message: str) -> bool:
@@ -56,38 +60,43 @@ def note_crash(error: BaseException, log_file: str | None) -> bool:
     """Record that this rank ends with ``error`` (an exception it did not expect; its traceback
     is also in ``log_file``), before it propagates: a rank that loses this one then finds why
     (:func:`a_rank_said_why`), and the launcher names it first. Returns whether a launcher
-    will read it."""
-    text = str(error).strip()
-    first_line = text.splitlines()[0][:500] if text else ""
-    lines = "".join(traceback.format_exception(error)).rstrip().splitlines()
-    record = {
-        "error": f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__,
-        "traceback": "\n".join(lines[-_TRACEBACK_LINES:]),
-        "log": str(log_file) if log_file else None,
-        "host": socket.gethostname(),
-        "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
-        "time": time.time(),
-    }
-    if not write_record("crash-rank", record):
+    will read it; never raises (the caller's exception is the story)."""
+    try:
+        text = str(error).strip()
+        first_line = text.splitlines()[0] if text else ""
+        if len(first_line) > 500:
+            first_line = first_line[:500] + "..."
+        lines = "".join(traceback.format_exception(error)).rstrip().splitlines()
+        if len(lines) > _TRACEBACK_HEAD + _TRACEBACK_TAIL:
+            cut = len(lines) - _TRACEBACK_HEAD - _TRACEBACK_TAIL
+            where = f"; all of it in {log_file}" if log_file else ""
+            marker = f"... {cut} lines cut{where} ..."
+            lines = lines[:_TRACEBACK_HEAD] + [marker] + lines[-_TRACEBACK_TAIL:]
+        record = {
+            "error": f"{type(error).__name__}: {first_line}"
+            if first_line
+            else type(error).__name__,
+            "traceback": "\n".join(lines),
+            "log": str(log_file) if log_file else None,
+            "host": socket.gethostname(),
+            "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+            "time": time.time(),
+        }
+        if not write_record("crash-rank", record):
+            return False
+        shared = {k: v for k, v in record.items() if k != "traceback"}  # others print a line
+        job_store.publish("crash", {"rank": _rank(), **shared})
+        return True
+    except Exception:  # a record that cannot be made (a full disk, an unprintable error)
         return False
-    shared = {k: v for k, v in record.items() if k != "traceback"}  # other nodes print one line
-    job_store.publish("crash", {"rank": _rank(), **shared})
-    return True
 
 
 def a_rank_said_why() -> bool:
-    """Whether a rank of this job has recorded why it stopped (a refusal, a non-finite step, an
-    exception) in this attempt (the launcher clears its folder's crashes at each start of
-    the ranks): a rank that then loses a peer in a collective has nothing to
-    add to what the launcher prints. Not which rank: a kill of another rank at the same moment
-    is then told only by torchrun's exit codes.
-
-    This node's ranks are in the launcher's folder. A rank on another node published its
-    record in the job's store (``job_store.py``); found there, it is copied to this node's
-    folder, so that this node's launcher names it too (a refusal: the same line and exit code,
-    and no restart, since the other node would not come back to meet its ranks). That takes a
-    rank that notices the lost peer while the store is there (the launcher's ``_LINGER_S``):
-    gloo's at once."""
+    """Whether a rank of this attempt has said why it stopped (refused, stopped on a non-finite
+    step, raised): a rank that then loses a peer has nothing to add to what the launcher
+    prints. Another node's rank said it in the job's store; found there, it is copied to this
+    node's folder so that this launcher names it too. That takes a rank that notices the lost
+    peer while the store is there (the launcher's ``_LINGER_S``): gloo's at once."""
     folder = os.environ.get(FAILURE_DIR_ENV)
     if not folder:
         return False
@@ -96,7 +105,9 @@ def a_rank_said_why() -> bool:
     found = job_store.published()
     if (refusal := found.get("refusal")) is not None:
         return write_record("rank", refusal, rank=refusal["rank"])
-    if (crash := found.get("crash")) is not None:
+    crash = found.get("crash")
+    started = float(os.environ.get(ATTEMPT_START_ENV, "0"))
+    if crash is not None and crash["time"] >= started - 1:  # not an earlier attempt's
         copy = {**crash, "copied_by": _rank()}
         return write_record("crash-rank", copy, rank=crash["rank"])
     return False

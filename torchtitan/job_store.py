@@ -1,14 +1,16 @@
-"""The job's first refusal and first crash, shared across nodes through a store every rank
-reaches.
+"""The job's first refusal and an attempt's first crash, shared across nodes through a store
+every rank reaches.
 
 Each node's launcher collects its own ranks' records in a folder (``failure_records.py``). A
 rank of another node only sees its peer go away; it reads the record here and hands it to its
-own launcher, so every node names the same cause (and none restarts after a refusal). The store is the c10d
-rendezvous's (``JOB_STORE_ENV``, ``host:port``, set by the launcher from ``--rdzv_endpoint``:
-hosted by one node's agent for the whole job), else the one torchrun's ranks meet in
-(``MASTER_ADDR:MASTER_PORT``: the first node's agent's under the static rendezvous; under c10d
-with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which the launcher sets with restarts on, rank
-0's own, which goes with rank 0). One node's job never uses it: its folder is enough.
+own launcher, so every node names the same cause (and none restarts after a refusal).
+
+The store is the c10d rendezvous's (``JOB_STORE_ENV``, ``host:port``, set by the launcher from
+``--rdzv_endpoint``: hosted by one node's agent for the whole job), else the one torchrun's
+ranks meet in (``MASTER_ADDR:MASTER_PORT``: the first node's agent's under the static
+rendezvous; under c10d with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which the launcher sets
+with restarts on, rank 0's own, which goes with rank 0). One node's job never uses it: its
+folder is enough.
 
 Every exchange is bounded: ``TCPStore``'s client blocks without end on an address that accepts
 connections but never answers, so the exchange runs in a daemon thread given
@@ -41,14 +43,12 @@ _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
 
 
 def key(kind: str) -> str:
-    """One key per kind of record and torchrun run (``--rdzv_id``: the Slurm job's id): another
-    job meeting at the same address (a store is shared by every client of its port) reads its
-    own. A refusal ends the run; a crash is its attempt's: keyed also by where that attempt's
-    ranks meet (``MASTER_ADDR:MASTER_PORT``: under the c10d rendezvous with restarts on, rank
-    0's own store on a port of its own per attempt, since the launcher stops torchrun sharing
-    one) and, under the static rendezvous, whose port every attempt shares, by the restart
-    count (the same on every node there: each restarts when its ranks fail; not under c10d,
-    where a node restarts without counting when another arrives to meet again)."""
+    """One key per kind, torchrun run (``--rdzv_id``) and, for a crash, attempt: another job at
+    the same address reads its own, and a restarted attempt not an earlier one's. An attempt
+    is where its ranks meet (``MASTER_ADDR:MASTER_PORT``: a port of its own per attempt under
+    c10d with restarts on, see the launcher), plus the restart count under the static
+    rendezvous, which shares one port (there every node counts alike; under c10d a node
+    restarts without counting when another comes back)."""
     run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     if kind == "refusal":
         return f"titan/refusal/{run}"

@@ -19,7 +19,8 @@ other nodes' launchers through the job's store. When the job fails:
 - when the hang watchdog ended ranks, their flight-recorder dumps read together: who waited
   for whom (``tools/hang_report.py``).
 
-The ranks' lines carry their global rank (``[rank9]:``), on every node. ``run_train.sh`` and
+The ranks' lines carry their global rank on every node (``[rank9]:`` with the scripts'
+``--role rank``). ``run_train.sh`` and
 ``multinode_trainer.slurm`` start ranks through it.
 
 Two more things a long job needs:
@@ -50,6 +51,7 @@ from pathlib import Path
 
 from torchtitan import job_store
 from torchtitan.failure_records import (
+    ATTEMPT_START_ENV,
     FAILURE_DIR_ENV,
     HANG_EXIT_CODE,
     LOST_PEER_EXIT_CODE,
@@ -141,14 +143,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not any(a.split("=")[0] in ("--signals_to_handle", "--signals-to-handle") for a in args):
         args = ["--signals_to_handle", SIGNALS_TO_HANDLE, *args]
-    if _max_restarts(args) > 0:
-        # The ranks' store is the agent's by default, shared by every attempt, and the keys of
-        # the process group's first attempt are still in it: restarted gloo ranks can read
-        # their dead predecessors' addresses and hang (pytorch/pytorch#135712). Without
-        # sharing, each attempt's rank 0 hosts a fresh store on a fresh port.
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         parsed = torchrun.parse_args(args)
+        if parsed.max_restarts > 0:
+            # The ranks' store is the agent's by default, shared by every attempt, and the keys
+            # of the process group's first attempt are still in it: restarted gloo ranks can
+            # read their dead predecessors' addresses and hang (pytorch/pytorch#135712).
+            # Without sharing, each attempt's rank 0 hosts a fresh store on a fresh port.
+            os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         watch = _watch_agent(folder, _shown_ranks(parsed.local_ranks_filter))
         os.environ.pop(job_store.JOB_STORE_ENV, None)  # not another launcher's
         if parsed.rdzv_backend == "c10d" and parsed.rdzv_endpoint:
@@ -179,14 +181,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         # recorded, says why in its own lines: torchrun's report (exit codes, no traceback)
         # adds nothing then.
         told = {c["rank"] for c in crashed}
+        earliest = min(f.timestamp for f in e.failures.values())
         if any(
-            r not in told and f.exitcode not in (HANG_EXIT_CODE, LOST_PEER_EXIT_CODE)
-            for r, f in _first(e.failures, crashed).items()
+            r not in told
+            and not _follows(f, earliest)
+            and f.exitcode not in (HANG_EXIT_CODE, LOST_PEER_EXIT_CODE)
+            for r, f in e.failures.items()
         ):
             print(e.format_msg(), file=sys.stderr)
         # torchrun's "Root Cause" is the earliest failure it saw, and a rank that lost contact
         # with a dead one can be seen first; this line orders them by what they say.
-        lines = [*_hidden_traceback(crashed, watch.shown), "[launcher] the job failed: "]
+        lines = [
+            *_hidden_traceback(crashed, e.failures, watch.shown),
+            "[launcher] the job failed: ",
+        ]
         lines[-1] += _causes(e.failures, crashed)
         print(*lines, *watch.hang, sep="\n", file=sys.stderr)
         return 1
@@ -198,10 +206,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if records := refusals(folder):
             return _print_refusal(records)
         cause = (str(e.__cause__ or e).strip().splitlines() or [type(e).__name__])[0]
-        if watch.restarting is not None and isinstance(e, RendezvousConnectionError):
-            # The ranks failed and this node came back to meet again: the host had ended. (An
-            # agent also restarts its ranks, without counting it, when a node arrives to meet
-            # again, so one node can have a restart left that the others do not.)
+        if watch.restarting is not None:
+            # The ranks failed and this node came back to meet again, but the other nodes had
+            # ended (closed the rendezvous, or taken its store along). An agent also restarts
+            # its ranks without counting it when a node arrives to meet again, so one node can
+            # have a restart left that the others do not.
             print(
                 f"[launcher] the job failed: {watch.restarting}; the other nodes did not come "
                 f"back to restart ({cause})",
@@ -226,16 +235,6 @@ def _print_refusal(records: list[dict]) -> int:
     same = sorted(r["rank"] for r in others if r["message"] == first["message"])
     print(format_refusal(first, also=same), file=sys.stderr)
     return int(first["code"])
-
-
-def _max_restarts(args: Sequence[str]) -> int:
-    """torchrun's ``--max-restarts`` (or ``--max_restarts``) in ``args``; 0 when absent."""
-    for i, arg in enumerate(args):
-        name, _, value = arg.partition("=")
-        if name in ("--max-restarts", "--max_restarts"):
-            value = value or (args[i + 1] if i + 1 < len(args) else "0")
-            return int(value) if value.isdigit() else 0
-    return 0
 
 
 class _Watch:
@@ -270,6 +269,7 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
     def start_afresh(agent, worker_group):
         clear_crashes(folder)  # the earlier attempt's ranks are stopped
         watch.restarting = None
+        os.environ[ATTEMPT_START_ENV] = str(time.time())  # the ranks inherit it
         return start(agent, worker_group)
 
     def monitor_and_report(agent, worker_group):
@@ -293,7 +293,7 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
             spec = worker_group.spec
             causes = watch.restarting = _causes(result.failures, crashed)
             print(
-                *_hidden_traceback(crashed, watch.shown),
+                *_hidden_traceback(crashed, result.failures, watch.shown),
                 f"[launcher] restart {spec.max_restarts - left + 1} of {spec.max_restarts}: "
                 f"{causes}; restarting every rank from the last complete checkpoint",
                 *hang,
@@ -303,8 +303,8 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
             )
         else:
             watch.hang = hang  # printed after torchrun's report of the failure
-            if several_nodes and any("copied_by" not in c for c in crashed):
-                time.sleep(_LINGER_S)  # this node's crash, read by the others: see _LINGER_S
+            if several_nodes and crashed:
+                time.sleep(_LINGER_S)  # a crash the others read, maybe in this node's store
         return result
 
     monitor_and_report.wrapped = monitor
@@ -324,51 +324,62 @@ def _shown_ranks(local_ranks_filter: str | None) -> set[int] | None:
         return None  # torchrun refuses it itself
 
 
-def _hidden_traceback(crashed: list[dict], shown: set[int] | None) -> list[str]:
-    """The first crash's traceback, prefixed by its rank, when it happened on this node and no
-    crashed rank's console was shown (``LOG_RANK``); else nothing (it is above, or on its own
-    node's console)."""
-    own = [c for c in crashed if "copied_by" not in c]
-    if not own or shown is None or any(c.get("local_rank") in shown for c in own):
+def _hidden_traceback(crashed: list[dict], failures: dict, shown: set[int] | None) -> list[str]:
+    """The traceback of the crash that started it, prefixed by its rank, when it happened on
+    this node and ``LOG_RANK`` hid that rank's console; else nothing (it is above, or on its
+    own node's console)."""
+    causes = _crash_split(crashed, failures)[0]
+    if not causes or "copied_by" in causes[0] or shown is None:
         return []
-    first = own[0]
+    first = causes[0]
+    if first.get("local_rank") in shown:
+        return []
     return [f"[rank{first['rank']}]: {line}" for line in first.get("traceback", "").splitlines()]
 
 
-def _first(failures: dict, crashed: list[dict]) -> dict:
-    """The failures that started it (see :func:`_causes`), by rank; a rank whose exception is
-    recorded always is one."""
-    earliest = min(f.timestamp for f in failures.values())
+def _follows(failure, earliest: int) -> bool:
+    """Whether a failure without a record only followed the first ones torchrun saw: it lost a
+    peer, torchrun stopped it, or it ended later (``timestamp`` in whole seconds)."""
+    return failure.timestamp > earliest or failure.exitcode in (LOST_PEER_EXIT_CODE, -_SIGTERM)
+
+
+def _crash_split(crashed: list[dict], failures: dict) -> tuple[list[dict], list[dict]]:
+    """The recorded exceptions that started it, and those that followed. A rank that raised
+    is a cause even when torchrun saw it end after the ranks that lost it (killed while it
+    exited); but an exception raised a second or more after the first one, or after a failure
+    without a record (a kill), is a consequence: a rank that raised because its peer died."""
+    if not crashed:
+        return [], []
+    earliest = min(f.timestamp for f in failures.values()) if failures else 0
     told = {c["rank"] for c in crashed}
+    unrecorded = [
+        f.timestamp for r, f in failures.items() if r not in told and not _follows(f, earliest)
+    ]
+    limit = min([crashed[0]["time"] + 1, *(t + 1 for t in unrecorded)])
+    causes = [c for c in crashed if c["time"] < limit]
+    return causes, [c for c in crashed if c not in causes]
 
-    def follows(rank: int, failure) -> bool:
-        late = failure.timestamp > earliest
-        return rank not in told and (late or failure.exitcode in (LOST_PEER_EXIT_CODE, -_SIGTERM))
 
-    first = {r: f for r, f in failures.items() if not follows(r, f)}
-    return first if first or crashed else failures
-
-
-def _causes(failures: dict, crashed: list[dict] = ()) -> str:
+def _causes(failures: dict, crashed: list[dict] | None = None) -> str:
     """The ranks' failures, those that started it first: ``rank 1 was killed by SIGKILL (then
-    rank 0 lost contact and stopped)``. A rank that raised an exception is named by it, from
-    its record in ``crashed`` (``rank 1 raised ValueError: ...``), also one of another node
-    (copied here by a rank that lost it). Following are a rank that stopped because a
-    collective lost a peer (``LOST_PEER_EXIT_CODE``), one ended by SIGTERM, and one that ended
-    after the first failures torchrun saw (its ``timestamp``, in seconds, is later: torchrun
-    stops the other ranks then, with SIGTERM and after a while SIGKILL, and a rank hung on a
-    dead peer under NCCL ends that way or by its own watchdog). When every failure is of that
-    kind and none is recorded (a network fault), they are all listed."""
-    first = _first(failures, crashed)
-    told = {c["rank"] for c in crashed}
-    lost = [r for r, f in failures.items() if r not in first and f.exitcode == LOST_PEER_EXIT_CODE]
-    stopped = [r for r in failures if r not in first and r not in lost and r not in told]
+    rank 0 lost contact and stopped)``; a recorded exception as ``rank 1 raised ValueError:
+    ...`` (also another node's, copied here by a rank that lost it). Then come the ranks that
+    followed (:func:`_follows`, :func:`_crash_split`); when every failure is of that kind and
+    none is recorded (a network fault), they are all listed."""
+    causes, after = _crash_split(crashed or [], failures)
+    told = {c["rank"] for c in causes + after}
+    earliest = min(f.timestamp for f in failures.values()) if failures else 0
+    first = {r: f for r, f in failures.items() if r not in told and not _follows(f, earliest)}
+    if not first and not causes:
+        first = {r: f for r, f in failures.items() if r not in told}
+    rest = [r for r in failures if r not in first and r not in told]
+    lost = [r for r in rest if failures[r].exitcode == LOST_PEER_EXIT_CODE]
+    stopped = [r for r in rest if r not in lost]
     then = [f"{ranks_text(lost)} lost contact and stopped"] if lost else []
     then += [f"{ranks_text(stopped)} stopped by torchrun"] if stopped else []
-    parts = _crash_causes(crashed)
-    parts += [_cause(rank, f) for rank, f in sorted(first.items()) if rank not in told]
-    line = "; ".join(parts)
-    return line + (f" (then {'; '.join(then)})" if then else "")
+    then += [f"{ranks_text([c['rank']])} failed too ({c['error'].split(':')[0]})" for c in after]
+    parts = _crash_causes(causes) + [_cause(rank, f) for rank, f in sorted(first.items())]
+    return "; ".join(parts) + (f" (then {'; '.join(then)})" if then else "")
 
 
 def _crash_causes(crashed: list[dict]) -> list[str]:
@@ -382,10 +393,9 @@ def _crash_causes(crashed: list[dict]) -> list[str]:
     for (error, where), records in groups.items():
         first, ranks = records[0], [r["rank"] for r in records]
         on = f", on {where}," if where else ""
-        log = first.get("log")
         whose = "" if len(ranks) == 1 else f"rank {first['rank']}'s "
         there = " there" if where else ""
-        tail = f" ({whose}traceback in {log}{there})" if log else ""
+        tail = f" ({whose}traceback in {first['log']}{there})" if first.get("log") else ""
         parts.append(f"{ranks_text(ranks)}{on} raised {error}{tail}")
     return parts
 

@@ -86,8 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             # The launcher names it as the cause, and shows this traceback where LOG_RANK hides
             # this rank's console: printed now, before this rank's process group goes and the
             # ranks that lose it end the job (torchrun may kill this process while it exits).
-            lines = traceback.format_exception(e)  # after torchrun's prefix, as log lines are
-            sys.stderr.write("".join(f" {line}" for line in "".join(lines).splitlines(True)))
+            text = "".join(traceback.format_exception(e))  # after torchrun's prefix, as logs are
+            sys.stderr.write("".join(f" {line}" for line in text.splitlines(True)))
             return CRASH_EXIT_CODE
         # A consequence, not a cause: the rank that died is the story, and torchrun reports
         # it. Thirty lines of this rank's stack inside a collective would bury it.

@@ -36,18 +36,6 @@ def test_the_launcher_and_the_ranks_agree_on_the_exit_code_and_records(tmp_path,
     assert failure_records.refusals(tmp_path) == []  # a preemption is not a refusal
 
 
-@pytest.mark.parametrize(
-    "args, restarts",
-    [
-        (["--nproc_per_node=2", "-m", "x"], 0),
-        (["--max-restarts", "3", "-m", "x"], 3),
-        (["--max_restarts=2", "-m", "x"], 2),
-    ],
-)
-def test_max_restarts_is_read_from_torchruns_arguments(args, restarts):
-    assert launcher._max_restarts(args) == restarts
-
-
 def test_a_preempted_message_says_what_was_saved():
     saved = preemption.Preempted(signal.SIGTERM, 12, "out/checkpoint/step-12")
     assert "saved out/checkpoint/step-12" in saved.message()

@@ -63,6 +63,12 @@ def test_a_lost_peer_is_found_under_the_error_raised_from_it():
 def test_the_store_and_nccl_report_through_torchs_distributed_errors():
     store = torch.distributed.DistNetworkError("Broken pipe")
     assert lost_peer(store) == "Broken pipe"
+    # A store op of a rank whose store host (rank 0, with restarts on) went away.
+    hosted = torch.distributed.DistNetworkError(
+        "Failed to recv, got 0 bytes. Connection was likely closed. Did the remote server "
+        "shutdown or crash?"
+    )
+    assert lost_peer(hosted) == "Failed to recv, got 0 bytes"
     # NCCL's wording for ncclRemoteError (the error name itself is on the second line).
     nccl = torch.distributed.DistBackendError(
         "NCCL error in: ProcessGroupNCCL.cpp:2073, remote process exited or there was a network "
@@ -263,27 +269,36 @@ def test_a_bad_record_in_the_store_is_not_taken(monkeypatch, tmp_path):
     assert not failure_records.a_rank_said_why() and failure_records.refusals(folder) == []
 
 
-@pytest.mark.parametrize("when", ["at_start", "refused", "while_running"])
+@pytest.mark.parametrize("when", ["at_start", "refused", "while_running", "restarting"])
 def test_a_rendezvous_error_is_one_line_or_the_refusal_found(monkeypatch, capsys, when):
     """torchrun raises ``RendezvousConnectionError`` when its store cannot be reached at the
     start, or, from its monitoring loop once the ranks run, when the node hosting it ended
     first: one line each, exit 1; or the refusal one of its ranks found in the job's store,
-    with its code."""
+    with its code. Coming back to restart after its ranks failed, it finds the rendezvous
+    closed (the others ended) and names the failure it was restarting from."""
     import logging
 
     from torch.distributed import DistNetworkError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+    )
 
-    class Healthy:
+    class Result:
+        failures = {1: _Failure(4)}
+
         def is_failed(self) -> bool:
-            return False
+            return when == "restarting"
 
     def run(args):
         if when != "at_start":
-            group = SimpleNamespace(spec=SimpleNamespace(max_restarts=0), workers=[])
-            LocalElasticAgent._monitor_workers(SimpleNamespace(), group)  # the ranks run
+            group = SimpleNamespace(spec=SimpleNamespace(max_restarts=1), workers=[])
+            agent = SimpleNamespace(_remaining_restarts=1)
+            LocalElasticAgent._monitor_workers(agent, group)  # the ranks run (and fail)
+        if when == "restarting":
+            raise RendezvousClosedError()
         if when == "refused":
             record = {"rank": 0, "code": 2, "message": "rank 0 refuses", "time": 0.0}
             monkeypatch.setenv("RANK", "1")
@@ -295,7 +310,8 @@ def test_a_rendezvous_error_is_one_line_or_the_refusal_found(monkeypatch, capsys
     monkeypatch.setattr(os, "environ", dict(os.environ))
     for stream in ("stdout", "stderr"):
         monkeypatch.setattr(sys, stream, getattr(sys, stream))
-    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda agent, group: Healthy())
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda agent, group: Result())
+    monkeypatch.setattr(LocalElasticAgent, "_start_workers", LocalElasticAgent._start_workers)
     for name in ("torch.distributed.run", "torch.distributed.elastic"):
         monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
     agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
@@ -305,6 +321,14 @@ def test_a_rendezvous_error_is_one_line_or_the_refusal_found(monkeypatch, capsys
     lines = capsys.readouterr().err.splitlines()
     if when == "refused":
         assert (code, lines) == (2, ["[rank0] error: rank 0 refuses"])
+        return
+    if when == "restarting":
+        restart, end = lines
+        assert restart.startswith("[launcher] restart 1 of 1: rank 1 exited with code 4")
+        assert end == (
+            "[launcher] the job failed: rank 1 exited with code 4 (a collective lost another "
+            "rank); the other nodes did not come back to restart (RendezvousClosedError)"
+        )
         return
     assert code == 1 and len(lines) == 1, lines
     if when == "at_start":
@@ -354,8 +378,12 @@ def test_a_crash_reaches_the_launchers_of_other_nodes_through_the_store(monkeypa
     failure_records.clear_crashes(first)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert failure_records.a_rank_said_why()
-    monkeypatch.setenv("MASTER_PORT", str(agent.port + 1))
+    # A crash older than this attempt's start (a store kept across attempts) is not taken.
     failure_records.clear_crashes(first)
+    monkeypatch.setenv(failure_records.ATTEMPT_START_ENV, str(time.time() + 10))
+    assert not failure_records.a_rank_said_why()
+    monkeypatch.delenv(failure_records.ATTEMPT_START_ENV)
+    monkeypatch.setenv("MASTER_PORT", str(agent.port + 1))
     assert not failure_records.a_rank_said_why()
 
 
@@ -371,7 +399,8 @@ class _Failure:
 
 def _crash(rank: int, error: str = "ValueError: boom", *, remote: bool = False) -> dict:
     record = {"rank": rank, "error": error, "log": f"logs/run/rank{rank}.log", "host": "node-b"}
-    record |= {"local_rank": rank % 2, "attempt": 0, "time": float(rank), "traceback": "T\nV"}
+    # _Failure's timestamp is 100 (seconds) by default: these crashes are just after it.
+    record |= {"local_rank": rank % 2, "time": 100.0 + rank / 10, "traceback": "T\nV"}
     return record | ({"copied_by": 5} if remote else {})
 
 
@@ -397,6 +426,18 @@ def _crash(rank: int, error: str = "ValueError: boom", *, remote: bool = False) 
             "rank 1, on node-b, raised ValueError: boom (traceback in logs/run/rank1.log there) "
             "(then ranks 4, 5 lost contact and stopped)",
         ),
+        # An exception a second or more after the first one, or after a kill, followed it.
+        (
+            {0: 1, 1: 1},
+            [_crash(0), _crash(1) | {"time": 101.5}],
+            "rank 0 raised ValueError: boom (traceback in logs/run/rank0.log) "
+            "(then rank 1 failed too (ValueError))",
+        ),
+        (
+            {1: -9, 0: _Failure(1, timestamp=130)},
+            [_crash(0, "DistBackendError: Watchdog timeout") | {"time": 130.0}],
+            "rank 1 was killed by SIGKILL (then rank 0 failed too (DistBackendError))",
+        ),
         # A kill here at the same moment is a cause too.
         (
             {4: -9, 5: 4},
@@ -407,13 +448,44 @@ def _crash(rank: int, error: str = "ValueError: boom", *, remote: bool = False) 
     ],
 )
 def test_the_launcher_names_a_recorded_exception_first(codes, crashed, line):
-    assert launcher._causes({r: _Failure(c) for r, c in codes.items()}, crashed) == line
+    failures = {r: c if isinstance(c, _Failure) else _Failure(c) for r, c in codes.items()}
+    assert launcher._causes(failures, crashed) == line
 
 
 def test_a_crashed_ranks_traceback_is_shown_where_its_console_was_not():
-    crash = _crash(1)
-    assert launcher._hidden_traceback([crash], shown={0}) == ["[rank1]: T", "[rank1]: V"]
-    assert launcher._hidden_traceback([crash], shown={0, 1}) == []  # it is above
-    assert launcher._hidden_traceback([crash], shown=None) == []  # every console is shown
-    assert launcher._hidden_traceback([_crash(1, remote=True)], shown={0}) == []  # another node's
+    """Rank 1's, when LOG_RANK shows only rank 0; also when the shown rank 0 raised too, but
+    later: a consequence."""
+    failures = {0: _Failure(4), 1: _Failure(1)}
+    shown = launcher._hidden_traceback([_crash(1)], failures, shown={0})
+    assert shown == ["[rank1]: T", "[rank1]: V"]
+    later = _crash(0) | {"time": 104.0}
+    assert launcher._hidden_traceback([_crash(1), later], failures, shown={0}) == shown
+    assert launcher._hidden_traceback([_crash(1)], failures, shown={0, 1}) == []  # it is above
+    assert launcher._hidden_traceback([_crash(1)], failures, shown=None) == []  # all are shown
+    remote = _crash(1, remote=True)
+    assert launcher._hidden_traceback([remote], failures, shown={0}) == []  # another node's
     assert launcher._shown_ranks("0,1") == {0, 1} and launcher._shown_ranks(None) is None
+
+
+def test_a_crash_record_keeps_a_long_tracebacks_ends_and_never_raises(monkeypatch, tmp_path):
+    """An error with 400 lines of message (a compiler's output) keeps the traceback's head and
+    its end, and says where all of it is; an error that cannot be printed leaves no record
+    rather than an exception of its own."""
+    folder = _node(monkeypatch, tmp_path, "only", rank=1, port=1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # one node: no store
+    try:
+        raise RuntimeError("compile failed\n" + "\n".join(f"line {i}" for i in range(400)))
+    except RuntimeError as e:
+        assert failure_records.note_crash(e, "logs/run/rank1.log")
+    [record] = failure_records.crashes(folder)
+    lines = record["traceback"].splitlines()
+    assert lines[0] == "Traceback (most recent call last):" and lines[-1] == "line 399"
+    assert len(lines) == 201 and "lines cut; all of it in logs/run/rank1.log" in lines[40]
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise ValueError("no")
+
+    failure_records.clear_crashes(folder)
+    assert not failure_records.note_crash(Unprintable(), None)
+    assert failure_records.crashes(folder) == []
