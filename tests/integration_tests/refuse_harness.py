@@ -2,8 +2,8 @@
 of the launcher given it) refuses its input while building (the others go on and wait for it
 in a collective), ``REFUSE_AFTER_S`` seconds late (0 by default): tests that the launcher
 shows that rank's line, and only it. With ``REFUSE_BY_CRASHING=1`` it raises a ``ValueError``
-instead, an exception the trainer does not expect. ``READ_REFUSAL_AFTER_S`` delays the other ranks' look
-into the job's store for a refusal or a crash, as a loaded node would.
+instead, an exception the trainer does not expect. ``READ_REFUSAL_AFTER_S`` delays the other
+ranks' look into the job's store for a refusal or a crash, as a loaded node would.
 
 Launched with ``python -m torchtitan.launcher`` like ``torchtitan.train``; the remaining
 arguments are trainer flags.

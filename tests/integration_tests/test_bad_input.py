@@ -280,11 +280,11 @@ def test_an_exception_on_another_node_is_named_by_every_node(tmp_path):
 
 
 def test_an_exception_on_a_hidden_rank_is_named_with_its_traceback(tmp_path):
-    """One node, ``LOG_RANK=0``: rank 1 raises while rank 0 waits for it in a collective. The
-    launcher shows rank 1's traceback (its console is hidden) and names its exception first,
-    though rank 0 may end before it; not torchrun's report of exit codes, nor rank 0's lost
-    peer (in its log file only)."""
-    result = _rank_1_fails(tmp_path, REFUSE_BY_CRASHING="1")
+    """One node, ``LOG_RANK=0``: rank 1 raises 2 s late while rank 0 waits for it in a
+    collective. The launcher shows rank 1's traceback (its console is hidden) and names its
+    exception first, though rank 0 may end before it; not torchrun's report of exit codes, nor
+    rank 0's lost peer (in its log file only)."""
+    result = _rank_1_fails(tmp_path, REFUSE_BY_CRASHING="1", REFUSE_AFTER_S="2")
     out = result.stdout + result.stderr
     assert result.returncode == 1, out[-3000:]
     lines = out.splitlines()
