@@ -55,12 +55,31 @@ def key(kind: str) -> str:
     attempt = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
     if not os.environ.get(JOB_STORE_ENV):
         attempt += f"/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    return f"titan/{kind}/{run}/{attempt}"
+    return _crash_key(run, attempt)
+
+
+def _crash_key(run: str, attempt: str) -> str:
+    return f"titan/crash/{run}/{attempt}"
+
+
+def crash_of_attempt(rendezvous: str, run: str, master: str) -> dict | None:
+    """For an agent (which has no rank's environment): the crash a rank published in the c10d
+    rendezvous's store (``rendezvous``, ``host:port``) in the attempt of torchrun run ``run``
+    whose ranks meet at ``master`` (``addr:port``), if any. Not quiet: an agent's stderr
+    carries its ranks' lines."""
+    addr, _, port = rendezvous.rpartition(":")
+    if not (addr and port.isdigit()):
+        return None
+
+    def read(store) -> dict | None:
+        return _checked(store, _crash_key(run, master), _FIELDS["crash"])
+
+    return _exchange(read, (addr, int(port)), quiet=False)
 
 
 def publish(kind: str, record: dict) -> None:
     """``record`` as the job's ``kind`` (``refusal`` or ``crash``), unless a rank was first."""
-    _exchange(lambda store: store.compare_set(key(kind), "", json.dumps(record)))
+    _exchange(lambda store: store.compare_set(key(kind), "", json.dumps(record)), _address())
 
 
 def published() -> dict[str, dict]:
@@ -68,21 +87,22 @@ def published() -> dict[str, dict]:
     record checked: a malformed one is left out)."""
 
     def read(store) -> dict[str, dict]:
-        found = {}
-        for kind, fields in _FIELDS.items():
-            if not store.check([key(kind)]):
-                continue
-            try:
-                record = json.loads(store.get(key(kind)))
-            except ValueError:
-                continue
-            if isinstance(record, dict) and all(
-                isinstance(record.get(k), t) for k, t in fields.items()
-            ):
-                found[kind] = record
-        return found
+        records = {kind: _checked(store, key(kind), fields) for kind, fields in _FIELDS.items()}
+        return {kind: record for kind, record in records.items() if record is not None}
 
-    return _exchange(read) or {}
+    return _exchange(read, _address()) or {}
+
+
+def _checked(store, record_key: str, fields: dict) -> dict | None:
+    """The record under ``record_key``, if there is one and it has ``fields`` of their types."""
+    if not store.check([record_key]):
+        return None
+    try:
+        record = json.loads(store.get(record_key))
+    except ValueError:
+        return None
+    ok = isinstance(record, dict) and all(isinstance(record.get(k), t) for k, t in fields.items())
+    return record if ok else None
 
 
 def _address() -> tuple[str, int] | None:
@@ -103,10 +123,13 @@ def _address() -> tuple[str, int] | None:
     return (addr, int(port)) if addr and port.isdigit() else None
 
 
-def _exchange(use: Callable[[Any], Any]) -> Any:
-    """``use(store)`` with a client of the job's store, within ``_DEADLINE_S``; None when there
-    is no store, it is gone, or it does not answer."""
-    if (address := _address()) is None:
+def _exchange(
+    use: Callable[[Any], Any], address: tuple[str, int] | None, *, quiet: bool = True
+) -> Any:
+    """``use(store)`` with a client of the store at ``address``, within ``_DEADLINE_S`` (with
+    ``quiet``, stderr silenced meanwhile); None when there is no store, it is gone, or it does
+    not answer."""
+    if address is None:
         return None
     try:  # a refused connection fails here at once; TCPStore would retry it until its timeout
         socket.create_connection(address, timeout=_TIMEOUT_S).close()
@@ -123,7 +146,7 @@ def _exchange(use: Callable[[Any], Any]) -> Any:
         except (RuntimeError, ValueError):  # DistError (a RuntimeError), a bad record
             pass
 
-    with _stderr_silenced():
+    with _stderr_silenced() if quiet else contextlib.nullcontext():
         thread = threading.Thread(target=run, name="titan-job-store", daemon=True)
         thread.start()
         thread.join(_DEADLINE_S)

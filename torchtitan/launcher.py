@@ -265,6 +265,20 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
         LocalElasticAgent._monitor_workers, "wrapped", LocalElasticAgent._monitor_workers
     )
     start = getattr(LocalElasticAgent._start_workers, "wrapped", LocalElasticAgent._start_workers)
+    restart = getattr(
+        LocalElasticAgent._restart_workers, "wrapped", LocalElasticAgent._restart_workers
+    )
+
+    def restart_and_report(agent, worker_group):
+        if watch.restarting is None:  # its ranks are healthy: another node came back to meet
+            why = _other_node_restarted(worker_group)
+            watch.restarting = why
+            print(
+                f"[launcher] restarting every rank: {why}; from the last complete checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+        return restart(agent, worker_group)
 
     def start_afresh(agent, worker_group):
         clear_crashes(folder)  # the earlier attempt's ranks are stopped
@@ -309,9 +323,27 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
 
     monitor_and_report.wrapped = monitor
     start_afresh.wrapped = start
+    restart_and_report.wrapped = restart
     LocalElasticAgent._monitor_workers = monitor_and_report
     LocalElasticAgent._start_workers = start_afresh
+    LocalElasticAgent._restart_workers = restart_and_report
     return watch
+
+
+def _other_node_restarted(worker_group) -> str:
+    """Why another node came back to meet: the crash a rank of this attempt published in the
+    rendezvous's store, if any (under NCCL this node's ranks may still be waiting in a
+    collective for the rank that died, and say nothing)."""
+    other = "another node restarted its ranks"
+    rendezvous = os.environ.get(job_store.JOB_STORE_ENV)
+    if not rendezvous:
+        return other
+    run = worker_group.spec.rdzv_handler.get_run_id()
+    master = f"{worker_group.master_addr}:{worker_group.master_port}"
+    crash = job_store.crash_of_attempt(rendezvous, run, master)
+    if crash is None:
+        return other
+    return f"{other}: {_crash_causes([crash | {'copied_by': None}])[0]}"  # another node's
 
 
 def _shown_ranks(local_ranks_filter: str | None) -> set[int] | None:

@@ -489,3 +489,38 @@ def test_a_crash_record_keeps_a_long_tracebacks_ends_and_never_raises(monkeypatc
     failure_records.clear_crashes(folder)
     assert not failure_records.note_crash(Unprintable(), None)
     assert failure_records.crashes(folder) == []
+
+
+def test_a_restart_for_another_nodes_return_is_said_with_its_crash(monkeypatch, tmp_path, capsys):
+    """An agent whose ranks are healthy restarts them, without counting a restart, when
+    another node comes back to meet again (its rank raised; under NCCL this node's ranks may
+    still wait for it in a collective and say nothing): the launcher says so, with the crash
+    that rank published in the rendezvous's store for this attempt."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    for name in ("_monitor_workers", "_start_workers", "_restart_workers"):
+        monkeypatch.setattr(LocalElasticAgent, name, getattr(LocalElasticAgent, name))
+    restarted = []
+    monkeypatch.setattr(LocalElasticAgent, "_restart_workers", lambda a, g: restarted.append(g))
+    monkeypatch.setattr(LocalElasticAgent, "_start_workers", lambda a, g: None)
+    rendezvous = _store()
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setenv(job_store.JOB_STORE_ENV, f"127.0.0.1:{rendezvous.port}")
+    record = {"rank": 3, "error": "ValueError: boom", "host": "node-b", "time": 1.0, "log": "L"}
+    rendezvous.set("titan/crash/job7/10.0.0.1:29501", json.dumps(record))
+    launcher._watch_agent(str(tmp_path), None)
+    handler = SimpleNamespace(get_run_id=lambda: "job7")
+    group = SimpleNamespace(
+        spec=SimpleNamespace(rdzv_handler=handler), master_addr="10.0.0.1", master_port=29501
+    )
+    LocalElasticAgent._restart_workers(SimpleNamespace(), group)
+    LocalElasticAgent._start_workers(SimpleNamespace(), group)  # the ranks start again
+    group.master_port = 29502  # another attempt: no crash published in it
+    LocalElasticAgent._restart_workers(SimpleNamespace(), group)
+    assert restarted == [group, group]
+    assert capsys.readouterr().err.splitlines() == [
+        "[launcher] restarting every rank: another node restarted its ranks: rank 3, on node-b, "
+        "raised ValueError: boom (traceback in L there); from the last complete checkpoint",
+        "[launcher] restarting every rank: another node restarted its ranks; from the last "
+        "complete checkpoint",
+    ]
