@@ -74,6 +74,7 @@ SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 # failing rank's process exits, and read it from the store in the meantime (milliseconds,
 # unloaded).
 _LINGER_S = 5.0
+_CRASH_GROUPS_SHOWN = 3  # different exceptions named in one line; the rest by their ranks
 
 
 def hang_lines(folder: str | Path, world_size: int | None) -> list[str]:
@@ -416,19 +417,22 @@ def _causes(failures: dict, crashed: list[dict] | None = None) -> str:
 
 def _crash_causes(crashed: list[dict]) -> list[str]:
     """``rank 1 raised ValueError: ... (traceback in <log>)``, ranks that raised alike named
-    together; another node's with its host."""
+    together; another node's with its host. Past three different errors (eight ranks out of
+    memory, each by its own count of bytes), the rest are only counted."""
     groups: dict[tuple, list[dict]] = {}
     for record in crashed:
         where = record["host"] if "copied_by" in record else None
         groups.setdefault((record["error"], where), []).append(record)
-    parts = []
-    for (error, where), records in groups.items():
+    parts, shown = [], list(groups.items())[:_CRASH_GROUPS_SHOWN]
+    for (error, where), records in shown:
         first, ranks = records[0], [r["rank"] for r in records]
         on = f", on {where}," if where else ""
         whose = "" if len(ranks) == 1 else f"rank {first['rank']}'s "
         there = " there" if where else ""
         tail = f" ({whose}traceback in {first['log']}{there})" if first.get("log") else ""
         parts.append(f"{ranks_text(ranks)}{on} raised {error}{tail}")
+    if rest := [r["rank"] for _, records in list(groups.items())[len(shown) :] for r in records]:
+        parts.append(f"{ranks_text(rest)} raised too (see their log files)")
     return parts
 
 

@@ -438,6 +438,13 @@ def _crash(rank: int, error: str = "ValueError: boom", *, remote: bool = False) 
             [_crash(0, "DistBackendError: Watchdog timeout") | {"time": 130.0}],
             "rank 1 was killed by SIGKILL (then rank 0 failed too (DistBackendError))",
         ),
+        # Past three different errors, the rest are only counted.
+        (
+            {r: 1 for r in range(5)},
+            [_crash(r, f"OutOfMemoryError: {r} GiB") | {"log": None} for r in range(5)],
+            "rank 0 raised OutOfMemoryError: 0 GiB; rank 1 raised OutOfMemoryError: 1 GiB; "
+            "rank 2 raised OutOfMemoryError: 2 GiB; ranks 3, 4 raised too (see their log files)",
+        ),
         # A kill here at the same moment is a cause too.
         (
             {4: -9, 5: 4},
