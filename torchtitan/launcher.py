@@ -20,8 +20,7 @@ other nodes' launchers through the job's store. When the job fails:
   for whom (``tools/hang_report.py``).
 
 The ranks' lines carry their global rank on every node (``[rank9]:`` with the scripts'
-``--role rank``). ``run_train.sh`` and
-``multinode_trainer.slurm`` start ranks through it.
+``--role rank``). ``run_train.sh`` and ``multinode_trainer.slurm`` start ranks through it.
 
 Two more things a long job needs:
 
@@ -192,12 +191,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(e.format_msg(), file=sys.stderr)
         # torchrun's "Root Cause" is the earliest failure it saw, and a rank that lost contact
         # with a dead one can be seen first; this line orders them by what they say.
-        lines = [
-            *_hidden_traceback(crashed, e.failures, watch.shown),
-            "[launcher] the job failed: ",
-        ]
-        lines[-1] += _causes(e.failures, crashed)
-        print(*lines, *watch.hang, sep="\n", file=sys.stderr)
+        causes = _causes(e.failures, crashed)
+        hidden = _hidden_traceback(crashed, e.failures, watch.shown)
+        failed = f"[launcher] the job failed: {causes}"
+        print(*hidden, failed, *watch.hang, sep="\n", file=sys.stderr)
         return 1
     except RendezvousError as e:
         # Several nodes. Once the ranks run, this agent keeps watching the rendezvous, and the
@@ -255,10 +252,10 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
 
     torchrun's agent decides restarts in its monitoring loop and logs them without the cause;
     the failure is in the ``RunResult`` that ``_monitor_workers`` (the method an agent
-    implements) returns, so this wraps that method of the local agent; and its
-    ``_start_workers``, to forget the crashes of an earlier attempt. (An agent also restarts
-    its ranks, without counting a restart, when another node arrives to meet again: only a
-    start marks a new attempt on every node.)"""
+    implements) returns, so this wraps that method of the local agent. It also wraps
+    ``_restart_workers``, to say a restart the agent makes without counting it (its ranks
+    healthy, another node came back to meet again), and ``_start_workers``, to forget the
+    crashes of an earlier attempt (only a start marks a new attempt on every node)."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     watch = _Watch(shown)
