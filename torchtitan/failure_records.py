@@ -72,10 +72,9 @@ def note_crash(error: BaseException, log_file: str | None) -> bool:
             where = f"; all of it in {log_file}" if log_file else ""
             marker = f"... {cut} lines cut{where} ..."
             lines = lines[:_TRACEBACK_HEAD] + [marker] + lines[-_TRACEBACK_TAIL:]
+        name = type(error).__name__
         record = {
-            "error": f"{type(error).__name__}: {first_line}"
-            if first_line
-            else type(error).__name__,
+            "error": f"{name}: {first_line}" if first_line else name,
             "traceback": "\n".join(lines),
             "log": str(log_file) if log_file else None,
             "host": socket.gethostname(),

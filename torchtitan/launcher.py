@@ -180,14 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A rank ended by its watchdog, stopped on losing a peer, or whose exception is
         # recorded, says why in its own lines: torchrun's report (exit codes, no traceback)
         # adds nothing then.
-        told = {c["rank"] for c in crashed}
-        earliest = min(f.timestamp for f in e.failures.values())
-        if any(
-            r not in told
-            and not _follows(f, earliest)
-            and f.exitcode not in (HANG_EXIT_CODE, LOST_PEER_EXIT_CODE)
-            for r, f in e.failures.items()
-        ):
+        unrecorded = _unrecorded_causes(e.failures, crashed).values()
+        if any(f.exitcode not in (HANG_EXIT_CODE, LOST_PEER_EXIT_CODE) for f in unrecorded):
             print(e.format_msg(), file=sys.stderr)
         # torchrun's "Root Cause" is the earliest failure it saw, and a rank that lost contact
         # with a dead one can be seen first; this line orders them by what they say.
@@ -373,6 +367,14 @@ def _follows(failure, earliest: int) -> bool:
     return failure.timestamp > earliest or failure.exitcode in (LOST_PEER_EXIT_CODE, -_SIGTERM)
 
 
+def _unrecorded_causes(failures: dict, crashed: list[dict]) -> dict:
+    """The failures without a record (a kill, the watchdog, a lost peer's exit code) that did
+    not only follow the first ones torchrun saw, by rank."""
+    earliest = min(f.timestamp for f in failures.values()) if failures else 0
+    told = {c["rank"] for c in crashed}
+    return {r: f for r, f in failures.items() if r not in told and not _follows(f, earliest)}
+
+
 def _crash_split(crashed: list[dict], failures: dict) -> tuple[list[dict], list[dict]]:
     """The recorded exceptions that started it, and those that followed. A rank that raised
     is a cause even when torchrun saw it end after the ranks that lost it (killed while it
@@ -380,12 +382,8 @@ def _crash_split(crashed: list[dict], failures: dict) -> tuple[list[dict], list[
     without a record (a kill), is a consequence: a rank that raised because its peer died."""
     if not crashed:
         return [], []
-    earliest = min(f.timestamp for f in failures.values()) if failures else 0
-    told = {c["rank"] for c in crashed}
-    unrecorded = [
-        f.timestamp for r, f in failures.items() if r not in told and not _follows(f, earliest)
-    ]
-    limit = min([crashed[0]["time"] + 1, *(t + 1 for t in unrecorded)])
+    unrecorded = _unrecorded_causes(failures, crashed).values()
+    limit = min([crashed[0]["time"] + 1, *(f.timestamp + 1 for f in unrecorded)])
     causes = [c for c in crashed if c["time"] < limit]
     return causes, [c for c in crashed if c not in causes]
 
@@ -396,10 +394,10 @@ def _causes(failures: dict, crashed: list[dict] | None = None) -> str:
     ...`` (also another node's, copied here by a rank that lost it). Then come the ranks that
     followed (:func:`_follows`, :func:`_crash_split`); when every failure is of that kind and
     none is recorded (a network fault), they are all listed."""
-    causes, after = _crash_split(crashed or [], failures)
-    told = {c["rank"] for c in causes + after}
-    earliest = min(f.timestamp for f in failures.values()) if failures else 0
-    first = {r: f for r, f in failures.items() if r not in told and not _follows(f, earliest)}
+    crashed = crashed or []
+    causes, after = _crash_split(crashed, failures)
+    told = {c["rank"] for c in crashed}
+    first = _unrecorded_causes(failures, crashed)
     if not first and not causes:
         first = {r: f for r, f in failures.items() if r not in told}
     rest = [r for r in failures if r not in first and r not in told]

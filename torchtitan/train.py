@@ -79,14 +79,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.warning(f"Interrupted (SIGINT, Ctrl-C): stopped without saving; {_resumes(config)}")
         return INTERRUPTED_EXIT_CODE
     except Exception as e:
-        log_to_files_only(logging.ERROR, "".join(traceback.format_exception(e)).rstrip())
+        text = "".join(traceback.format_exception(e))
+        log_to_files_only(logging.ERROR, text.rstrip())
         if (words := dist_utils.lost_peer(e)) is None:
             if not failure_records.note_crash(e, log_file):
                 raise
             # The launcher names it as the cause, and shows this traceback where LOG_RANK hides
             # this rank's console: printed now, before this rank's process group goes and the
             # ranks that lose it end the job (torchrun may kill this process while it exits).
-            text = "".join(traceback.format_exception(e))  # after torchrun's prefix, as logs are
+            # After torchrun's prefix with a space, as log lines are.
             sys.stderr.write("".join(f" {line}" for line in text.splitlines(True)))
             return CRASH_EXIT_CODE
         # A consequence, not a cause: the rank that died is the story, and torchrun reports
