@@ -1,9 +1,12 @@
-"""The job's first refusal and an attempt's first crash, shared across nodes through a store
-every rank reaches.
+"""The job's first refusal, an attempt's first crash and the job's end, shared across nodes
+through a store every rank reaches.
 
 Each node's launcher collects its own ranks' records in a folder (``failure_records.py``). A
 rank of another node only sees its peer go away; it reads the record here and hands it to its
-own launcher, so every node names the same cause (and none restarts after a refusal).
+own launcher, so every node names the same cause (and none restarts after a refusal). The
+launcher whose failure ends the job says so in the c10d rendezvous's store too: another node's
+ranks may never see theirs go away (under NCCL they can wait in a collective until its timeout),
+and their launcher stops them.
 
 The store is the c10d rendezvous's (``JOB_STORE_ENV``, ``host:port``, set by the launcher from
 ``--rdzv_endpoint``: hosted by one node's agent for the whole job), else the one torchrun's
@@ -40,6 +43,16 @@ _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "refusal": {"rank": int, "code": int, "message": str, "time": (int, float)},
     "crash": {"rank": int, "error": str, "host": str, "time": (int, float)},
 }
+# What an agent publishes when its failure ends the job: its node (group rank), host, the
+# attempt's ``MASTER_ADDR:MASTER_PORT``, its line of causes and the crash records behind it.
+_END_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "node": int,
+    "host": str,
+    "master": str,
+    "causes": str,
+    "crashes": list,
+    "time": (int, float),
+}
 
 
 def key(kind: str) -> str:
@@ -67,14 +80,42 @@ def crash_of_attempt(rendezvous: str, run: str, master: str) -> dict | None:
     rendezvous's store (``rendezvous``, ``host:port``) in the attempt of torchrun run ``run``
     whose ranks meet at ``master`` (``addr:port``), if any. Not quiet: an agent's stderr
     carries its ranks' lines."""
-    addr, _, port = rendezvous.rpartition(":")
-    if not (addr and port.isdigit()):
-        return None
 
     def read(store) -> dict | None:
         return _checked(store, _crash_key(run, master), _FIELDS["crash"])
 
-    return _exchange(read, (addr, int(port)), quiet=False)
+    return _exchange(read, _rendezvous_address(rendezvous), quiet=False)
+
+
+def publish_end(rendezvous: str, run: str, record: dict) -> None:
+    """For an agent whose failure ends the job (no restart left, or a refusal): ``record``
+    (``_END_FIELDS``; a refusal's record under ``refusal``) as the job's end, in the c10d
+    rendezvous's store, unless another node's agent was first. The agents of nodes whose ranks
+    still run, waiting in a collective for ranks that are gone (NCCL's, which can wait until
+    their timeout), read it there (:func:`end_of_job`) and stop them."""
+    _exchange(
+        lambda store: store.compare_set(_end_key(run), "", json.dumps(record)),
+        _rendezvous_address(rendezvous),
+        quiet=False,
+    )
+
+
+def end_of_job(rendezvous: str, run: str) -> dict | None:
+    """The job's end, if an agent published one (:func:`publish_end`)."""
+
+    def read(store) -> dict | None:
+        return _checked(store, _end_key(run), _END_FIELDS)
+
+    return _exchange(read, _rendezvous_address(rendezvous), quiet=False)
+
+
+def _end_key(run: str) -> str:
+    return f"titan/end/{run}"
+
+
+def _rendezvous_address(rendezvous: str) -> tuple[str, int] | None:
+    addr, _, port = rendezvous.rpartition(":")
+    return (addr, int(port)) if addr and port.isdigit() else None
 
 
 def publish(kind: str, record: dict) -> None:

@@ -2,8 +2,10 @@
 each failure told once, by its cause.
 
 The ranks leave records of why they stop in a folder this launcher makes
-(``failure_records.py``); in a job of several nodes a refusal or a crash also reaches the
-other nodes' launchers through the job's store. When the job fails:
+(``failure_records.py``), and its lines are built from them (``failure_report.py``). In a job
+of several nodes a refusal or a crash also reaches the other nodes' launchers through the
+job's store, and the launcher whose failure ends the job says so there: another node's ranks
+still waiting for the dead ones (in an NCCL collective) are then stopped. When the job fails:
 
 - a rank that refused its input (exit code 2) or stopped on a non-finite step (3): the first
   such rank's one line, prefixed by the rank, whatever ``LOG_RANK`` shows, and its exit code;
@@ -41,14 +43,15 @@ This module imports torch only inside :func:`main`.
 import logging
 import os
 import shutil
+import signal
+import socket
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
-from torchtitan import job_store
+from torchtitan import failure_report, job_store
 from torchtitan.failure_records import (
     ATTEMPT_START_ENV,
     FAILURE_DIR_ENV,
@@ -60,47 +63,33 @@ from torchtitan.failure_records import (
     crashes,
     format_refusal,
     preempted,
-    read_records,
     refusals,
 )
-from torchtitan.tools import hang_report
 from torchtitan.tools.hang_report import ranks_text
 
-_SIGTERM = 15
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 # After a refusal or a crash in a job of several nodes, how long the agent waits before it ends
 # (and with it the store, when it hosts it): the other nodes' ranks learn of it when the
 # failing rank's process exits, and read it from the store in the meantime (milliseconds,
 # unloaded).
 _LINGER_S = 5.0
-_CRASH_GROUPS_SHOWN = 3  # different exceptions named in one line; the rest by their ranks
+# A node whose ranks still run when another node's failure ended the job (under NCCL they can
+# wait in a collective for the ranks that are gone until its timeout): how often its agent
+# looks for that end in the rendezvous's store, and how long its ranks then have to notice by
+# themselves (gloo's do at once) or, once one of them said why it stops, to finish leaving;
+# then they are killed. Poll and grace together stay within _LINGER_S.
+_END_POLL_S = 1.0
+_END_GRACE_S = 2.0
+_END_LEAVE_S = 30.0
 
 
-def hang_lines(folder: str | Path, world_size: int | None) -> list[str]:
-    """Who the ranks waited for, when the hang watchdog ended some (their records in
-    ``folder``): ``[launcher] the hang: ...`` lines; the records are then removed, so that a
-    restarted attempt's hang is read alone. (Its caller keeps an error here from hiding the
-    failure it reports on.)"""
-    records = read_records(folder, "hung-rank")
-    for path in Path(folder).glob("hung-rank*.json"):
-        path.unlink(missing_ok=True)
-    if not records:
-        return []
-    attempt = max(r.get("attempt", 0) for r in records)
-    run = os.environ.get("TITAN_RUN_ID")
-    dumps: dict = {}
-    for traces in sorted({r["traces"] for r in records}):
-        dumps |= hang_report.load(traces, run=run, attempt=attempt)
-    return [f"[launcher] the hang: {line}" for line in hang_report.diagnose(dumps, world_size)]
+class _EndedElsewhere(Exception):
+    """Another node's failure ended the job; this node's ranks (``ranks``) were still running
+    and have been stopped."""
 
-
-def _preemption_line(record: dict) -> str:
-    saved = record["checkpoint"]
-    where = f"saved {saved}" if saved else "nothing saved (checkpointing is off)"
-    return (
-        f"preempted by {record['signal']} after step {record['step']}: {where}; "
-        f"exit code {PREEMPTED_EXIT_CODE}, the same command resumes"
-    )
+    def __init__(self, ranks: list[int]):
+        super().__init__(f"the job ended on another node; stopped {ranks}")
+        self.ranks = ranks
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -159,13 +148,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 os.environ[job_store.JOB_STORE_ENV] = f"{host}:{port}"
         torchrun.run(parsed)
         if (record := preempted(folder)) is not None:
-            print(_preemption_line(record), file=sys.stderr)
+            print(failure_report.preemption_line(record), file=sys.stderr)
             return PREEMPTED_EXIT_CODE
         return 0
     except SignalException as e:
         # This process was signalled: torchrun passed the signal to the ranks and waited.
         if (record := preempted(folder)) is not None:
-            print(_preemption_line(record), file=sys.stderr)
+            print(failure_report.preemption_line(record), file=sys.stderr)
             return PREEMPTED_EXIT_CODE
         print(
             f"[launcher] stopped by {e.sigval.name}: the ranks stopped without saving (SIGTERM "
@@ -180,16 +169,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A rank ended by its watchdog, stopped on losing a peer, or whose exception is
         # recorded, says why in its own lines: torchrun's report (exit codes, no traceback)
         # adds nothing then.
-        unrecorded = _unrecorded_causes(e.failures, crashed).values()
+        unrecorded = failure_report.unrecorded_causes(e.failures, crashed).values()
         if any(f.exitcode not in (HANG_EXIT_CODE, LOST_PEER_EXIT_CODE) for f in unrecorded):
             print(e.format_msg(), file=sys.stderr)
         # torchrun's "Root Cause" is the earliest failure it saw, and a rank that lost contact
         # with a dead one can be seen first; this line orders them by what they say.
-        causes = _causes(e.failures, crashed)
-        hidden = _hidden_traceback(crashed, e.failures, watch.shown)
+        causes = failure_report.causes(e.failures, crashed)
+        hidden = failure_report.hidden_traceback(crashed, e.failures, watch.shown)
         failed = f"[launcher] the job failed: {causes}"
         print(*hidden, failed, *watch.hang, sep="\n", file=sys.stderr)
         return 1
+    except _EndedElsewhere as e:
+        return _print_ended_elsewhere(watch.ended, e.ranks)
     except RendezvousError as e:
         # Several nodes. Once the ranks run, this agent keeps watching the rendezvous, and the
         # node hosting it can end first (its ranks failed there; this agent then stops its
@@ -197,6 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # rendezvous could not be reached or made at all.
         if records := refusals(folder):
             return _print_refusal(records)
+        if watch.ended is not None:  # its store went with it before this node's ranks stopped
+            return _print_ended_elsewhere(watch.ended, None)
         cause = (str(e.__cause__ or e).strip().splitlines() or [type(e).__name__])[0]
         if watch.restarting is not None:
             # The ranks failed and this node came back to meet again, but the other nodes had
@@ -229,16 +222,38 @@ def _print_refusal(records: list[dict]) -> int:
     return int(first["code"])
 
 
+def _print_ended_elsewhere(end: dict, ranks: list[int] | None) -> int:
+    """What ended the job on another node (its agent's record, ``job_store.publish_end``),
+    and that this node's ``ranks``, still running, were stopped (None: their launcher lost
+    the rendezvous first); the exit code."""
+    if (refusal := end.get("refusal")) is not None:
+        return _print_refusal([refusal])
+    if end["crashes"]:  # named as when a rank here copies them (failure_records.a_rank_said_why)
+        copies = [crash | {"copied_by": None} for crash in end["crashes"]]
+        line = f"the job failed: {failure_report.causes({}, copies)}"
+    else:
+        line = f"the job failed on {end['host']}: {end['causes']}"
+    if ranks:
+        were = "were" if len(ranks) > 1 else "was"
+        line += f"; {ranks_text(ranks)}, still running on this node, {were} stopped"
+    print(f"[launcher] {line}", file=sys.stderr)
+    return 1
+
+
 class _Watch:
     """What the agent's monitoring saw, for :func:`main`'s report: whether the ranks ran, the
     causes of the failure it is restarting from (until the ranks start again), the last
-    attempt's hang lines; and which local ranks' consoles are shown (None: all)."""
+    attempt's hang lines, another node's end of the job (``ended``, read at ``ended_at``);
+    and which local ranks' consoles are shown (None: all)."""
 
     def __init__(self, shown: set[int] | None):
         self.started = threading.Event()
         self.restarting: str | None = None
         self.hang: list[str] = []
         self.shown = shown
+        self.ended: dict | None = None
+        self.ended_at = 0.0
+        self.next_look = 0.0
 
 
 def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
@@ -250,6 +265,7 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
     ``_restart_workers``, to say a restart the agent makes without counting it (its ranks
     healthy, another node came back to meet again), and ``_start_workers``, to forget the
     crashes of an earlier attempt (only a start marks a new attempt on every node)."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     watch = _Watch(shown)
@@ -263,7 +279,12 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
 
     def restart_and_report(agent, worker_group):
         if watch.restarting is None:  # its ranks are healthy: another node came back to meet
-            why = _other_node_restarted(worker_group)
+            why, crash = _other_node_restarted(worker_group)
+            if crash:
+                # A rank of this attempt died: the ranks here can only be waiting for it (in a
+                # collective, under NCCL), with no step to finish and save on SIGTERM (which
+                # they take as a preemption); torchrun would wait 30 s before it kills them.
+                agent._shutdown(signal.SIGKILL)
             watch.restarting = why
             print(
                 f"[launcher] restarting every rank: {why}; from the last complete checkpoint",
@@ -274,7 +295,7 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
 
     def start_afresh(agent, worker_group):
         clear_crashes(folder)  # the earlier attempt's ranks are stopped
-        watch.restarting = None
+        watch.restarting = watch.ended = None
         os.environ[ATTEMPT_START_ENV] = str(time.time())  # the ranks inherit it
         return start(agent, worker_group)
 
@@ -282,24 +303,29 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
         watch.started.set()
         result = monitor(agent, worker_group)
         if not result.is_failed():
+            if result.state == WorkerState.HEALTHY:
+                _stop_if_the_job_ended(agent, worker_group, watch, folder)
             return result
         left = getattr(agent, "_remaining_restarts", 0)
         workers = worker_group.workers
         try:
-            hang = hang_lines(folder, workers[0].world_size if workers else None)
+            hang = failure_report.hang_lines(folder, workers[0].world_size if workers else None)
         except Exception as e:  # the report must never hide the failure it reports on
             hang = [f"[launcher] the hang: could not read the dumps ({type(e).__name__}: {e})"]
         several_nodes = bool(workers) and workers[0].world_size > len(workers)
         crashed = crashes(folder)
-        if refusals(folder):
+        if watch.ended is None and several_nodes and left > 0:
+            watch.ended = _end_of_attempt(worker_group)
+        if records := refusals(folder):
             agent._remaining_restarts = 0  # the launcher prints the refusal
             if several_nodes:
+                _publish_end(worker_group, format_refusal(records[0]), [], records[0])
                 time.sleep(_LINGER_S)  # other nodes: see _LINGER_S
-        elif left > 0:
+        elif left > 0 and watch.ended is None:
             spec = worker_group.spec
-            causes = watch.restarting = _causes(result.failures, crashed)
+            causes = watch.restarting = failure_report.causes(result.failures, crashed)
             print(
-                *_hidden_traceback(crashed, result.failures, watch.shown),
+                *failure_report.hidden_traceback(crashed, result.failures, watch.shown),
                 f"[launcher] restart {spec.max_restarts - left + 1} of {spec.max_restarts}: "
                 f"{causes}; restarting every rank from the last complete checkpoint",
                 *hang,
@@ -308,9 +334,12 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
                 flush=True,
             )
         else:
+            agent._remaining_restarts = 0  # when another node ended the job: none to meet again
             watch.hang = hang  # printed after torchrun's report of the failure
-            if several_nodes and crashed:
-                time.sleep(_LINGER_S)  # a crash the others read, maybe in this node's store
+            told = crashed or failure_report.unrecorded_causes(result.failures, crashed)
+            if several_nodes and told:  # not only ranks that lost another node's
+                _publish_end(worker_group, failure_report.causes(result.failures, crashed), crashed)
+                time.sleep(_LINGER_S)  # the others read it, maybe in this node's store
         return result
 
     monitor_and_report.wrapped = monitor
@@ -322,20 +351,81 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
     return watch
 
 
-def _other_node_restarted(worker_group) -> str:
-    """Why another node came back to meet: the crash a rank of this attempt published in the
-    rendezvous's store, if any (under NCCL this node's ranks may still be waiting in a
-    collective for the rank that died, and say nothing)."""
+def _other_node_restarted(worker_group) -> tuple[str, bool]:
+    """Why another node came back to meet, and whether a rank of this attempt crashed: the
+    crash it published in the rendezvous's store, if any (under NCCL this node's ranks may
+    still be waiting in a collective for the rank that died, and say nothing)."""
     other = "another node restarted its ranks"
     rendezvous = os.environ.get(job_store.JOB_STORE_ENV)
     if not rendezvous:
-        return other
+        return other, False
     run = worker_group.spec.rdzv_handler.get_run_id()
-    master = f"{worker_group.master_addr}:{worker_group.master_port}"
-    crash = job_store.crash_of_attempt(rendezvous, run, master)
+    crash = job_store.crash_of_attempt(rendezvous, run, _master(worker_group))
     if crash is None:
-        return other
-    return f"{other}: {_crash_causes([crash | {'copied_by': None}])[0]}"  # another node's
+        return other, False
+    copy = crash | {"copied_by": None}  # another node's
+    return f"{other}: {failure_report.crash_causes([copy])[0]}", True
+
+
+def _master(worker_group) -> str:
+    """Where the attempt's ranks meet (``MASTER_ADDR:MASTER_PORT``): the same on every node."""
+    return f"{worker_group.master_addr}:{worker_group.master_port}"
+
+
+def _publish_end(worker_group, causes: str, crashed: list[dict], refusal: dict | None = None):
+    """Say in the rendezvous's store that this node's failure ends the job (``causes``, from
+    its ``crashed`` records or a ``refusal``): see :func:`_stop_if_the_job_ended`."""
+    rendezvous = os.environ.get(job_store.JOB_STORE_ENV)
+    if not rendezvous:
+        return
+    record = {
+        "node": worker_group.group_rank,
+        "host": socket.gethostname(),
+        "master": _master(worker_group),
+        "causes": causes,
+        "crashes": [{k: v for k, v in c.items() if k != "traceback"} for c in crashed],
+        "time": time.time(),
+    }
+    if refusal is not None:
+        record["refusal"] = refusal
+    job_store.publish_end(rendezvous, worker_group.spec.rdzv_handler.get_run_id(), record)
+
+
+def _end_of_attempt(worker_group) -> dict | None:
+    """Another node's end of the job in this attempt, from the rendezvous's store, if any."""
+    rendezvous = os.environ.get(job_store.JOB_STORE_ENV)
+    if not rendezvous:
+        return None
+    end = job_store.end_of_job(rendezvous, worker_group.spec.rdzv_handler.get_run_id())
+    if end is None or end["node"] == worker_group.group_rank:
+        return None
+    return end if end["master"] == _master(worker_group) else None
+
+
+def _stop_if_the_job_ended(agent, worker_group, watch: _Watch, folder: str) -> None:
+    """While this node's ranks run, look (every ``_END_POLL_S``) whether another node's
+    failure ended the job in this attempt; if so, and the ranks neither stop by themselves
+    within ``_END_GRACE_S`` nor, having said why they stop, within ``_END_LEAVE_S``, kill
+    them and raise :class:`_EndedElsewhere`. Under gloo they notice at once and this never
+    acts; under NCCL they can wait in a collective for the dead ranks until its timeout."""
+    workers = worker_group.workers
+    if not workers or workers[0].world_size <= len(workers):
+        return
+    now = time.monotonic()
+    if watch.ended is None:
+        if now < watch.next_look:
+            return
+        watch.next_look = now + _END_POLL_S
+        if (end := _end_of_attempt(worker_group)) is None:
+            return
+        watch.ended, watch.ended_at = end, now
+    leaving = refusals(folder) or crashes(folder)  # a rank here noticed, and is leaving
+    if now - watch.ended_at < (_END_LEAVE_S if leaving else _END_GRACE_S):
+        return
+    # Waiting for ranks that are gone: no step to finish and save on SIGTERM (torchrun would
+    # wait TORCH_ELASTIC_SHUTDOWN_TIMEOUT for it, 600 s by default here).
+    agent._shutdown(signal.SIGKILL)
+    raise _EndedElsewhere(sorted(w.global_rank for w in workers))
 
 
 def _shown_ranks(local_ranks_filter: str | None) -> set[int] | None:
@@ -346,101 +436,6 @@ def _shown_ranks(local_ranks_filter: str | None) -> set[int] | None:
         return {int(r) for r in local_ranks_filter.split(",")}
     except ValueError:
         return None  # torchrun refuses it itself
-
-
-def _hidden_traceback(crashed: list[dict], failures: dict, shown: set[int] | None) -> list[str]:
-    """The traceback of the crash that started it, prefixed by its rank, when it happened on
-    this node and ``LOG_RANK`` hid that rank's console; else nothing (it is above, or on its
-    own node's console)."""
-    causes = _crash_split(crashed, failures)[0]
-    if not causes or "copied_by" in causes[0] or shown is None:
-        return []
-    first = causes[0]
-    if first.get("local_rank") in shown:
-        return []
-    return [f"[rank{first['rank']}]: {line}" for line in first.get("traceback", "").splitlines()]
-
-
-def _follows(failure, earliest: int) -> bool:
-    """Whether a failure without a record only followed the first ones torchrun saw: it lost a
-    peer, torchrun stopped it, or it ended later (``timestamp`` in whole seconds)."""
-    return failure.timestamp > earliest or failure.exitcode in (LOST_PEER_EXIT_CODE, -_SIGTERM)
-
-
-def _unrecorded_causes(failures: dict, crashed: list[dict]) -> dict:
-    """The failures without a record (a kill, the watchdog, a lost peer's exit code) that did
-    not only follow the first ones torchrun saw, by rank."""
-    earliest = min(f.timestamp for f in failures.values()) if failures else 0
-    told = {c["rank"] for c in crashed}
-    return {r: f for r, f in failures.items() if r not in told and not _follows(f, earliest)}
-
-
-def _crash_split(crashed: list[dict], failures: dict) -> tuple[list[dict], list[dict]]:
-    """The recorded exceptions that started it, and those that followed. A rank that raised
-    is a cause even when torchrun saw it end after the ranks that lost it (killed while it
-    exited); but an exception raised a second or more after the first one, or after a failure
-    without a record (a kill), is a consequence: a rank that raised because its peer died."""
-    if not crashed:
-        return [], []
-    unrecorded = _unrecorded_causes(failures, crashed).values()
-    limit = min([crashed[0]["time"] + 1, *(f.timestamp + 1 for f in unrecorded)])
-    causes = [c for c in crashed if c["time"] < limit]
-    return causes, [c for c in crashed if c not in causes]
-
-
-def _causes(failures: dict, crashed: list[dict] | None = None) -> str:
-    """The ranks' failures, those that started it first: ``rank 1 was killed by SIGKILL (then
-    rank 0 lost contact and stopped)``; a recorded exception as ``rank 1 raised ValueError:
-    ...`` (also another node's, copied here by a rank that lost it). Then come the ranks that
-    followed (:func:`_follows`, :func:`_crash_split`); when every failure is of that kind and
-    none is recorded (a network fault), they are all listed."""
-    crashed = crashed or []
-    causes, after = _crash_split(crashed, failures)
-    told = {c["rank"] for c in crashed}
-    first = _unrecorded_causes(failures, crashed)
-    if not first and not causes:
-        first = {r: f for r, f in failures.items() if r not in told}
-    rest = [r for r in failures if r not in first and r not in told]
-    lost = [r for r in rest if failures[r].exitcode == LOST_PEER_EXIT_CODE]
-    stopped = [r for r in rest if r not in lost]
-    then = [f"{ranks_text(lost)} lost contact and stopped"] if lost else []
-    then += [f"{ranks_text(stopped)} stopped by torchrun"] if stopped else []
-    then += [f"{ranks_text([c['rank']])} failed too ({c['error'].split(':')[0]})" for c in after]
-    parts = _crash_causes(causes) + [_cause(rank, f) for rank, f in sorted(first.items())]
-    return "; ".join(parts) + (f" (then {'; '.join(then)})" if then else "")
-
-
-def _crash_causes(crashed: list[dict]) -> list[str]:
-    """``rank 1 raised ValueError: ... (traceback in <log>)``, ranks that raised alike named
-    together; another node's with its host. Past three different errors (eight ranks out of
-    memory, each by its own count of bytes), the rest are only counted."""
-    groups: dict[tuple, list[dict]] = {}
-    for record in crashed:
-        where = record["host"] if "copied_by" in record else None
-        groups.setdefault((record["error"], where), []).append(record)
-    parts, shown = [], list(groups.items())[:_CRASH_GROUPS_SHOWN]
-    for (error, where), records in shown:
-        first, ranks = records[0], [r["rank"] for r in records]
-        on = f", on {where}," if where else ""
-        whose = "" if len(ranks) == 1 else f"rank {first['rank']}'s "
-        there = " there" if where else ""
-        tail = f" ({whose}traceback in {first['log']}{there})" if first.get("log") else ""
-        parts.append(f"{ranks_text(ranks)}{on} raised {error}{tail}")
-    if rest := [r["rank"] for _, records in list(groups.items())[len(shown) :] for r in records]:
-        parts.append(f"{ranks_text(rest)} raised too (see their log files)")
-    return parts
-
-
-def _cause(rank: int, failure) -> str:
-    """``rank 1 was killed by SIGKILL`` / ``rank 0 exited with code 124 (the hang watchdog)``."""
-    if failure.exitcode < 0:
-        return f"rank {rank} was killed by {failure.signal_name()}"
-    known = {
-        HANG_EXIT_CODE: " (the hang watchdog)",
-        1: " (an exception; its traceback is in its output)",
-        LOST_PEER_EXIT_CODE: " (a collective lost another rank)",
-    }
-    return f"rank {rank} exited with code {failure.exitcode}{known.get(failure.exitcode, '')}"
 
 
 class _Dropping:

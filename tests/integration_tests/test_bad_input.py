@@ -199,9 +199,11 @@ def test_only_rank_1_refuses_and_its_line_is_shown(tmp_path):
     assert len(logs) == 1 and LOST_PEER in logs[0].read_text()  # it did lose rank 1
 
 
-def _two_nodes(tmp_path: Path, **env: str) -> list[subprocess.CompletedProcess]:
-    """Two launchers of one rank each, as on two nodes under Slurm (a c10d rendezvous, one
-    restart allowed, each launcher with its own failure folder), running ``refuse_harness.py``
+def _two_nodes(
+    tmp_path: Path, *, max_restarts: int = 1, **env: str
+) -> list[subprocess.CompletedProcess]:
+    """Two launchers of one rank each, as on two nodes under Slurm (a c10d rendezvous,
+    ``max_restarts``, each launcher with its own failure folder), running ``refuse_harness.py``
     with ``env``; the first hosts the rendezvous's store (``REFUSE_ON_THIS_NODE=1``) and gets
     rank 0 (ranks follow the order the launchers started in)."""
     with socket.socket() as s:
@@ -209,7 +211,8 @@ def _two_nodes(tmp_path: Path, **env: str) -> list[subprocess.CompletedProcess]:
         port = s.getsockname()[1]
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "torchtitan.launcher", "--nnodes", "2", "--max-restarts", "1"]
+            [sys.executable, "-m", "torchtitan.launcher", "--nnodes", "2"]
+            + ["--max-restarts", str(max_restarts)]
             + ["--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_id", "test"]
             + ["--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_conf", f"is_host={host}"]
             + ["--role", "rank", "--tee", "3", "tests/integration_tests/refuse_harness.py"]
@@ -270,13 +273,39 @@ def test_an_exception_on_another_node_is_named_by_every_node(tmp_path):
     restart = "[launcher] restart 1 of 1: "
     assert f"{restart}{named}; restarting" in outs[0], outs[0][-3000:]
     assert outs[0].splitlines()[-1] == f"[launcher] the job failed: {named}"
-    assert f"{restart}{there} (then rank 1 lost contact and stopped); restarting" in outs[1]
-    # Its node may have a restart left (see launcher.main): then it says the others ended.
+    # The other node restarts when its rank loses rank 0, or, when rank 0's node came back to
+    # meet again first, without counting it (a restart left: see launcher.main, and then rank
+    # 0's end of the job is read in the store before it would restart again).
+    counted = f"{restart}{there} (then rank 1 lost contact and stopped); restarting"
+    uncounted = f"[launcher] restarting every rank: another node restarted its ranks: {there}; "
+    assert counted in outs[1] or uncounted in outs[1], outs[1][-3000:]
     final = f"[launcher] the job failed: {there} (then rank 1 lost contact and stopped)"
     assert outs[1].splitlines()[-1].startswith(final), outs[1][-3000:]
     assert LOST_PEER not in outs[1] and "Root Cause" not in outs[0] + outs[1]
     ranks = {line.split("]:")[0] for line in outs[1].splitlines() if line.startswith("[rank")}
     assert ranks == {"[rank1"}, ranks  # not torchrun's local rank, 0 on every node
+
+
+def test_a_node_whose_ranks_never_notice_is_stopped_with_the_cause(tmp_path):
+    """As above, but the other node's rank never notices that rank 0 is gone: it waits without
+    end and only notes SIGTERM, as a rank waits in an NCCL collective. At the restart its
+    launcher kills it at once, not after a SIGTERM and torchrun's wait (30 s); at the end it
+    reads the failing node's end of the job in the rendezvous's store, kills its rank and
+    names the same exception (else torchrun would wait for the rank, 600 s after SIGTERM)."""
+    results = _two_nodes(tmp_path, REFUSE_BY_CRASHING="1", HANG_UNLESS_REFUSING="1")
+    outs = [result.stdout + result.stderr for result in results]
+    assert [result.returncode for result in results] == [1, 1], outs[1][-3000:]
+    error = "ValueError: rank 0 crashed while building its data"
+    [log] = tmp_path.glob("node0/logs/*/rank0.log")
+    assert outs[0].splitlines()[-1] == f"[launcher] the job failed: rank 0 raised {error} " + (
+        f"(traceback in {log})"
+    )
+    there = f"rank 0, on {socket.gethostname()}, raised {error} (traceback in {log} there)"
+    restart = f"[launcher] restarting every rank: another node restarted its ranks: {there}; "
+    assert restart in outs[1], outs[1][-3000:]
+    final = f"[launcher] the job failed: {there}; rank 1, still running on this node, was stopped"
+    assert outs[1].splitlines()[-1] == final, outs[1][-3000:]
+    assert "SIGTERM noted" not in outs[1]
 
 
 def test_an_exception_on_a_hidden_rank_is_named_with_its_traceback(tmp_path):

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from torchtitan import failure_records, launcher
+from torchtitan import failure_records, failure_report
 from torchtitan.components import preemption
 
 
@@ -32,7 +32,9 @@ def test_the_launcher_and_the_ranks_agree_on_the_exit_code_and_records(tmp_path,
         assert failure_records.note_preempted("SIGUSR1", 7, "ckpt/step-7")
     record = failure_records.preempted(tmp_path)
     assert record == {"rank": 0, "signal": "SIGUSR1", "step": 7, "checkpoint": "ckpt/step-7"}
-    assert launcher._preemption_line(record).startswith("preempted by SIGUSR1 after step 7: saved")
+    assert failure_report.preemption_line(record).startswith(
+        "preempted by SIGUSR1 after step 7: saved"
+    )
     assert failure_records.refusals(tmp_path) == []  # a preemption is not a refusal
 
 
@@ -90,16 +92,16 @@ class _Failure:
     ],
 )
 def test_the_launcher_names_the_failure_that_started_it_first(codes, line):
-    assert launcher._causes({r: _Failure(c) for r, c in codes.items()}).startswith(line)
+    assert failure_report.causes({r: _Failure(c) for r, c in codes.items()}).startswith(line)
 
 
 def test_a_rank_that_ended_after_the_first_failures_follows_them_whatever_its_code():
     """Under NCCL a rank hung on the dead one ends when torchrun kills it (SIGKILL, after
     SIGTERM's grace) or its own watchdog aborts it: later than the failure it follows."""
     failures = {0: _Failure(-9, timestamp=131), 1: _Failure(1, timestamp=100)}
-    assert launcher._causes(failures) == (
+    assert failure_report.causes(failures) == (
         "rank 1 exited with code 1 (an exception; its traceback is in its output) "
         "(then rank 0 stopped by torchrun)"
     )
     failures[2] = _Failure(-6, timestamp=140)  # NCCL's watchdog: SIGABRT
-    assert launcher._causes(failures).endswith("(then ranks 0, 2 stopped by torchrun)")
+    assert failure_report.causes(failures).endswith("(then ranks 0, 2 stopped by torchrun)")

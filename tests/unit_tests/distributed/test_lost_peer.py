@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from torchtitan import failure_records, job_store, launcher
+from torchtitan import failure_records, failure_report, job_store, launcher
 from torchtitan.distributed.utils import lost_peer
 
 # Raised in rank 0 by torch 2.13's gloo when rank 1 was killed mid-step (seen both ways).
@@ -280,6 +280,7 @@ def test_a_rendezvous_error_is_one_line_or_the_refusal_found(monkeypatch, capsys
 
     from torch.distributed import DistNetworkError
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.rendezvous import (
         RendezvousClosedError,
@@ -288,6 +289,7 @@ def test_a_rendezvous_error_is_one_line_or_the_refusal_found(monkeypatch, capsys
 
     class Result:
         failures = {1: _Failure(4)}
+        state = WorkerState.FAILED if when == "restarting" else WorkerState.HEALTHY
 
         def is_failed(self) -> bool:
             return when == "restarting"
@@ -456,21 +458,21 @@ def _crash(rank: int, error: str = "ValueError: boom", *, remote: bool = False) 
 )
 def test_the_launcher_names_a_recorded_exception_first(codes, crashed, line):
     failures = {r: c if isinstance(c, _Failure) else _Failure(c) for r, c in codes.items()}
-    assert launcher._causes(failures, crashed) == line
+    assert failure_report.causes(failures, crashed) == line
 
 
 def test_a_crashed_ranks_traceback_is_shown_where_its_console_was_not():
     """Rank 1's, when LOG_RANK shows only rank 0; also when the shown rank 0 raised too, but
     later: a consequence."""
     failures = {0: _Failure(4), 1: _Failure(1)}
-    shown = launcher._hidden_traceback([_crash(1)], failures, shown={0})
+    shown = failure_report.hidden_traceback([_crash(1)], failures, shown={0})
     assert shown == ["[rank1]: T", "[rank1]: V"]
     later = _crash(0) | {"time": 104.0}
-    assert launcher._hidden_traceback([_crash(1), later], failures, shown={0}) == shown
-    assert launcher._hidden_traceback([_crash(1)], failures, shown={0, 1}) == []  # it is above
-    assert launcher._hidden_traceback([_crash(1)], failures, shown=None) == []  # all are shown
+    assert failure_report.hidden_traceback([_crash(1), later], failures, shown={0}) == shown
+    assert failure_report.hidden_traceback([_crash(1)], failures, shown={0, 1}) == []  # it is above
+    assert failure_report.hidden_traceback([_crash(1)], failures, shown=None) == []  # all are shown
     remote = _crash(1, remote=True)
-    assert launcher._hidden_traceback([remote], failures, shown={0}) == []  # another node's
+    assert failure_report.hidden_traceback([remote], failures, shown={0}) == []  # another node's
     assert launcher._shown_ranks("0,1") == {0, 1} and launcher._shown_ranks(None) is None
 
 
@@ -520,14 +522,104 @@ def test_a_restart_for_another_nodes_return_is_said_with_its_crash(monkeypatch, 
     group = SimpleNamespace(
         spec=SimpleNamespace(rdzv_handler=handler), master_addr="10.0.0.1", master_port=29501
     )
-    LocalElasticAgent._restart_workers(SimpleNamespace(), group)
-    LocalElasticAgent._start_workers(SimpleNamespace(), group)  # the ranks start again
+    killed = []
+    agent = SimpleNamespace(_shutdown=killed.append)
+    LocalElasticAgent._restart_workers(agent, group)
+    assert killed == [signal.SIGKILL]  # its ranks can only wait for the dead one: no SIGTERM
+    LocalElasticAgent._start_workers(agent, group)  # the ranks start again
     group.master_port = 29502  # another attempt: no crash published in it
-    LocalElasticAgent._restart_workers(SimpleNamespace(), group)
-    assert restarted == [group, group]
+    LocalElasticAgent._restart_workers(agent, group)
+    assert restarted == [group, group] and killed == [signal.SIGKILL]  # a scale-up saves first
     assert capsys.readouterr().err.splitlines() == [
         "[launcher] restarting every rank: another node restarted its ranks: rank 3, on node-b, "
         "raised ValueError: boom (traceback in L there); from the last complete checkpoint",
         "[launcher] restarting every rank: another node restarted its ranks; from the last "
         "complete checkpoint",
+    ]
+
+
+def _end(node: int, **fields) -> dict:
+    record = {"node": node, "host": "node-b", "master": "10.0.0.1:29501", "causes": "C"}
+    return record | {"crashes": [], "time": 1.0} | fields
+
+
+def test_a_nodes_end_of_the_job_stops_the_ranks_that_never_notice(monkeypatch, tmp_path):
+    """An agent whose failure ends the job says so in the rendezvous's store (the first one
+    to say it kept); another node's agent, whose ranks still run (under NCCL, waiting for the
+    dead ones), reads it and kills them once they had their grace to notice by themselves,
+    longer when one of them did and is leaving. Its own node's end, or another attempt's,
+    stops nothing."""
+    rendezvous = _store()
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setenv(job_store.JOB_STORE_ENV, f"127.0.0.1:{rendezvous.port}")
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-b")
+    clock = [1000.0]
+    monkeypatch.setattr(launcher.time, "monotonic", lambda: clock[0])
+    handler = SimpleNamespace(get_run_id=lambda: "job7")
+    workers = [SimpleNamespace(world_size=4, global_rank=r) for r in (2, 3)]
+
+    def group(node: int, port: int = 29501):
+        spec = SimpleNamespace(rdzv_handler=handler)
+        return SimpleNamespace(
+            spec=spec, master_addr="10.0.0.1", master_port=port, group_rank=node, workers=workers
+        )
+
+    crash = _crash(1)
+    launcher._publish_end(group(0), "rank 1 raised ValueError: boom", [crash])
+    launcher._publish_end(group(1), "rank 2 lost contact", [])  # later: not kept
+    end = job_store.end_of_job(f"127.0.0.1:{rendezvous.port}", "job7")
+    assert end["node"] == 0 and end["crashes"] == [
+        {k: v for k, v in crash.items() if k != "traceback"}
+    ]
+
+    killed = []
+    agent = SimpleNamespace(_shutdown=killed.append)
+
+    def look(node: int, port: int = 29501, folder=tmp_path):
+        launcher._stop_if_the_job_ended(agent, group(node, port), watch, str(folder))
+
+    watch = launcher._Watch(None)
+    look(0)  # its own node's end
+    clock[0] += 1.0
+    look(1, port=29502)  # another attempt's
+    assert watch.ended is None and not killed
+    clock[0] += 1.0
+    look(1)
+    assert watch.ended == end and not killed  # read; the ranks have their grace
+    clock[0] += launcher._END_GRACE_S
+    with pytest.raises(launcher._EndedElsewhere) as stopped:
+        look(1)
+    assert killed == [signal.SIGKILL] and stopped.value.ranks == [2, 3]
+
+    # A rank here noticed and said why (its record): it has longer to leave by itself.
+    monkeypatch.setenv(failure_records.FAILURE_DIR_ENV, str(tmp_path))
+    failure_records.write_record("crash-rank", crash | {"copied_by": 2}, rank=1)
+    watch, killed[:] = launcher._Watch(None), []
+    look(1)
+    clock[0] += launcher._END_GRACE_S
+    look(1)
+    assert not killed
+    clock[0] += launcher._END_LEAVE_S
+    with pytest.raises(launcher._EndedElsewhere):
+        look(1)
+
+
+def test_a_node_stopped_by_another_nodes_end_names_it(capsys):
+    """Another node's crash as a rank here would have copied it; a kill there with that
+    node's line; a refusal as its one line, with its exit code."""
+    crash = {k: v for k, v in _crash(1).items() if k != "traceback"}
+    assert launcher._print_ended_elsewhere(_end(0, crashes=[crash]), [2, 3]) == 1
+    assert launcher._print_ended_elsewhere(_end(0, causes="rank 1 was killed by SIGKILL"), [2]) == 1
+    assert (
+        launcher._print_ended_elsewhere(_end(0, causes="rank 1 was killed by SIGKILL"), None) == 1
+    )
+    refusal = {"rank": 1, "code": 2, "message": "rank 1's data is empty", "time": 1.0}
+    assert launcher._print_ended_elsewhere(_end(0, refusal=refusal), [2]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "[launcher] the job failed: rank 1, on node-b, raised ValueError: boom (traceback in "
+        "logs/run/rank1.log there); ranks 2, 3, still running on this node, were stopped",
+        "[launcher] the job failed on node-b: rank 1 was killed by SIGKILL; rank 2, still "
+        "running on this node, was stopped",
+        "[launcher] the job failed on node-b: rank 1 was killed by SIGKILL",
+        "[rank1] error: rank 1's data is empty",
     ]
