@@ -142,3 +142,12 @@ def _cause(rank: int, failure) -> str:
         LOST_PEER_EXIT_CODE: " (a collective lost another rank)",
     }
     return f"rank {rank} exited with code {failure.exitcode}{known.get(failure.exitcode, '')}"
+
+
+def elsewhere(record: dict) -> str:
+    """Another node's failure, from what its agent published (``launcher._publish_failure``):
+    its crashes as a rank here names them when it copies one (``rank 0, on node-a, raised
+    ...``), else its own line with its host (``on node-a, rank 1 was killed by SIGKILL``)."""
+    if record["crashes"]:
+        return causes({}, [crash | {"copied_by": None} for crash in record["crashes"]])
+    return f"on {record['host']}, {record['causes']}"

@@ -1,12 +1,13 @@
-"""The job's first refusal, an attempt's first crash and the job's end, shared across nodes
-through a store every rank reaches.
+"""The job's first refusal, an attempt's first crash, and a node's failure and the job's end,
+shared across nodes through a store every rank reaches.
 
 Each node's launcher collects its own ranks' records in a folder (``failure_records.py``). A
 rank of another node only sees its peer go away; it reads the record here and hands it to its
 own launcher, so every node names the same cause (and none restarts after a refusal). The
-launcher whose failure ends the job says so in the c10d rendezvous's store too: another node's
-ranks may never see theirs go away (under NCCL they can wait in a collective until its timeout),
-and their launcher stops them.
+launchers themselves say in the c10d rendezvous's store why their ranks failed in an attempt,
+and whether that ends the job (``other_nodes.py``): another node's ranks may never see theirs
+go away (under NCCL they can wait in a collective until its timeout), and their launcher, which
+keeps a client of that store, stops them.
 
 The store is the c10d rendezvous's (``JOB_STORE_ENV``, ``host:port``, set by the launcher from
 ``--rdzv_endpoint``: hosted by one node's agent for the whole job), else the one torchrun's
@@ -38,14 +39,15 @@ from typing import Any
 JOB_STORE_ENV = "TITAN_JOB_STORE"
 _TIMEOUT_S = 2.0  # the client's own timeout; it retries a failed connection for about twice that
 _DEADLINE_S = 3 * _TIMEOUT_S
+_clients: dict[tuple[str, int], Any] = {}  # an agent's, kept (_exchange's keep)
 # What a rank publishes, by kind, with the fields a record read back must have.
 _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "refusal": {"rank": int, "code": int, "message": str, "time": (int, float)},
     "crash": {"rank": int, "error": str, "host": str, "time": (int, float)},
 }
-# What an agent publishes when its failure ends the job: its node (group rank), host, the
-# attempt's ``MASTER_ADDR:MASTER_PORT``, its line of causes and the crash records behind it.
-_END_FIELDS: dict[str, type | tuple[type, ...]] = {
+# What an agent publishes when its ranks failed: its node (group rank), host, the attempt's
+# ``MASTER_ADDR:MASTER_PORT``, its line of causes and the crash records behind it.
+_NODE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "node": int,
     "host": str,
     "master": str,
@@ -78,44 +80,70 @@ def _crash_key(run: str, attempt: str) -> str:
 def crash_of_attempt(rendezvous: str, run: str, master: str) -> dict | None:
     """For an agent (which has no rank's environment): the crash a rank published in the c10d
     rendezvous's store (``rendezvous``, ``host:port``) in the attempt of torchrun run ``run``
-    whose ranks meet at ``master`` (``addr:port``), if any. Not quiet: an agent's stderr
-    carries its ranks' lines."""
-
-    def read(store) -> dict | None:
-        return _checked(store, _crash_key(run, master), _FIELDS["crash"])
-
-    return _exchange(read, _rendezvous_address(rendezvous), quiet=False)
+    whose ranks meet at ``master`` (``addr:port``), if any."""
+    return _agent_read(rendezvous, _crash_key(run, master), _checked_crash)
 
 
-def publish_end(rendezvous: str, run: str, record: dict) -> None:
-    """For an agent whose failure ends the job (no restart left, or a refusal): ``record``
-    (``_END_FIELDS``; a refusal's record under ``refusal``) as the job's end, in the c10d
+def publish_failure(rendezvous: str, run: str, record: dict, *, final: bool) -> None:
+    """For an agent whose ranks failed with a cause of their own: ``record`` (``_NODE_FIELDS``;
+    a refusal's record under ``refusal``) as the failure of its attempt (``record["master"]``),
+    and with ``final`` (no restart left, or a refusal) as the job's end, in the c10d
     rendezvous's store, unless another node's agent was first. The agents of nodes whose ranks
     still run, waiting in a collective for ranks that are gone (NCCL's, which can wait until
-    their timeout), read it there (:func:`end_of_job`) and stop them."""
-    _exchange(
-        lambda store: store.compare_set(_end_key(run), "", json.dumps(record)),
-        _rendezvous_address(rendezvous),
-        quiet=False,
-    )
+    their timeout), read it there (:func:`failure_of_attempt`, :func:`end_of_job`)."""
+    text = json.dumps(record)
+
+    def write(store) -> None:
+        store.compare_set(_failure_key(run, record["master"]), "", text)
+        if final:
+            store.compare_set(_end_key(run), "", text)
+
+    _agent_exchange(write, rendezvous)
+
+
+def failure_of_attempt(rendezvous: str, run: str, master: str) -> dict | None:
+    """The first failure an agent published for the attempt whose ranks meet at ``master``."""
+    return _agent_read(rendezvous, _failure_key(run, master), _checked_node_record)
 
 
 def end_of_job(rendezvous: str, run: str) -> dict | None:
-    """The job's end, if an agent published one (:func:`publish_end`)."""
+    """The job's end, if an agent published one (:func:`publish_failure` with ``final``)."""
+    return _agent_read(rendezvous, _end_key(run), _checked_node_record)
 
-    def read(store) -> dict | None:
-        return _checked(store, _end_key(run), _END_FIELDS)
 
-    return _exchange(read, _rendezvous_address(rendezvous), quiet=False)
+def _failure_key(run: str, master: str) -> str:
+    return f"titan/failed/{run}/{master}"
 
 
 def _end_key(run: str) -> str:
     return f"titan/end/{run}"
 
 
-def _rendezvous_address(rendezvous: str) -> tuple[str, int] | None:
+def _checked_crash(record: Any) -> bool:
+    return _has(record, _FIELDS["crash"])
+
+
+def _checked_node_record(record: Any) -> bool:
+    if not _has(record, _NODE_FIELDS):
+        return False
+    refusal = record.get("refusal")
+    return all(map(_checked_crash, record["crashes"])) and (
+        refusal is None or _has(refusal, _FIELDS["refusal"])
+    )
+
+
+def _agent_read(rendezvous: str, record_key: str, check: Callable[[Any], bool]) -> dict | None:
+    return _agent_exchange(lambda store: _checked(store, record_key, check), rendezvous)
+
+
+def _agent_exchange(use: Callable[[Any], Any], rendezvous: str) -> Any:
+    """``use(store)`` for an agent, with the client of the rendezvous's store it keeps (it
+    looks every second while its ranks run: one connection, not one per look). Not quiet: an
+    agent's stderr carries its ranks' lines."""
     addr, _, port = rendezvous.rpartition(":")
-    return (addr, int(port)) if addr and port.isdigit() else None
+    if not (addr and port.isdigit()):
+        return None
+    return _exchange(use, (addr, int(port)), quiet=False, keep=True)
 
 
 def publish(kind: str, record: dict) -> None:
@@ -128,22 +156,29 @@ def published() -> dict[str, dict]:
     record checked: a malformed one is left out)."""
 
     def read(store) -> dict[str, dict]:
-        records = {kind: _checked(store, key(kind), fields) for kind, fields in _FIELDS.items()}
+        records = {
+            kind: _checked(store, key(kind), lambda r, fields=fields: _has(r, fields))
+            for kind, fields in _FIELDS.items()
+        }
         return {kind: record for kind, record in records.items() if record is not None}
 
     return _exchange(read, _address()) or {}
 
 
-def _checked(store, record_key: str, fields: dict) -> dict | None:
-    """The record under ``record_key``, if there is one and it has ``fields`` of their types."""
+def _checked(store, record_key: str, check: Callable[[Any], bool]) -> dict | None:
+    """The record under ``record_key``, if there is one and ``check`` passes it."""
     if not store.check([record_key]):
         return None
     try:
         record = json.loads(store.get(record_key))
     except ValueError:
         return None
-    ok = isinstance(record, dict) and all(isinstance(record.get(k), t) for k, t in fields.items())
-    return record if ok else None
+    return record if check(record) else None
+
+
+def _has(record: Any, fields: dict) -> bool:
+    """Whether ``record`` is a dict with ``fields`` of their types."""
+    return isinstance(record, dict) and all(isinstance(record.get(k), t) for k, t in fields.items())
 
 
 def _address() -> tuple[str, int] | None:
@@ -165,25 +200,39 @@ def _address() -> tuple[str, int] | None:
 
 
 def _exchange(
-    use: Callable[[Any], Any], address: tuple[str, int] | None, *, quiet: bool = True
+    use: Callable[[Any], Any],
+    address: tuple[str, int] | None,
+    *,
+    quiet: bool = True,
+    keep: bool = False,
 ) -> Any:
     """``use(store)`` with a client of the store at ``address``, within ``_DEADLINE_S`` (with
-    ``quiet``, stderr silenced meanwhile); None when there is no store, it is gone, or it does
-    not answer."""
+    ``quiet``, stderr silenced meanwhile; with ``keep``, the client kept for the next exchange
+    with that address, and dropped when one fails); None when there is no store, it is gone,
+    or it does not answer."""
     if address is None:
         return None
-    try:  # a refused connection fails here at once; TCPStore would retry it until its timeout
-        socket.create_connection(address, timeout=_TIMEOUT_S).close()
-    except OSError:
-        return None
+    kept = _clients.get(address) if keep else None
+    if kept is None:
+        try:  # a refused connection fails here at once; TCPStore would retry it until timeout
+            socket.create_connection(address, timeout=_TIMEOUT_S).close()
+        except OSError:
+            return None
     result: list[Any] = [None]
+    done = threading.Event()
 
     def run() -> None:
         import torch.distributed as dist
 
         try:
-            timeout = datetime.timedelta(seconds=_TIMEOUT_S)
-            result[0] = use(dist.TCPStore(*address, is_master=False, timeout=timeout))
+            store = kept
+            if store is None:
+                timeout = datetime.timedelta(seconds=_TIMEOUT_S)
+                store = dist.TCPStore(*address, is_master=False, timeout=timeout)
+            result[0] = use(store)
+            if keep:
+                _clients[address] = store
+            done.set()
         except (RuntimeError, ValueError):  # DistError (a RuntimeError), a bad record
             pass
 
@@ -191,6 +240,8 @@ def _exchange(
         thread = threading.Thread(target=run, name="titan-job-store", daemon=True)
         thread.start()
         thread.join(_DEADLINE_S)
+    if keep and not done.is_set():
+        _clients.pop(address, None)  # failed, or still blocked: never used again
     return result[0]
 
 

@@ -44,14 +44,13 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
 
-from torchtitan import failure_report, job_store
+from torchtitan import failure_report, job_store, other_nodes
 from torchtitan.failure_records import (
     ATTEMPT_START_ENV,
     FAILURE_DIR_ENV,
@@ -63,6 +62,7 @@ from torchtitan.failure_records import (
     crashes,
     format_refusal,
     preempted,
+    read_records,
     refusals,
 )
 from torchtitan.tools.hang_report import ranks_text
@@ -77,9 +77,11 @@ _LINGER_S = 5.0
 # wait in a collective for the ranks that are gone until its timeout): how often its agent
 # looks for that end in the rendezvous's store, and how long its ranks then have to notice by
 # themselves (gloo's do at once) or, once one of them said why it stops, to finish leaving;
-# then they are killed. Poll and grace together stay within _LINGER_S.
+# then they are killed. Look and grace together stay within _LINGER_S, the time that end
+# stays readable when the failed node hosts the store; if it goes first, torchrun stops the
+# ranks, by SIGKILL as well (see _watch_agent).
 _END_POLL_S = 1.0
-_END_GRACE_S = 2.0
+_END_GRACE_S = 3.0
 _END_LEAVE_S = 30.0
 
 
@@ -223,16 +225,12 @@ def _print_refusal(records: list[dict]) -> int:
 
 
 def _print_ended_elsewhere(end: dict, ranks: list[int] | None) -> int:
-    """What ended the job on another node (its agent's record, ``job_store.publish_end``),
+    """What ended the job on another node (its agent's record, ``job_store.publish_failure``),
     and that this node's ``ranks``, still running, were stopped (None: their launcher lost
     the rendezvous first); the exit code."""
     if (refusal := end.get("refusal")) is not None:
         return _print_refusal([refusal])
-    if end["crashes"]:  # named as when a rank here copies them (failure_records.a_rank_said_why)
-        copies = [crash | {"copied_by": None} for crash in end["crashes"]]
-        line = f"the job failed: {failure_report.causes({}, copies)}"
-    else:
-        line = f"the job failed on {end['host']}: {end['causes']}"
+    line = f"the job failed: {failure_report.elsewhere(end)}"
     if ranks:
         were = "were" if len(ranks) > 1 else "was"
         line += f"; {ranks_text(ranks)}, still running on this node, {were} stopped"
@@ -257,14 +255,18 @@ class _Watch:
 
 
 def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
-    """Print each restart of the ranks with its cause, and do not restart after a refusal.
+    """Print each restart of the ranks with its cause, and do not restart after a refusal or
+    once another node ended the job; on several nodes, tell the others why this node's ranks
+    failed, and stop ranks still running when another node ended the job (``other_nodes.py``).
 
     torchrun's agent decides restarts in its monitoring loop and logs them without the cause;
     the failure is in the ``RunResult`` that ``_monitor_workers`` (the method an agent
-    implements) returns, so this wraps that method of the local agent. It also wraps
+    implements) returns, so this wraps that method of the local agent; while the ranks run, it
+    is also where this agent looks for another node's end of the job. It also wraps
     ``_restart_workers``, to say a restart the agent makes without counting it (its ranks
-    healthy, another node came back to meet again), and ``_start_workers``, to forget the
-    crashes of an earlier attempt (only a start marks a new attempt on every node)."""
+    healthy, another node came back to meet again), ``_start_workers``, to forget the crashes
+    of an earlier attempt (only a start marks a new attempt on every node), and ``_shutdown``,
+    to stop by SIGKILL ranks that wait for ranks gone with another node's end of the job."""
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
@@ -276,11 +278,15 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
     restart = getattr(
         LocalElasticAgent._restart_workers, "wrapped", LocalElasticAgent._restart_workers
     )
+    shutdown = getattr(LocalElasticAgent._shutdown, "wrapped", LocalElasticAgent._shutdown)
 
     def restart_and_report(agent, worker_group):
+        if watch.ended is not None:  # a third node came back, but the job has ended
+            agent._shutdown(signal.SIGKILL)
+            raise _EndedElsewhere(sorted(w.global_rank for w in worker_group.workers))
         if watch.restarting is None:  # its ranks are healthy: another node came back to meet
-            why, crash = _other_node_restarted(worker_group)
-            if crash:
+            why, failed = other_nodes.why_another_restarted(worker_group)
+            if failed:
                 # A rank of this attempt died: the ranks here can only be waiting for it (in a
                 # collective, under NCCL), with no step to finish and save on SIGTERM (which
                 # they take as a preemption); torchrun would wait 30 s before it kills them.
@@ -292,6 +298,11 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
                 flush=True,
             )
         return restart(agent, worker_group)
+
+    def shut_down(agent, death_sig=signal.SIGTERM, *args, **kwargs):
+        if watch.ended is not None:  # the ranks wait for ones that are gone: no step to save
+            death_sig = signal.SIGKILL
+        return shutdown(agent, death_sig, *args, **kwargs)
 
     def start_afresh(agent, worker_group):
         clear_crashes(folder)  # the earlier attempt's ranks are stopped
@@ -315,13 +326,18 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
         several_nodes = bool(workers) and workers[0].world_size > len(workers)
         crashed = crashes(folder)
         if watch.ended is None and several_nodes and left > 0:
-            watch.ended = _end_of_attempt(worker_group)
-        if records := refusals(folder):
+            watch.ended = other_nodes.end_of_attempt(worker_group)
+        refused = refusals(folder)
+        final = bool(refused) or left == 0 or watch.ended is not None
+        # The other nodes' agents read it, when its cause is this node's.
+        published = several_nodes and other_nodes.publish_failure(
+            worker_group, result.failures, crashed, refused, final=final
+        )
+        if refused:
             agent._remaining_restarts = 0  # the launcher prints the refusal
             if several_nodes:
-                _publish_end(worker_group, format_refusal(records[0]), [], records[0])
                 time.sleep(_LINGER_S)  # other nodes: see _LINGER_S
-        elif left > 0 and watch.ended is None:
+        elif not final:
             spec = worker_group.spec
             causes = watch.restarting = failure_report.causes(result.failures, crashed)
             print(
@@ -336,70 +352,19 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
         else:
             agent._remaining_restarts = 0  # when another node ended the job: none to meet again
             watch.hang = hang  # printed after torchrun's report of the failure
-            told = crashed or failure_report.unrecorded_causes(result.failures, crashed)
-            if several_nodes and told:  # not only ranks that lost another node's
-                _publish_end(worker_group, failure_report.causes(result.failures, crashed), crashed)
+            if several_nodes and (crashed or published):
                 time.sleep(_LINGER_S)  # the others read it, maybe in this node's store
         return result
 
     monitor_and_report.wrapped = monitor
     start_afresh.wrapped = start
     restart_and_report.wrapped = restart
+    shut_down.wrapped = shutdown
     LocalElasticAgent._monitor_workers = monitor_and_report
     LocalElasticAgent._start_workers = start_afresh
     LocalElasticAgent._restart_workers = restart_and_report
+    LocalElasticAgent._shutdown = shut_down
     return watch
-
-
-def _other_node_restarted(worker_group) -> tuple[str, bool]:
-    """Why another node came back to meet, and whether a rank of this attempt crashed: the
-    crash it published in the rendezvous's store, if any (under NCCL this node's ranks may
-    still be waiting in a collective for the rank that died, and say nothing)."""
-    other = "another node restarted its ranks"
-    rendezvous = os.environ.get(job_store.JOB_STORE_ENV)
-    if not rendezvous:
-        return other, False
-    run = worker_group.spec.rdzv_handler.get_run_id()
-    crash = job_store.crash_of_attempt(rendezvous, run, _master(worker_group))
-    if crash is None:
-        return other, False
-    copy = crash | {"copied_by": None}  # another node's
-    return f"{other}: {failure_report.crash_causes([copy])[0]}", True
-
-
-def _master(worker_group) -> str:
-    """Where the attempt's ranks meet (``MASTER_ADDR:MASTER_PORT``): the same on every node."""
-    return f"{worker_group.master_addr}:{worker_group.master_port}"
-
-
-def _publish_end(worker_group, causes: str, crashed: list[dict], refusal: dict | None = None):
-    """Say in the rendezvous's store that this node's failure ends the job (``causes``, from
-    its ``crashed`` records or a ``refusal``): see :func:`_stop_if_the_job_ended`."""
-    rendezvous = os.environ.get(job_store.JOB_STORE_ENV)
-    if not rendezvous:
-        return
-    record = {
-        "node": worker_group.group_rank,
-        "host": socket.gethostname(),
-        "master": _master(worker_group),
-        "causes": causes,
-        "crashes": [{k: v for k, v in c.items() if k != "traceback"} for c in crashed],
-        "time": time.time(),
-    }
-    if refusal is not None:
-        record["refusal"] = refusal
-    job_store.publish_end(rendezvous, worker_group.spec.rdzv_handler.get_run_id(), record)
-
-
-def _end_of_attempt(worker_group) -> dict | None:
-    """Another node's end of the job in this attempt, from the rendezvous's store, if any."""
-    rendezvous = os.environ.get(job_store.JOB_STORE_ENV)
-    if not rendezvous:
-        return None
-    end = job_store.end_of_job(rendezvous, worker_group.spec.rdzv_handler.get_run_id())
-    if end is None or end["node"] == worker_group.group_rank:
-        return None
-    return end if end["master"] == _master(worker_group) else None
 
 
 def _stop_if_the_job_ended(agent, worker_group, watch: _Watch, folder: str) -> None:
@@ -416,10 +381,11 @@ def _stop_if_the_job_ended(agent, worker_group, watch: _Watch, folder: str) -> N
         if now < watch.next_look:
             return
         watch.next_look = now + _END_POLL_S
-        if (end := _end_of_attempt(worker_group)) is None:
+        if (end := other_nodes.end_of_attempt(worker_group)) is None:
             return
         watch.ended, watch.ended_at = end, now
-    leaving = refusals(folder) or crashes(folder)  # a rank here noticed, and is leaving
+    # A rank here noticed, and is leaving (or its watchdog is writing its dumps).
+    leaving = refusals(folder) or crashes(folder) or read_records(folder, "hung-rank")
     if now - watch.ended_at < (_END_LEAVE_S if leaving else _END_GRACE_S):
         return
     # Waiting for ranks that are gone: no step to finish and save on SIGTERM (torchrun would

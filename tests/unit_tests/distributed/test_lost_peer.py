@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from torchtitan import failure_records, failure_report, job_store, launcher
+from torchtitan import failure_records, failure_report, job_store, launcher, other_nodes
 from torchtitan.distributed.utils import lost_peer
 
 # Raised in rank 0 by torch 2.13's gloo when rank 1 was killed mid-step (seen both ways).
@@ -160,6 +160,18 @@ def _node(monkeypatch, tmp_path, name: str, rank: int, port: int) -> Path:
         monkeypatch.setenv(key, value)
     monkeypatch.delenv(job_store.JOB_STORE_ENV, raising=False)
     return folder
+
+
+_AGENT_METHODS = ("_monitor_workers", "_start_workers", "_restart_workers", "_shutdown")
+
+
+def _keep_agent_methods(monkeypatch):
+    """The launcher wraps these methods of torchrun's agent class: put them back after the test."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    for name in _AGENT_METHODS:
+        monkeypatch.setattr(LocalElasticAgent, name, getattr(LocalElasticAgent, name))
+    return LocalElasticAgent
 
 
 def _store():
@@ -312,8 +324,8 @@ def test_a_rendezvous_error_is_one_line_or_the_refusal_found(monkeypatch, capsys
     monkeypatch.setattr(os, "environ", dict(os.environ))
     for stream in ("stdout", "stderr"):
         monkeypatch.setattr(sys, stream, getattr(sys, stream))
+    _keep_agent_methods(monkeypatch)
     monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda agent, group: Result())
-    monkeypatch.setattr(LocalElasticAgent, "_start_workers", LocalElasticAgent._start_workers)
     for name in ("torch.distributed.run", "torch.distributed.elastic"):
         monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
     agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
@@ -505,10 +517,7 @@ def test_a_restart_for_another_nodes_return_is_said_with_its_crash(monkeypatch, 
     another node comes back to meet again (its rank raised; under NCCL this node's ranks may
     still wait for it in a collective and say nothing): the launcher says so, with the crash
     that rank published in the rendezvous's store for this attempt."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
-    for name in ("_monitor_workers", "_start_workers", "_restart_workers"):
-        monkeypatch.setattr(LocalElasticAgent, name, getattr(LocalElasticAgent, name))
+    LocalElasticAgent = _keep_agent_methods(monkeypatch)
     restarted = []
     monkeypatch.setattr(LocalElasticAgent, "_restart_workers", lambda a, g: restarted.append(g))
     monkeypatch.setattr(LocalElasticAgent, "_start_workers", lambda a, g: None)
@@ -522,6 +531,7 @@ def test_a_restart_for_another_nodes_return_is_said_with_its_crash(monkeypatch, 
     group = SimpleNamespace(
         spec=SimpleNamespace(rdzv_handler=handler), master_addr="10.0.0.1", master_port=29501
     )
+    group.group_rank, group.workers = 0, []
     killed = []
     agent = SimpleNamespace(_shutdown=killed.append)
     LocalElasticAgent._restart_workers(agent, group)
@@ -530,11 +540,20 @@ def test_a_restart_for_another_nodes_return_is_said_with_its_crash(monkeypatch, 
     group.master_port = 29502  # another attempt: no crash published in it
     LocalElasticAgent._restart_workers(agent, group)
     assert restarted == [group, group] and killed == [signal.SIGKILL]  # a scale-up saves first
+    # A kill there: no rank's record, its agent's.
+    LocalElasticAgent._start_workers(agent, group)
+    killed_there = _end(1, master="10.0.0.1:29503", causes="rank 3 was killed by SIGKILL")
+    rendezvous.set("titan/failed/job7/10.0.0.1:29503", json.dumps(killed_there))
+    group.master_port = 29503
+    LocalElasticAgent._restart_workers(agent, group)
+    assert killed == [signal.SIGKILL] * 2
     assert capsys.readouterr().err.splitlines() == [
         "[launcher] restarting every rank: another node restarted its ranks: rank 3, on node-b, "
         "raised ValueError: boom (traceback in L there); from the last complete checkpoint",
         "[launcher] restarting every rank: another node restarted its ranks; from the last "
         "complete checkpoint",
+        "[launcher] restarting every rank: another node restarted its ranks: on node-b, rank 3 "
+        "was killed by SIGKILL; from the last complete checkpoint",
     ]
 
 
@@ -543,47 +562,74 @@ def _end(node: int, **fields) -> dict:
     return record | {"crashes": [], "time": 1.0} | fields
 
 
-def test_a_nodes_end_of_the_job_stops_the_ranks_that_never_notice(monkeypatch, tmp_path):
-    """An agent whose failure ends the job says so in the rendezvous's store (the first one
-    to say it kept); another node's agent, whose ranks still run (under NCCL, waiting for the
-    dead ones), reads it and kills them once they had their grace to notice by themselves,
-    longer when one of them did and is leaving. Its own node's end, or another attempt's,
-    stops nothing."""
+def _agents_view(monkeypatch, node: int, port: int = 29501, ranks=(2, 3)):
+    """An attempt of job7 meeting at 10.0.0.1:``port``, as node ``node``'s agent sees it (a
+    worker group of ``ranks`` out of 4), the rendezvous's store in the launcher's environment;
+    and that store."""
     rendezvous = _store()
     monkeypatch.setattr(os, "environ", dict(os.environ))
     monkeypatch.setenv(job_store.JOB_STORE_ENV, f"127.0.0.1:{rendezvous.port}")
+    spec = SimpleNamespace(rdzv_handler=SimpleNamespace(get_run_id=lambda: "job7"), max_restarts=1)
+    workers = [SimpleNamespace(world_size=4, global_rank=r) for r in ranks]
+    group = SimpleNamespace(spec=spec, master_addr="10.0.0.1", master_port=port)
+    group.group_rank, group.workers = node, workers
+    return group, rendezvous
+
+
+def test_a_nodes_failure_and_end_of_the_job_reach_the_others_agents(monkeypatch):
+    """An agent whose ranks failed for a cause of their own publishes it for the attempt; with
+    no restart left, as the job's end too; the first of each kept. Ranks that only lost another
+    node's publish nothing; a record with a malformed crash is not read back."""
+    group, rendezvous = _agents_view(monkeypatch, node=0)
     monkeypatch.setattr(socket, "gethostname", lambda: "node-b")
+    address = f"127.0.0.1:{rendezvous.port}"
+    crash = _crash(1)
+    lost = {2: _Failure(failure_records.LOST_PEER_EXIT_CODE)}
+    assert not other_nodes.publish_failure(group, lost, [], [], final=True)
+    assert other_nodes.publish_failure(group, {}, [crash], [], final=False)  # a restart left
+    failed = job_store.failure_of_attempt(address, "job7", "10.0.0.1:29501")
+    assert failed["node"] == 0 and failed["causes"].startswith("rank 1 raised ValueError: boom")
+    assert failed["crashes"] == [{k: v for k, v in crash.items() if k != "traceback"}]
+    assert job_store.end_of_job(address, "job7") is None
+    group.master_port = 29502  # the next attempt, the last
+    assert other_nodes.publish_failure(group, {0: _Failure(-9)}, [], [], final=True)
+    group.group_rank = 1
+    assert other_nodes.publish_failure(group, {2: _Failure(-9)}, [], [], final=True)  # later
+    end = job_store.end_of_job(address, "job7")
+    assert (end["node"], end["master"]) == (0, "10.0.0.1:29502")
+    assert end["causes"] == "rank 0 was killed by SIGKILL"
+    assert other_nodes.end_of_attempt(group) == end  # read by node 1, in that attempt
+    group.group_rank = 0
+    assert other_nodes.end_of_attempt(group) is None  # its own
+    group.group_rank, group.master_port = 1, 29501
+    assert other_nodes.end_of_attempt(group) is None  # another attempt's
+    rendezvous.set("titan/failed/job7/x", json.dumps(_end(0, crashes=[{"rank": 1}])))
+    assert job_store.failure_of_attempt(address, "job7", "x") is None
+
+
+def test_a_nodes_end_of_the_job_stops_the_ranks_that_never_notice(monkeypatch, tmp_path):
+    """Another node's agent, whose ranks still run (under NCCL, waiting for the dead ones),
+    reads the end and kills them once they had their grace to notice by themselves, longer
+    when one of them did and is leaving. Its own node's end, or another attempt's, stops
+    nothing."""
+    group, rendezvous = _agents_view(monkeypatch, node=1)
     clock = [1000.0]
     monkeypatch.setattr(launcher.time, "monotonic", lambda: clock[0])
-    handler = SimpleNamespace(get_run_id=lambda: "job7")
-    workers = [SimpleNamespace(world_size=4, global_rank=r) for r in (2, 3)]
-
-    def group(node: int, port: int = 29501):
-        spec = SimpleNamespace(rdzv_handler=handler)
-        return SimpleNamespace(
-            spec=spec, master_addr="10.0.0.1", master_port=port, group_rank=node, workers=workers
-        )
-
-    crash = _crash(1)
-    launcher._publish_end(group(0), "rank 1 raised ValueError: boom", [crash])
-    launcher._publish_end(group(1), "rank 2 lost contact", [])  # later: not kept
-    end = job_store.end_of_job(f"127.0.0.1:{rendezvous.port}", "job7")
-    assert end["node"] == 0 and end["crashes"] == [
-        {k: v for k, v in crash.items() if k != "traceback"}
-    ]
-
     killed = []
     agent = SimpleNamespace(_shutdown=killed.append)
-
-    def look(node: int, port: int = 29501, folder=tmp_path):
-        launcher._stop_if_the_job_ended(agent, group(node, port), watch, str(folder))
-
     watch = launcher._Watch(None)
+
+    def look(node: int, port: int = 29501):
+        group.group_rank, group.master_port = node, port
+        launcher._stop_if_the_job_ended(agent, group, watch, str(tmp_path))
+
+    end = _end(0, causes="rank 0 was killed by SIGKILL")
+    rendezvous.set("titan/end/job7", json.dumps(end))
     look(0)  # its own node's end
-    clock[0] += 1.0
+    clock[0] += launcher._END_POLL_S
     look(1, port=29502)  # another attempt's
     assert watch.ended is None and not killed
-    clock[0] += 1.0
+    clock[0] += launcher._END_POLL_S
     look(1)
     assert watch.ended == end and not killed  # read; the ranks have their grace
     clock[0] += launcher._END_GRACE_S
@@ -593,7 +639,7 @@ def test_a_nodes_end_of_the_job_stops_the_ranks_that_never_notice(monkeypatch, t
 
     # A rank here noticed and said why (its record): it has longer to leave by itself.
     monkeypatch.setenv(failure_records.FAILURE_DIR_ENV, str(tmp_path))
-    failure_records.write_record("crash-rank", crash | {"copied_by": 2}, rank=1)
+    failure_records.write_record("crash-rank", _crash(0) | {"copied_by": 2}, rank=0)
     watch, killed[:] = launcher._Watch(None), []
     look(1)
     clock[0] += launcher._END_GRACE_S
@@ -604,22 +650,70 @@ def test_a_nodes_end_of_the_job_stops_the_ranks_that_never_notice(monkeypatch, t
         look(1)
 
 
+def test_once_the_job_ended_elsewhere_the_agent_neither_restarts_nor_waits(
+    monkeypatch, tmp_path, capsys
+):
+    """Through the agent's methods as the launcher wraps them: ranks that failed after another
+    node ended the job are not restarted (no restart line, no restart left); torchrun's own
+    stop of the ranks, and a restart asked by a third node, kill them without SIGTERM; ranks
+    that still run are stopped once the end is read and their grace is over."""
+    LocalElasticAgent = _keep_agent_methods(monkeypatch)
+    group, rendezvous = _agents_view(monkeypatch, node=1)
+    monkeypatch.setattr(launcher, "_LINGER_S", 0.0)
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+
+    results = []
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda a, g: results.pop(0))
+    signals = []
+    monkeypatch.setattr(
+        LocalElasticAgent, "_shutdown", lambda a, sig=None, *args: signals.append(sig)
+    )
+    monkeypatch.setattr(LocalElasticAgent, "_restart_workers", lambda a, g: None)
+    monkeypatch.setattr(LocalElasticAgent, "_start_workers", lambda a, g: None)
+    watch = launcher._watch_agent(str(tmp_path), None)
+    agent = SimpleNamespace(_remaining_restarts=1)
+    agent._shutdown = lambda sig=signal.SIGTERM: LocalElasticAgent._shutdown(agent, sig)
+
+    rendezvous.set("titan/end/job7", json.dumps(_end(0, causes="rank 0 was killed by SIGKILL")))
+    lost = {2: _Failure(failure_records.LOST_PEER_EXIT_CODE)}
+    results.append(RunResult(state=WorkerState.FAILED, failures=lost))
+    LocalElasticAgent._monitor_workers(agent, group)
+    assert agent._remaining_restarts == 0 and watch.ended is not None
+    assert "restart" not in capsys.readouterr().err
+    LocalElasticAgent._shutdown(agent)  # torchrun stops the ranks
+    with pytest.raises(launcher._EndedElsewhere):
+        LocalElasticAgent._restart_workers(agent, group)  # a third node came back
+    assert signals == [signal.SIGKILL, signal.SIGKILL]
+
+    LocalElasticAgent._start_workers(agent, group)  # a new attempt forgets the end
+    assert watch.ended is None
+    LocalElasticAgent._shutdown(agent)
+    assert signals[-1] == signal.SIGTERM  # no end read: a preemption or scale-up saves first
+    clock = [1000.0]
+    monkeypatch.setattr(launcher.time, "monotonic", lambda: clock[0])
+    results.extend([RunResult(state=WorkerState.HEALTHY)] * 2)
+    LocalElasticAgent._monitor_workers(agent, group)  # reads the end; the grace begins
+    clock[0] += launcher._END_GRACE_S
+    with pytest.raises(launcher._EndedElsewhere):
+        LocalElasticAgent._monitor_workers(agent, group)
+    assert signals[-1] == signal.SIGKILL
+
+
 def test_a_node_stopped_by_another_nodes_end_names_it(capsys):
     """Another node's crash as a rank here would have copied it; a kill there with that
-    node's line; a refusal as its one line, with its exit code."""
+    node's line and host; a refusal as its one line, with its exit code."""
     crash = {k: v for k, v in _crash(1).items() if k != "traceback"}
+    killed = _end(0, causes="rank 1 was killed by SIGKILL")
     assert launcher._print_ended_elsewhere(_end(0, crashes=[crash]), [2, 3]) == 1
-    assert launcher._print_ended_elsewhere(_end(0, causes="rank 1 was killed by SIGKILL"), [2]) == 1
-    assert (
-        launcher._print_ended_elsewhere(_end(0, causes="rank 1 was killed by SIGKILL"), None) == 1
-    )
+    assert launcher._print_ended_elsewhere(killed, [2]) == 1
+    assert launcher._print_ended_elsewhere(killed, None) == 1
     refusal = {"rank": 1, "code": 2, "message": "rank 1's data is empty", "time": 1.0}
     assert launcher._print_ended_elsewhere(_end(0, refusal=refusal), [2]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "[launcher] the job failed: rank 1, on node-b, raised ValueError: boom (traceback in "
         "logs/run/rank1.log there); ranks 2, 3, still running on this node, were stopped",
-        "[launcher] the job failed on node-b: rank 1 was killed by SIGKILL; rank 2, still "
+        "[launcher] the job failed: on node-b, rank 1 was killed by SIGKILL; rank 2, still "
         "running on this node, was stopped",
-        "[launcher] the job failed on node-b: rank 1 was killed by SIGKILL",
+        "[launcher] the job failed: on node-b, rank 1 was killed by SIGKILL",
         "[rank1] error: rank 1's data is empty",
     ]

@@ -1,0 +1,77 @@
+"""What a node's launcher tells the other nodes' launchers, and reads from them, through the
+c10d rendezvous's store (``job_store.py``), by torchrun's worker group of this node: why its
+ranks failed in an attempt, whether that ends the job, and, when another node came back to
+meet again or ended the job while this node's ranks still run (waiting, under NCCL, for ranks
+that are gone), what happened there.
+
+An attempt is where its ranks meet (``MASTER_ADDR:MASTER_PORT``, the same on every node). No
+torch import here.
+"""
+
+import os
+import socket
+import time
+
+from torchtitan import failure_report, job_store
+from torchtitan.failure_records import format_refusal
+
+
+def why_another_restarted(worker_group) -> tuple[str, bool]:
+    """Why another node came back to meet, and whether a rank of this attempt failed: what
+    that node's agent, or a rank there that raised, published in the rendezvous's store (under
+    NCCL this node's ranks may still be waiting in a collective for the dead rank, and say
+    nothing)."""
+    other = "another node restarted its ranks"
+    rendezvous = os.environ.get(job_store.JOB_STORE_ENV)
+    if not rendezvous:
+        return other, False
+    run, master = worker_group.spec.rdzv_handler.get_run_id(), attempt(worker_group)
+    failure = job_store.failure_of_attempt(rendezvous, run, master)
+    if failure is None or failure["node"] == worker_group.group_rank:
+        crash = job_store.crash_of_attempt(rendezvous, run, master)
+        failure = None if crash is None else {"crashes": [crash]}
+    if failure is None:
+        return other, False
+    return f"{other}: {failure_report.elsewhere(failure)}", True
+
+
+def attempt(worker_group) -> str:
+    """Where the attempt's ranks meet (``MASTER_ADDR:MASTER_PORT``): the same on every node."""
+    return f"{worker_group.master_addr}:{worker_group.master_port}"
+
+
+def publish_failure(worker_group, failures, crashed, refused, *, final: bool) -> bool:
+    """Say in the rendezvous's store why this node's ranks failed in this attempt, and with
+    ``final`` that this ends the job (the launcher's ``_stop_if_the_job_ended``): its
+    ``refused`` records' first, or ``crashed`` records and torchrun's ``failures``, when the
+    cause is this node's (not only ranks that lost another node's). Returns whether it did."""
+    rendezvous = os.environ.get(job_store.JOB_STORE_ENV)
+    told = crashed or failure_report.unrecorded_causes(failures, crashed)
+    if not rendezvous or not (refused or told):
+        return False
+    record = {
+        "node": worker_group.group_rank,
+        "host": socket.gethostname(),
+        "master": attempt(worker_group),
+        "causes": format_refusal(refused[0])
+        if refused
+        else failure_report.causes(failures, crashed),
+        "crashes": [{k: v for k, v in c.items() if k != "traceback"} for c in crashed],
+        "time": time.time(),
+    }
+    if refused:
+        record["refusal"] = refused[0]
+    run = worker_group.spec.rdzv_handler.get_run_id()
+    job_store.publish_failure(rendezvous, run, record, final=final)
+    return True
+
+
+def end_of_attempt(worker_group) -> dict | None:
+    """Another node's end of the job in this attempt, from the rendezvous's store, if any."""
+    rendezvous = os.environ.get(job_store.JOB_STORE_ENV)
+    if not rendezvous:
+        return None
+    end = job_store.end_of_job(rendezvous, worker_group.spec.rdzv_handler.get_run_id())
+    if end is None or end["node"] == worker_group.group_rank:
+        return None
+    return end if end["master"] == attempt(worker_group) else None
