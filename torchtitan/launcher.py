@@ -405,22 +405,34 @@ def _shown_ranks(local_ranks_filter: str | None) -> set[int] | None:
 
 
 class _Dropping:
-    """A text stream that passes every line except two that mean nothing to a user: torch's
+    """A text stream that passes every line except some that mean nothing to a user: torch's
     C++ profiler markers (``USDT: ... profiler_start``), which kineto prints on every profiled
-    step, and gloo's C++ log line for a peer that went away (``[E1129 ...
-    ProcessGroupGloo.cpp:67] Gloo connectFullMesh failed with [.../pair.cc:553] Connection
-    closed by peer ...``), whatever the cause: the same words are in the exception the rank
-    then reports in one line (exit code ``LOST_PEER_EXIT_CODE``) and keeps, with its
-    traceback, in its log file."""
+    step, and c10d's C++ log lines for a peer that went away, whatever the cause: gloo's
+    (``[E1129 ... ProcessGroupGloo.cpp:67] Gloo connectFullMesh failed with [.../pair.cc:553]
+    Connection closed by peer ...``) and the store's (``[W1130 ... TCPStore.cpp:138] [c10d]
+    recvValueWithTimeout failed on ...: Failed to recv, got 0 bytes. Connection was likely
+    closed. ...``, then its C++ stack: ``Exception raised from ...``, ``frame #0: ...``, a
+    blank line). The same words are in the exception the rank then reports in one line (exit
+    code ``LOST_PEER_EXIT_CODE``) and keeps, with its traceback, in its log file."""
+
+    _LOGS = ("ProcessGroupGloo.cpp:", "TCPStore.cpp:")
+    _STACK = ("Exception raised from ", "frame #", "<omitting python frames>")
 
     def __init__(self, stream):
         self._stream = stream
+        self._in_stack: set[str] = set()  # the ranks whose dropped line's stack follows
 
     def write(self, text: str) -> int:
         # torchrun writes one line per call, after its "[rank0]:" prefix.
+        rank, _, line = text.partition("]:")
+        if rank in self._in_stack:
+            if not line.strip() or line.startswith(self._STACK):
+                return len(text)
+            self._in_stack.discard(rank)
         if "USDT:" in text and "profiler_" in text:
             return len(text)
-        if "ProcessGroupGloo.cpp:" in text and any(m in text for m in LOST_PEER_MARKERS):
+        if any(log in text for log in self._LOGS) and any(m in text for m in LOST_PEER_MARKERS):
+            self._in_stack.add(rank)
             return len(text)
         return self._stream.write(text)
 

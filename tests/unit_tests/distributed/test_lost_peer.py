@@ -126,10 +126,11 @@ def test_a_schedules_log_of_a_lost_peer_is_dropped(caplog):
     ]
 
 
-def test_the_launcher_drops_gloos_cpp_line_for_a_lost_peer():
+def test_the_launcher_drops_c10ds_cpp_lines_for_a_lost_peer():
     """Rank 0's gloo logs from C++, before raising, the same words the rank then says in its
     own line: the launcher's copy of the ranks' streams drops that log line and keeps gloo's
-    other lines (seen in CI: rank 1 refused its input while rank 0 was joining the group)."""
+    other lines (seen in CI: rank 1 refused its input while rank 0 was joining the group). The
+    store's warning goes too, with the C++ stack that follows it."""
     import io
 
     from torchtitan.launcher import _Dropping
@@ -139,11 +140,27 @@ def test_the_launcher_drops_gloos_cpp_line_for_a_lost_peer():
     )
     other = "[rank0]:[W1129 15:09:10.40 ProcessGroupGloo.cpp:516] Warning: a gloo warning"
     own = "[rank0]: 15:09:10 ERROR Stopping: another rank went away during a collective (...)"
+    # The store's, seen in CI: rank 1 joining a group when rank 0 exited; then its C++ stack.
+    store = (
+        "[rank1]:[W1130 00:41:30.754955881 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed "
+        "on SocketImpl(fd=3, ...): Failed to recv, got 0 bytes. Connection was likely closed. "
+        "Did the remote server shutdown or crash?"
+    )
+    stack = [
+        "[rank1]:Exception raised from recvBytes at .../c10d/Utils.hpp:787 (most recent call first):",
+        "[rank1]:frame #0: c10::Error::Error(c10::SourceLocation, ...) + 0x9d (0x7f7f in libc10.so)",
+        "[rank1]:<omitting python frames>",
+        "[rank1]:frame #37: _start + 0x21 (0x559ef5eee081 in .venv/bin/python)",
+        "[rank1]:",
+    ]
+    own_1 = own.replace("[rank0]", "[rank1]")
     stream = io.StringIO()
     dropping = _Dropping(stream)
-    for line in (logged, other, own):
+    lines = (logged, other, store, stack[0], own, *stack[1:], own_1, "[rank1]:frame #1: x")
+    for line in lines:
         assert dropping.write(line + "\n") == len(line) + 1
-    assert stream.getvalue().splitlines() == [other, own]
+    # A stack ends at the rank's next line of another kind; another rank's lines pass between.
+    assert stream.getvalue().splitlines() == [other, own, own_1, "[rank1]:frame #1: x"]
 
 
 def _node(monkeypatch, tmp_path, name: str, rank: int, port: int) -> Path:
