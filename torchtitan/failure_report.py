@@ -145,7 +145,7 @@ def _cause(rank: int, failure) -> str:
 
 
 def elsewhere(record: dict) -> str:
-    """Another node's failure, from what its agent published (``launcher._publish_failure``):
+    """Another node's failure, from what its agent published (``other_nodes.publish_failure``):
     its crashes as a rank here names them when it copies one (``rank 0, on node-a, raised
     ...``), else its own line with its host (``on node-a, rank 1 was killed by SIGKILL``)."""
     if record["crashes"]:
