@@ -208,30 +208,44 @@ def _exchange(
 ) -> Any:
     """``use(store)`` with a client of the store at ``address``, within ``_DEADLINE_S`` (with
     ``quiet``, stderr silenced meanwhile; with ``keep``, the client kept for the next exchange
-    with that address, and dropped when one fails); None when there is no store, it is gone,
-    or it does not answer."""
+    with that address, and a fresh one tried when the kept one fails); None when there is no
+    store, it is gone, or it does not answer."""
     if address is None:
         return None
-    kept = _clients.get(address) if keep else None
-    if kept is None:
-        try:  # a refused connection fails here at once; TCPStore would retry it until timeout
-            socket.create_connection(address, timeout=_TIMEOUT_S).close()
-        except OSError:
-            return None
+    kept = _clients.pop(address, None) if keep else None
+    if kept is not None:
+        done, result = _bounded(lambda: use(kept), quiet)
+        if done:
+            _clients[address] = kept
+            return result
+    try:  # a refused connection fails here at once; TCPStore would retry it until its timeout
+        socket.create_connection(address, timeout=_TIMEOUT_S).close()
+    except OSError:
+        return None
+    made: list[Any] = []
+
+    def fresh() -> Any:
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=_TIMEOUT_S)
+        made.append(dist.TCPStore(*address, is_master=False, timeout=timeout))
+        return use(made[0])
+
+    done, result = _bounded(fresh, quiet)
+    if done and keep:
+        _clients[address] = made[0]
+    return result
+
+
+def _bounded(call: Callable[[], Any], quiet: bool) -> tuple[bool, Any]:
+    """``call()`` in a daemon thread given ``_DEADLINE_S``: whether it returned in time, and
+    what it returned (None when it raised a ``DistError`` or read a bad record)."""
     result: list[Any] = [None]
     done = threading.Event()
 
     def run() -> None:
-        import torch.distributed as dist
-
         try:
-            store = kept
-            if store is None:
-                timeout = datetime.timedelta(seconds=_TIMEOUT_S)
-                store = dist.TCPStore(*address, is_master=False, timeout=timeout)
-            result[0] = use(store)
-            if keep:
-                _clients[address] = store
+            result[0] = call()
             done.set()
         except (RuntimeError, ValueError):  # DistError (a RuntimeError), a bad record
             pass
@@ -240,9 +254,7 @@ def _exchange(
         thread = threading.Thread(target=run, name="titan-job-store", daemon=True)
         thread.start()
         thread.join(_DEADLINE_S)
-    if keep and not done.is_set():
-        _clients.pop(address, None)  # failed, or still blocked: never used again
-    return result[0]
+    return done.is_set(), result[0]
 
 
 @contextlib.contextmanager

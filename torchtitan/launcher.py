@@ -417,22 +417,25 @@ class _Dropping:
 
     _LOGS = ("ProcessGroupGloo.cpp:", "TCPStore.cpp:")
     _STACK = ("Exception raised from ", "frame #", "<omitting python frames>")
+    _STACK_LINES = 100  # at most, after one dropped line (c10d's stacks have about 40)
 
     def __init__(self, stream):
         self._stream = stream
-        self._in_stack: set[str] = set()  # the ranks whose dropped line's stack follows
+        self._in_stack: dict[str, int] = {}  # rank: lines of its dropped line's stack left
 
     def write(self, text: str) -> int:
         # torchrun writes one line per call, after its "[rank0]:" prefix.
         rank, _, line = text.partition("]:")
-        if rank in self._in_stack:
-            if not line.strip() or line.startswith(self._STACK):
+        if (left := self._in_stack.pop(rank, 0)) > 0:
+            if not line.strip():  # the blank line that ends a C++ stack
                 return len(text)
-            self._in_stack.discard(rank)
+            if line.startswith(self._STACK):
+                self._in_stack[rank] = left - 1
+                return len(text)
         if "USDT:" in text and "profiler_" in text:
             return len(text)
         if any(log in text for log in self._LOGS) and any(m in text for m in LOST_PEER_MARKERS):
-            self._in_stack.add(rank)
+            self._in_stack[rank] = self._STACK_LINES
             return len(text)
         return self._stream.write(text)
 

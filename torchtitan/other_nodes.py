@@ -13,7 +13,7 @@ import socket
 import time
 
 from torchtitan import failure_report, job_store
-from torchtitan.failure_records import format_refusal
+from torchtitan.failure_records import ATTEMPT_START_ENV, format_refusal
 
 
 def why_another_restarted(worker_group) -> tuple[str, bool]:
@@ -26,9 +26,9 @@ def why_another_restarted(worker_group) -> tuple[str, bool]:
     if not rendezvous:
         return other, False
     run, master = worker_group.spec.rdzv_handler.get_run_id(), attempt(worker_group)
-    failure = job_store.failure_of_attempt(rendezvous, run, master)
+    failure = _this_attempts(job_store.failure_of_attempt(rendezvous, run, master))
     if failure is None or failure["node"] == worker_group.group_rank:
-        crash = job_store.crash_of_attempt(rendezvous, run, master)
+        crash = _this_attempts(job_store.crash_of_attempt(rendezvous, run, master))
         failure = None if crash is None else {"crashes": [crash]}
     if failure is None:
         return other, False
@@ -71,7 +71,17 @@ def end_of_attempt(worker_group) -> dict | None:
     rendezvous = os.environ.get(job_store.JOB_STORE_ENV)
     if not rendezvous:
         return None
-    end = job_store.end_of_job(rendezvous, worker_group.spec.rdzv_handler.get_run_id())
+    end = _this_attempts(
+        job_store.end_of_job(rendezvous, worker_group.spec.rdzv_handler.get_run_id())
+    )
     if end is None or end["node"] == worker_group.group_rank:
         return None
     return end if end["master"] == attempt(worker_group) else None
+
+
+def _this_attempts(record: dict | None) -> dict | None:
+    """``record``, unless it is older than this attempt's start here (``ATTEMPT_START_ENV``,
+    less a second): an attempt can meet where an earlier one did (a port chosen again, or
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0`` with restarts on), and the first record is kept."""
+    started = float(os.environ.get(ATTEMPT_START_ENV, "0"))
+    return record if record is not None and record["time"] >= started - 1 else None

@@ -156,11 +156,13 @@ def test_the_launcher_drops_c10ds_cpp_lines_for_a_lost_peer():
     own_1 = own.replace("[rank0]", "[rank1]")
     stream = io.StringIO()
     dropping = _Dropping(stream)
-    lines = (logged, other, store, stack[0], own, *stack[1:], own_1, "[rank1]:frame #1: x")
+    later = ("[rank1]:frame #1: x", "[rank1]:")
+    lines = (logged, other, store, stack[0], own, *stack[1:], *later, store, *stack[:2], own_1)
     for line in lines:
         assert dropping.write(line + "\n") == len(line) + 1
-    # A stack ends at the rank's next line of another kind; another rank's lines pass between.
-    assert stream.getvalue().splitlines() == [other, own, own_1, "[rank1]:frame #1: x"]
+    # A stack ends at its blank line, or at the rank's next line of another kind; another
+    # rank's lines pass between.
+    assert stream.getvalue().splitlines() == [other, own, *later, own_1]
 
 
 def _node(monkeypatch, tmp_path, name: str, rank: int, port: int) -> Path:
@@ -180,6 +182,13 @@ def _node(monkeypatch, tmp_path, name: str, rank: int, port: int) -> Path:
 
 
 _AGENT_METHODS = ("_monitor_workers", "_start_workers", "_restart_workers", "_shutdown")
+
+
+@pytest.fixture(autouse=True)
+def _no_kept_store_clients(monkeypatch):
+    """The clients a launcher keeps, by address, are this test's alone: an earlier test's store
+    may have had the port this test's store has."""
+    monkeypatch.setattr(job_store, "_clients", {})
 
 
 def _keep_agent_methods(monkeypatch):
@@ -541,7 +550,9 @@ def test_a_restart_for_another_nodes_return_is_said_with_its_crash(monkeypatch, 
     rendezvous = _store()
     monkeypatch.setattr(os, "environ", dict(os.environ))
     monkeypatch.setenv(job_store.JOB_STORE_ENV, f"127.0.0.1:{rendezvous.port}")
-    record = {"rank": 3, "error": "ValueError: boom", "host": "node-b", "time": 1.0, "log": "L"}
+    monkeypatch.delenv(failure_records.ATTEMPT_START_ENV, raising=False)  # the first attempt
+    record = {"rank": 3, "error": "ValueError: boom", "host": "node-b", "log": "L"}
+    record["time"] = time.time()
     rendezvous.set("titan/crash/job7/10.0.0.1:29501", json.dumps(record))
     launcher._watch_agent(str(tmp_path), None)
     handler = SimpleNamespace(get_run_id=lambda: "job7")
@@ -576,7 +587,7 @@ def test_a_restart_for_another_nodes_return_is_said_with_its_crash(monkeypatch, 
 
 def _end(node: int, **fields) -> dict:
     record = {"node": node, "host": "node-b", "master": "10.0.0.1:29501", "causes": "C"}
-    return record | {"crashes": [], "time": 1.0} | fields
+    return record | {"crashes": [], "time": time.time()} | fields
 
 
 def _agents_view(monkeypatch, node: int, port: int = 29501, ranks=(2, 3)):
@@ -616,6 +627,9 @@ def test_a_nodes_failure_and_end_of_the_job_reach_the_others_agents(monkeypatch)
     assert (end["node"], end["master"]) == (0, "10.0.0.1:29502")
     assert end["causes"] == "rank 0 was killed by SIGKILL"
     assert other_nodes.end_of_attempt(group) == end  # read by node 1, in that attempt
+    monkeypatch.setenv(failure_records.ATTEMPT_START_ENV, str(time.time() + 10))
+    assert other_nodes.end_of_attempt(group) is None  # an earlier attempt's, met at its port
+    monkeypatch.delenv(failure_records.ATTEMPT_START_ENV)
     group.group_rank = 0
     assert other_nodes.end_of_attempt(group) is None  # its own
     group.group_rank, group.master_port = 1, 29501
