@@ -89,9 +89,15 @@ class _EndedElsewhere(Exception):
     """Another node's failure ended the job; this node's ranks (``ranks``) were still running
     and have been stopped."""
 
-    def __init__(self, ranks: list[int]):
-        super().__init__(f"the job ended on another node; stopped {ranks}")
-        self.ranks = ranks
+    def __init__(self, worker_group):
+        self.ranks = sorted(w.global_rank for w in worker_group.workers)
+        super().__init__(f"the job ended on another node; stopped {self.ranks}")
+
+
+def _several_nodes(worker_group) -> bool:
+    """Whether this node's ranks are part of a job of several nodes."""
+    workers = worker_group.workers
+    return bool(workers) and workers[0].world_size > len(workers)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -283,7 +289,7 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
     def restart_and_report(agent, worker_group):
         if watch.ended is not None:  # a third node came back, but the job has ended
             agent._shutdown(signal.SIGKILL)
-            raise _EndedElsewhere(sorted(w.global_rank for w in worker_group.workers))
+            raise _EndedElsewhere(worker_group)
         if watch.restarting is None:  # its ranks are healthy: another node came back to meet
             why, failed = other_nodes.why_another_restarted(worker_group)
             if failed:
@@ -323,7 +329,7 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
             hang = failure_report.hang_lines(folder, workers[0].world_size if workers else None)
         except Exception as e:  # the report must never hide the failure it reports on
             hang = [f"[launcher] the hang: could not read the dumps ({type(e).__name__}: {e})"]
-        several_nodes = bool(workers) and workers[0].world_size > len(workers)
+        several_nodes = _several_nodes(worker_group)
         crashed = crashes(folder)
         if watch.ended is None and several_nodes and left > 0:
             watch.ended = other_nodes.end_of_attempt(worker_group)
@@ -373,8 +379,7 @@ def _stop_if_the_job_ended(agent, worker_group, watch: _Watch, folder: str) -> N
     within ``_END_GRACE_S`` nor, having said why they stop, within ``_END_LEAVE_S``, kill
     them and raise :class:`_EndedElsewhere`. Under gloo they notice at once and this never
     acts; under NCCL they can wait in a collective for the dead ranks until its timeout."""
-    workers = worker_group.workers
-    if not workers or workers[0].world_size <= len(workers):
+    if not _several_nodes(worker_group):
         return
     now = time.monotonic()
     if watch.ended is None:
@@ -391,7 +396,7 @@ def _stop_if_the_job_ended(agent, worker_group, watch: _Watch, folder: str) -> N
     # Waiting for ranks that are gone: no step to finish and save on SIGTERM (torchrun would
     # wait TORCH_ELASTIC_SHUTDOWN_TIMEOUT for it, 600 s by default here).
     agent._shutdown(signal.SIGKILL)
-    raise _EndedElsewhere(sorted(w.global_rank for w in workers))
+    raise _EndedElsewhere(worker_group)
 
 
 def _shown_ranks(local_ranks_filter: str | None) -> set[int] | None:
