@@ -89,25 +89,30 @@ def _crash_split(crashed: list[dict], failures: dict) -> tuple[list[dict], list[
     return started, [c for c in crashed if c not in started]
 
 
-def causes(failures: dict, crashed: list[dict] | None = None) -> str:
+def causes(failures: dict, crashed: list[dict] | None = None, there: dict | None = None) -> str:
     """The ranks' failures, those that started it first: ``rank 1 was killed by SIGKILL (then
     rank 0 lost contact and stopped)``; a recorded exception as ``rank 1 raised ValueError:
     ...`` (also another node's, copied here by a rank that lost it). Then come the ranks that
-    followed (:func:`_follows`, :func:`_crash_split`); when every failure is of that kind and
-    none is recorded (a network fault), they are all listed."""
+    followed (:func:`_follows`, :func:`_crash_split`). When every failure is of that kind and
+    none is recorded, the cause is another node's failure ``there`` (its agent's record,
+    :func:`elsewhere`), or, without one (a network fault), they are all listed."""
     crashed = crashed or []
     started, after = _crash_split(crashed, failures)
     told = {c["rank"] for c in crashed}
     first = unrecorded_causes(failures, crashed)
+    lead = []
     if not first and not started:
-        first = {r: f for r, f in failures.items() if r not in told}
+        if there is not None:
+            lead = [elsewhere(there)]
+        else:
+            first = {r: f for r, f in failures.items() if r not in told}
     rest = [r for r in failures if r not in first and r not in told]
     lost = [r for r in rest if failures[r].exitcode == LOST_PEER_EXIT_CODE]
     stopped = [r for r in rest if r not in lost]
     then = [f"{ranks_text(lost)} lost contact and stopped"] if lost else []
     then += [f"{ranks_text(stopped)} stopped by torchrun"] if stopped else []
     then += [f"{ranks_text([c['rank']])} failed too ({c['error'].split(':')[0]})" for c in after]
-    parts = crash_causes(started) + [_cause(rank, f) for rank, f in sorted(first.items())]
+    parts = lead + crash_causes(started) + [_cause(rank, f) for rank, f in sorted(first.items())]
     return "; ".join(parts) + (f" (then {'; '.join(then)})" if then else "")
 
 

@@ -3,8 +3,8 @@ each failure told once, by its cause.
 
 The ranks leave records of why they stop in a folder this launcher makes
 (``failure_records.py``), and its lines are built from them (``failure_report.py``). In a job
-of several nodes a refusal or a crash also reaches the other nodes' launchers through the
-job's store, and the launcher whose failure ends the job says so there: another node's ranks
+of several nodes a refusal, a crash or a kill also reaches the other nodes' launchers through
+the job's store, and the launcher whose failure ends the job says so there: another node's ranks
 still waiting for the dead ones (in an NCCL collective) are then stopped. When the job fails:
 
 - a rank that refused its input (exit code 2) or stopped on a non-finite step (3): the first
@@ -83,6 +83,9 @@ _LINGER_S = 5.0
 _END_POLL_S = 1.0
 _END_GRACE_S = 3.0
 _END_LEAVE_S = 30.0
+# When this node's ranks only lost ranks of another node, how long its agent waits for that
+# node's agent to publish why (it sees its ranks fail when this one sees its own lose them).
+_THERE_WAIT_S = 3.0
 
 
 class _EndedElsewhere(Exception):
@@ -173,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ChildFailedError as e:
         if records := refusals(folder):
             return _print_refusal(records)
+        if watch.there is not None and "refusal" in watch.there:
+            return _print_refusal([watch.there["refusal"]])
         crashed = crashes(folder)
         # A rank ended by its watchdog, stopped on losing a peer, or whose exception is
         # recorded, says why in its own lines: torchrun's report (exit codes, no traceback)
@@ -182,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(e.format_msg(), file=sys.stderr)
         # torchrun's "Root Cause" is the earliest failure it saw, and a rank that lost contact
         # with a dead one can be seen first; this line orders them by what they say.
-        causes = failure_report.causes(e.failures, crashed)
+        causes = failure_report.causes(e.failures, crashed, watch.there)
         hidden = failure_report.hidden_traceback(crashed, e.failures, watch.shown)
         failed = f"[launcher] the job failed: {causes}"
         print(*hidden, failed, *watch.hang, sep="\n", file=sys.stderr)
@@ -247,8 +252,9 @@ def _print_ended_elsewhere(end: dict, ranks: list[int] | None) -> int:
 class _Watch:
     """What the agent's monitoring saw, for :func:`main`'s report: whether the ranks ran, the
     causes of the failure it is restarting from (until the ranks start again), the last
-    attempt's hang lines, another node's end of the job (``ended``, read at ``ended_at``);
-    and which local ranks' consoles are shown (None: all)."""
+    attempt's hang lines, another node's end of the job (``ended``, read at ``ended_at``), the
+    failure of another node that this node's ranks only lost (``there``); and which local
+    ranks' consoles are shown (None: all)."""
 
     def __init__(self, shown: set[int] | None):
         self.started = threading.Event()
@@ -257,6 +263,7 @@ class _Watch:
         self.shown = shown
         self.ended: dict | None = None
         self.ended_at = 0.0
+        self.there: dict | None = None
         self.next_look = 0.0
 
 
@@ -312,7 +319,7 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
 
     def start_afresh(agent, worker_group):
         clear_crashes(folder)  # the earlier attempt's ranks are stopped
-        watch.restarting = watch.ended = None
+        watch.restarting = watch.ended = watch.there = None
         os.environ[ATTEMPT_START_ENV] = str(time.time())  # the ranks inherit it
         return start(agent, worker_group)
 
@@ -334,18 +341,26 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
         if watch.ended is None and several_nodes and left > 0:
             watch.ended = other_nodes.end_of_attempt(worker_group)
         refused = refusals(folder)
-        final = bool(refused) or left == 0 or watch.ended is not None
+        watch.there = None
+        if several_nodes and not (refused or crashed):
+            if not failure_report.unrecorded_causes(result.failures, crashed):  # a lost peer
+                watch.there = watch.ended or other_nodes.failure_elsewhere(
+                    worker_group, _THERE_WAIT_S
+                )
+        refused_there = watch.there is not None and "refusal" in watch.there
+        final = bool(refused) or refused_there or left == 0 or watch.ended is not None
         # The other nodes' agents read it, when its cause is this node's.
         published = several_nodes and other_nodes.publish_failure(
             worker_group, result.failures, crashed, refused, final=final
         )
-        if refused:
+        if refused or refused_there:
             agent._remaining_restarts = 0  # the launcher prints the refusal
-            if several_nodes:
+            if refused and several_nodes:
                 time.sleep(_LINGER_S)  # other nodes: see _LINGER_S
         elif not final:
             spec = worker_group.spec
-            causes = watch.restarting = failure_report.causes(result.failures, crashed)
+            causes = failure_report.causes(result.failures, crashed, watch.there)
+            watch.restarting = causes
             print(
                 *failure_report.hidden_traceback(crashed, result.failures, watch.shown),
                 f"[launcher] restart {spec.max_restarts - left + 1} of {spec.max_restarts}: "

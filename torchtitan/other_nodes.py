@@ -22,17 +22,39 @@ def why_another_restarted(worker_group) -> tuple[str, bool]:
     NCCL this node's ranks may still be waiting in a collective for the dead rank, and say
     nothing)."""
     other = "another node restarted its ranks"
+    failure = _failure_there(worker_group)
+    if failure is None:
+        return other, False
+    return f"{other}: {failure_report.elsewhere(failure)}", True
+
+
+def failure_elsewhere(worker_group, wait_s: float) -> dict | None:
+    """Another node's failure in this attempt, when this node's ranks only lost theirs (a rank
+    killed there leaves no record a rank here could copy; its agent's is in the rendezvous's
+    store), waiting up to ``wait_s`` for it: that node's agent sees its ranks fail when this
+    one sees its own lose them. None after a network fault, or without the store."""
+    deadline = time.monotonic() + wait_s
+    while (failure := _failure_there(worker_group)) is None and time.monotonic() < deadline:
+        time.sleep(_LOOK_AGAIN_S)
+    return failure
+
+
+_LOOK_AGAIN_S = 0.2
+
+
+def _failure_there(worker_group) -> dict | None:
+    """Why another node's ranks failed in this attempt: its agent's record, or a crash a rank
+    there published (``{"crashes": [crash]}``)."""
     rendezvous = os.environ.get(job_store.JOB_STORE_ENV)
     if not rendezvous:
-        return other, False
+        return None
     run, master = worker_group.spec.rdzv_handler.get_run_id(), attempt(worker_group)
     failure = _this_attempts(job_store.failure_of_attempt(rendezvous, run, master))
     if failure is None or failure["node"] == worker_group.group_rank:
         crash = _this_attempts(job_store.crash_of_attempt(rendezvous, run, master))
-        failure = None if crash is None else {"crashes": [crash]}
-    if failure is None:
-        return other, False
-    return f"{other}: {failure_report.elsewhere(failure)}", True
+        here = {w.global_rank for w in worker_group.workers}
+        failure = None if crash is None or crash["rank"] in here else {"crashes": [crash]}
+    return failure
 
 
 def attempt(worker_group) -> str:

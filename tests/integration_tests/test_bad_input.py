@@ -286,6 +286,21 @@ def test_an_exception_on_another_node_is_named_by_every_node(tmp_path):
     assert ranks == {"[rank1"}, ranks  # not torchrun's local rank, 0 on every node
 
 
+def test_a_kill_on_another_node_is_named_by_every_node(tmp_path):
+    """As above, but rank 0 is killed (SIGKILL: no record of its own, as the kernel's
+    out-of-memory killer leaves), and no restart is left. The other node's rank only lost it;
+    its launcher names the kill, with its host, from what rank 0's agent published in the
+    rendezvous's store, rather than its own rank's exit code."""
+    results = _two_nodes(tmp_path, max_restarts=0, REFUSE_BY_DYING="1", REFUSE_AFTER_S="2")
+    outs = [result.stdout + result.stderr for result in results]
+    assert [result.returncode for result in results] == [1, 1], outs[1][-3000:]
+    killed = "rank 0 was killed by SIGKILL"
+    assert outs[0].splitlines()[-1] == f"[launcher] the job failed: {killed}", outs[0][-3000:]
+    there = f"on {socket.gethostname()}, {killed} (then rank 1 lost contact and stopped)"
+    assert outs[1].splitlines()[-1] == f"[launcher] the job failed: {there}", outs[1][-3000:]
+    assert "Root Cause" not in outs[1] and "frame #" not in outs[0] + outs[1]
+
+
 def test_a_node_whose_ranks_never_notice_is_stopped_with_the_cause(tmp_path):
     """As above, but the other node's rank never notices that rank 0 is gone: it waits without
     end and only notes SIGTERM, as a rank waits in an NCCL collective. At the restart its

@@ -307,6 +307,20 @@ def test_a_bad_record_in_the_store_is_not_taken(monkeypatch, tmp_path):
     assert not failure_records.a_rank_said_why() and failure_records.refusals(folder) == []
 
 
+def _keep_what_main_sets(monkeypatch) -> None:
+    """What ``launcher.main`` sets for its process (environment, streams, torchrun's loggers)
+    stays in the test that calls it."""
+    import logging
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    for stream in ("stdout", "stderr"):
+        monkeypatch.setattr(sys, stream, getattr(sys, stream))
+    for name in ("torch.distributed.run", "torch.distributed.elastic"):
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
+    agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    monkeypatch.setattr(agent_log, "filters", list(agent_log.filters))
+
+
 @pytest.mark.parametrize("when", ["at_start", "refused", "while_running", "restarting"])
 def test_a_rendezvous_error_is_one_line_or_the_refusal_found(monkeypatch, capsys, when):
     """torchrun raises ``RendezvousConnectionError`` when its store cannot be reached at the
@@ -314,8 +328,6 @@ def test_a_rendezvous_error_is_one_line_or_the_refusal_found(monkeypatch, capsys
     first: one line each, exit 1; or the refusal one of its ranks found in the job's store,
     with its code. Coming back to restart after its ranks failed, it finds the rendezvous
     closed (the others ended) and names the failure it was restarting from."""
-    import logging
-
     from torch.distributed import DistNetworkError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.agent.server.api import WorkerState
@@ -346,16 +358,9 @@ def test_a_rendezvous_error_is_one_line_or_the_refusal_found(monkeypatch, capsys
         lost = DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
         raise RendezvousConnectionError("The connection to the C10d store has failed.") from lost
 
-    # What main sets for the process stays in this test.
-    monkeypatch.setattr(os, "environ", dict(os.environ))
-    for stream in ("stdout", "stderr"):
-        monkeypatch.setattr(sys, stream, getattr(sys, stream))
+    _keep_what_main_sets(monkeypatch)
     _keep_agent_methods(monkeypatch)
     monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda agent, group: Result())
-    for name in ("torch.distributed.run", "torch.distributed.elastic"):
-        monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
-    agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
-    monkeypatch.setattr(agent_log, "filters", list(agent_log.filters))
     monkeypatch.setattr(torchrun, "run", run)
     code = launcher.main(["--nnodes", "2", "--nproc_per_node", "1", "train.py"])
     lines = capsys.readouterr().err.splitlines()
@@ -574,7 +579,7 @@ def test_a_restart_for_another_nodes_return_is_said_with_its_crash(monkeypatch, 
     rendezvous.set("titan/failed/job7/10.0.0.1:29503", json.dumps(killed_there))
     group.master_port = 29503
     LocalElasticAgent._restart_workers(agent, group)
-    assert killed == [signal.SIGKILL] * 2
+    assert killed == [signal.SIGKILL] * 2, capsys.readouterr().err  # failed once in a full run
     assert capsys.readouterr().err.splitlines() == [
         "[launcher] restarting every rank: another node restarted its ranks: rank 3, on node-b, "
         "raised ValueError: boom (traceback in L there); from the last complete checkpoint",
@@ -748,3 +753,78 @@ def test_a_node_stopped_by_another_nodes_end_names_it(capsys):
         "[launcher] the job failed: on node-b, rank 1 was killed by SIGKILL",
         "[rank1] error: rank 1's data is empty",
     ]
+
+
+def test_ranks_that_only_lost_another_nodes_are_told_its_failure(monkeypatch, tmp_path, capsys):
+    """Through the agent's methods as the launcher wraps them: this node's ranks only lost a
+    rank of another node (their exit code says so, no record here), killed there, so no rank
+    here could copy why: the restart names the kill from that node's agent's record for this
+    attempt, then the ranks that only followed it. Another attempt's record, or none (a network
+    fault), leaves this node's own line, after a bounded wait; a refusal there is not retried,
+    and the launcher prints it with its exit code."""
+    LocalElasticAgent = _keep_agent_methods(monkeypatch)
+    group, rendezvous = _agents_view(monkeypatch, node=1)
+    monkeypatch.setattr(launcher, "_THERE_WAIT_S", 0.3)
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    results = []
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda a, g: results.pop(0))
+    monkeypatch.setattr(LocalElasticAgent, "_start_workers", lambda a, g: None)
+    watch = launcher._watch_agent(str(tmp_path), None)
+    group.spec.max_restarts = 2
+    agent = SimpleNamespace(_remaining_restarts=2)
+    lost = {r: _Failure(failure_records.LOST_PEER_EXIT_CODE) for r in (2, 3)}
+
+    def fail() -> None:
+        results.append(RunResult(state=WorkerState.FAILED, failures=lost))
+        LocalElasticAgent._monitor_workers(agent, group)
+
+    crash = {k: v for k, v in _crash(1).items() if k != "traceback"}
+    assert failure_report.causes(lost, [], _end(0, crashes=[crash])) == (
+        "rank 1, on node-b, raised ValueError: boom (traceback in logs/run/rank1.log there) "
+        "(then ranks 2, 3 lost contact and stopped)"
+    )
+    killed = _end(0, causes="rank 1 was killed by SIGKILL")
+    rendezvous.set("titan/failed/job7/10.0.0.1:29501", json.dumps(killed))
+    fail()
+    start = time.monotonic()
+    group.master_port = 29502  # the next attempt: no record of it
+    agent._remaining_restarts -= 1  # as torchrun counts
+    LocalElasticAgent._start_workers(agent, group)
+    assert watch.there is None
+    fail()
+    assert time.monotonic() - start >= launcher._THERE_WAIT_S
+    assert capsys.readouterr().err.splitlines() == [
+        "[launcher] restart 1 of 2: on node-b, rank 1 was killed by SIGKILL (then ranks 2, 3 "
+        "lost contact and stopped); restarting every rank from the last complete checkpoint",
+        "[launcher] restart 2 of 2: rank 2 exited with code 4 (a collective lost another "
+        "rank); rank 3 exited with code 4 (a collective lost another rank); restarting every "
+        "rank from the last complete checkpoint",
+    ]
+    # Ranks that only lost others publish nothing.
+    assert (
+        job_store.failure_of_attempt(f"127.0.0.1:{rendezvous.port}", "job7", "10.0.0.1:29502")
+        is None
+    )
+
+    # A refusal there, that no rank here read: not retried, printed as its one line.
+    refusal = {"rank": 1, "code": 2, "message": "rank 1's data is empty", "time": 1.0}
+    group.master_port = 29503
+    LocalElasticAgent._start_workers(agent, group)
+    there = _end(0, master="10.0.0.1:29503", causes="C", refusal=refusal)
+    rendezvous.set("titan/failed/job7/10.0.0.1:29503", json.dumps(there))
+    agent._remaining_restarts = 1
+    fail()
+    assert agent._remaining_restarts == 0 and capsys.readouterr().err == ""
+
+    def run(args):
+        failed = ChildFailedError.__new__(ChildFailedError)  # what torchrun raises, unformatted
+        failed.failures = lost
+        raise failed
+
+    _keep_what_main_sets(monkeypatch)
+    monkeypatch.setattr("torch.distributed.run.run", run)
+    monkeypatch.setattr(launcher, "_watch_agent", lambda folder, shown: watch)
+    assert launcher.main(["--nproc_per_node", "2", "train.py"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "[rank1] error: rank 1's data is empty"
