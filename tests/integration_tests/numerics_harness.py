@@ -136,7 +136,12 @@ def run_case(out_dir: Path, name: str, flags: list[str], *, trainer_data: bool =
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, _replicas_differ(trainer.model_parts))
         replicas = (sum(n for n, _ in everyone), sorted({d for _, ds in everyone for d in ds}))
-    if dist.is_initialized():  # pipeline stages hold different parameters: merge them
+    # Pipeline stages hold different parameters, and the replicas of semi-synchronous training
+    # their own values: merge them (the last rank's win, as semi_sync_reference.py expects).
+    # Other layouts hold every weight whole on every rank already (full_tensor above); the
+    # merge cost a 4-rank case 1.5-2 s of its 4-7.
+    semi_sync = trainer.config.semi_sync.method != "none"
+    if dist.is_initialized() and (trainer.parallel_dims.pp_enabled or semi_sync):
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, weights)
         weights = {k: v for rank_weights in gathered for k, v in rank_weights.items()}
