@@ -83,8 +83,8 @@ _LINGER_S = 5.0
 _END_POLL_S = 1.0
 _END_GRACE_S = 3.0
 _END_LEAVE_S = 30.0
-# When this node's ranks only lost ranks of another node, how long its agent waits for that
-# node's agent to publish why (it sees its ranks fail when this one sees its own lose them).
+# When this node's ranks only lost ranks of another node, about how long its agent waits for
+# that node's agent to publish why (see other_nodes.failure_elsewhere).
 _THERE_WAIT_S = 3.0
 
 
@@ -342,11 +342,9 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
             watch.ended = other_nodes.end_of_attempt(worker_group)
         refused = refusals(folder)
         watch.there = None
-        if several_nodes and not (refused or crashed):
-            if not failure_report.unrecorded_causes(result.failures, crashed):  # a lost peer
-                watch.there = watch.ended or other_nodes.failure_elsewhere(
-                    worker_group, _THERE_WAIT_S
-                )
+        own = refused or crashed or failure_report.unrecorded_causes(result.failures, crashed)
+        if several_nodes and not own:  # the ranks here only lost ranks of another node
+            _look_there(worker_group, watch, left)
         refused_there = watch.there is not None and "refusal" in watch.there
         final = bool(refused) or refused_there or left == 0 or watch.ended is not None
         # The other nodes' agents read it, when its cause is this node's.
@@ -386,6 +384,16 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
     LocalElasticAgent._restart_workers = restart_and_report
     LocalElasticAgent._shutdown = shut_down
     return watch
+
+
+def _look_there(worker_group, watch: _Watch, left: int) -> None:
+    """This node's ranks only lost ranks of another node: why those failed, from that node's
+    agent's record (``watch.there``), and whether that ended the job (``watch.ended``)."""
+    watch.there = watch.ended or other_nodes.failure_elsewhere(worker_group, _THERE_WAIT_S)
+    if watch.there is not None and watch.ended is None and left > 0:
+        # That node may have had no restart left where this one has one: its end is published
+        # with its failure, which was not there yet when this agent looked for an end.
+        watch.ended = other_nodes.end_of_attempt(worker_group)
 
 
 def _stop_if_the_job_ended(agent, worker_group, watch: _Watch, folder: str) -> None:

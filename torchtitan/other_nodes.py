@@ -31,8 +31,12 @@ def why_another_restarted(worker_group) -> tuple[str, bool]:
 def failure_elsewhere(worker_group, wait_s: float) -> dict | None:
     """Another node's failure in this attempt, when this node's ranks only lost theirs (a rank
     killed there leaves no record a rank here could copy; its agent's is in the rendezvous's
-    store), waiting up to ``wait_s`` for it: that node's agent sees its ranks fail when this
-    one sees its own lose them. None after a network fault, or without the store."""
+    store), waiting about ``wait_s`` for it: that node's agent usually sees its ranks fail when
+    this one sees its own lose them (not when its other ranks are slow to stop: torchrun stops
+    them before it reports). None after a network fault, or at once without the store (the
+    static rendezvous)."""
+    if not os.environ.get(job_store.JOB_STORE_ENV):
+        return None
     deadline = time.monotonic() + wait_s
     while (failure := _failure_there(worker_group)) is None and time.monotonic() < deadline:
         time.sleep(_LOOK_AGAIN_S)

@@ -206,6 +206,13 @@ def _store():
     return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
+def _put(store, key: str, value: str) -> None:
+    """``store.set``, then read back through the same client: a set returns before the store
+    has applied it, and another client (the code under test) could read before it does."""
+    store.set(key, value)
+    assert store.check([key])
+
+
 def test_a_refusal_reaches_the_launchers_of_other_nodes_through_the_store(monkeypatch, tmp_path):
     """Rank 3 refuses under the second node's launcher: its record is in that node's folder
     and the job's store. Rank 0, under the first node's launcher, finds none in its folder,
@@ -288,7 +295,7 @@ def test_without_a_store_that_answers_no_refusal_is_found_quietly(
         port = agent.port
         record = {"rank": 1, "code": 2, "message": "refused", "time": 0.0}
         folder = _node(monkeypatch, tmp_path, "first", rank=0, port=port)
-        agent.set(job_store.key("refusal"), json.dumps(record))
+        _put(agent, job_store.key("refusal"), json.dumps(record))
         del agent
     else:
         listener, port = _silent_listener(close=server == "closes")
@@ -303,7 +310,7 @@ def test_without_a_store_that_answers_no_refusal_is_found_quietly(
 def test_a_bad_record_in_the_store_is_not_taken(monkeypatch, tmp_path):
     agent = _store()
     folder = _node(monkeypatch, tmp_path, "first", rank=0, port=agent.port)
-    agent.set(job_store.key("refusal"), json.dumps({"message": "no rank"}))
+    _put(agent, job_store.key("refusal"), json.dumps({"message": "no rank"}))
     assert not failure_records.a_rank_said_why() and failure_records.refusals(folder) == []
 
 
@@ -558,7 +565,7 @@ def test_a_restart_for_another_nodes_return_is_said_with_its_crash(monkeypatch, 
     monkeypatch.delenv(failure_records.ATTEMPT_START_ENV, raising=False)  # the first attempt
     record = {"rank": 3, "error": "ValueError: boom", "host": "node-b", "log": "L"}
     record["time"] = time.time()
-    rendezvous.set("titan/crash/job7/10.0.0.1:29501", json.dumps(record))
+    _put(rendezvous, "titan/crash/job7/10.0.0.1:29501", json.dumps(record))
     launcher._watch_agent(str(tmp_path), None)
     handler = SimpleNamespace(get_run_id=lambda: "job7")
     group = SimpleNamespace(
@@ -576,10 +583,10 @@ def test_a_restart_for_another_nodes_return_is_said_with_its_crash(monkeypatch, 
     # A kill there: no rank's record, its agent's.
     LocalElasticAgent._start_workers(agent, group)
     killed_there = _end(1, master="10.0.0.1:29503", causes="rank 3 was killed by SIGKILL")
-    rendezvous.set("titan/failed/job7/10.0.0.1:29503", json.dumps(killed_there))
+    _put(rendezvous, "titan/failed/job7/10.0.0.1:29503", json.dumps(killed_there))
     group.master_port = 29503
     LocalElasticAgent._restart_workers(agent, group)
-    assert killed == [signal.SIGKILL] * 2, capsys.readouterr().err  # failed once in a full run
+    assert killed == [signal.SIGKILL] * 2
     assert capsys.readouterr().err.splitlines() == [
         "[launcher] restarting every rank: another node restarted its ranks: rank 3, on node-b, "
         "raised ValueError: boom (traceback in L there); from the last complete checkpoint",
@@ -639,7 +646,7 @@ def test_a_nodes_failure_and_end_of_the_job_reach_the_others_agents(monkeypatch)
     assert other_nodes.end_of_attempt(group) is None  # its own
     group.group_rank, group.master_port = 1, 29501
     assert other_nodes.end_of_attempt(group) is None  # another attempt's
-    rendezvous.set("titan/failed/job7/x", json.dumps(_end(0, crashes=[{"rank": 1}])))
+    _put(rendezvous, "titan/failed/job7/x", json.dumps(_end(0, crashes=[{"rank": 1}])))
     assert job_store.failure_of_attempt(address, "job7", "x") is None
 
 
@@ -660,7 +667,7 @@ def test_a_nodes_end_of_the_job_stops_the_ranks_that_never_notice(monkeypatch, t
         launcher._stop_if_the_job_ended(agent, group, watch, str(tmp_path))
 
     end = _end(0, causes="rank 0 was killed by SIGKILL")
-    rendezvous.set("titan/end/job7", json.dumps(end))
+    _put(rendezvous, "titan/end/job7", json.dumps(end))
     look(0)  # its own node's end
     clock[0] += launcher._END_POLL_S
     look(1, port=29502)  # another attempt's
@@ -710,7 +717,7 @@ def test_once_the_job_ended_elsewhere_the_agent_neither_restarts_nor_waits(
     agent = SimpleNamespace(_remaining_restarts=1)
     agent._shutdown = lambda sig=signal.SIGTERM: LocalElasticAgent._shutdown(agent, sig)
 
-    rendezvous.set("titan/end/job7", json.dumps(_end(0, causes="rank 0 was killed by SIGKILL")))
+    _put(rendezvous, "titan/end/job7", json.dumps(_end(0, causes="rank 0 was killed by SIGKILL")))
     lost = {2: _Failure(failure_records.LOST_PEER_EXIT_CODE)}
     results.append(RunResult(state=WorkerState.FAILED, failures=lost))
     LocalElasticAgent._monitor_workers(agent, group)
@@ -786,7 +793,7 @@ def test_ranks_that_only_lost_another_nodes_are_told_its_failure(monkeypatch, tm
         "(then ranks 2, 3 lost contact and stopped)"
     )
     killed = _end(0, causes="rank 1 was killed by SIGKILL")
-    rendezvous.set("titan/failed/job7/10.0.0.1:29501", json.dumps(killed))
+    _put(rendezvous, "titan/failed/job7/10.0.0.1:29501", json.dumps(killed))
     fail()
     start = time.monotonic()
     group.master_port = 29502  # the next attempt: no record of it
@@ -808,12 +815,43 @@ def test_ranks_that_only_lost_another_nodes_are_told_its_failure(monkeypatch, tm
         is None
     )
 
+    # That node had no restart left (this one has one): its failure and the job's end are
+    # published together, after this agent's first look for an end, during its wait.
+    group.master_port = 29505
+    LocalElasticAgent._start_workers(agent, group)
+    ended = _end(0, master="10.0.0.1:29505", causes="rank 1 was killed by SIGKILL")
+
+    def publish() -> None:
+        for key in ("titan/failed/job7/10.0.0.1:29505", "titan/end/job7"):
+            _put(rendezvous, key, json.dumps(ended))
+
+    monkeypatch.setattr(launcher, "_THERE_WAIT_S", 2.0)
+    threading.Timer(0.5, publish).start()
+    fail()
+    assert watch.ended == watch.there == ended and agent._remaining_restarts == 0
+    assert capsys.readouterr().err == ""  # no restart: the job ended there
+
+    # Without the store (the static rendezvous) nothing is waited for; a crash a rank of this
+    # node published is not another node's.
+    group.master_port = 29506
+    monkeypatch.delenv(job_store.JOB_STORE_ENV)
+    start = time.monotonic()
+    assert other_nodes.failure_elsewhere(group, 5.0) is None
+    assert time.monotonic() - start < 1.0
+    monkeypatch.setenv(job_store.JOB_STORE_ENV, f"127.0.0.1:{rendezvous.port}")
+    for rank in (3, 1):
+        published = crash | {"rank": rank, "time": time.time()}
+        _put(rendezvous, "titan/crash/job7/10.0.0.1:29506", json.dumps(published))
+        found = other_nodes.failure_elsewhere(group, 0.0)
+        assert found == (None if rank == 3 else {"crashes": [published]})
+        rendezvous.delete_key("titan/crash/job7/10.0.0.1:29506")
+
     # A refusal there, that no rank here read: not retried, printed as its one line.
     refusal = {"rank": 1, "code": 2, "message": "rank 1's data is empty", "time": 1.0}
     group.master_port = 29503
     LocalElasticAgent._start_workers(agent, group)
     there = _end(0, master="10.0.0.1:29503", causes="C", refusal=refusal)
-    rendezvous.set("titan/failed/job7/10.0.0.1:29503", json.dumps(there))
+    _put(rendezvous, "titan/failed/job7/10.0.0.1:29503", json.dumps(there))
     agent._remaining_restarts = 1
     fail()
     assert agent._remaining_restarts == 0 and capsys.readouterr().err == ""
