@@ -15,6 +15,8 @@ import time
 from torchtitan import failure_report, job_store
 from torchtitan.failure_records import ATTEMPT_START_ENV, format_refusal
 
+_LOOK_AGAIN_S = 0.2  # between looks for another node's failure record (failure_elsewhere)
+
 
 def why_another_restarted(worker_group) -> tuple[str, bool]:
     """Why another node came back to meet, and whether a rank of this attempt failed: what
@@ -41,9 +43,6 @@ def failure_elsewhere(worker_group, wait_s: float) -> dict | None:
     while (failure := _failure_there(worker_group)) is None and time.monotonic() < deadline:
         time.sleep(_LOOK_AGAIN_S)
     return failure
-
-
-_LOOK_AGAIN_S = 0.2
 
 
 def _failure_there(worker_group) -> dict | None:
