@@ -51,6 +51,10 @@ PREFLIGHT = [
     (["--job.dump_folder", ""], "--job.dump_folder is empty"),
     (["--job.dump_folder", "{a_file}"], "is a file, not a folder"),
     (["--checkpoint.enable", "--checkpoint.folder", "{a_file}/ckpt"], "is a file, not a folder"),
+    (
+        ["--checkpoint.enable", "--checkpoint.folder", "/proc/titan-ckpt"],
+        "--checkpoint.folder: cannot write in /proc/titan-ckpt (No such file or directory)",
+    ),
     (["--model.tokenizer_path", "{tmp}/missing"], "missing does not exist; download the model's tokenizer"),
     (
         ["--training.dataset", "c4", "--training.dataset_path", "{tmp}/c4"],

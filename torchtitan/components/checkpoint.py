@@ -290,7 +290,10 @@ class CheckpointManager:
         tmp = self.folder / f"step-{step}.tmp"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            try:
+                tmp.mkdir(parents=True)
+            except OSError as e:  # a folder that went read-only or away since the start
+                raise self._save_failed(step, e) from None
         _barrier()
         self.background.join_prestage()
         if self.background.enabled and not last:

@@ -170,11 +170,7 @@ def match_dataloader_layout(path: Path, wanted: dict[str, Stateful]) -> None:
             "dataloader to restart the data from its beginning (runs that change the "
             "degree keep their place with --training.data_sharding by_row)"
         )
-    logger.info(
-        f"Dataloader state of {saved} data-parallel ranks continues on {state.world_size}: "
-        "each reads the whole stream, so rank 0's position serves every rank"
-    )
-    wanted["dataloader"] = state.reading(0)
+    wanted["dataloader"] = state.reading(0)  # the dataloader checks the saved sharding
 
 
 def build_checkpoint_states(

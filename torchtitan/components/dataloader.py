@@ -33,6 +33,7 @@ from torchtitan.components.token_windows import (
 )
 from torchtitan.config.entries import MixEntry
 from torchtitan.config.errors import ConfigError
+from torchtitan.tools.logging import logger
 
 # torchdata 0.11 calls a deprecated torch API on every loader construction; nothing to act on.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
@@ -378,6 +379,11 @@ class ParallelAwareDataloader(StatefulDataLoader, Stateful):
             super().load_state_dict(state_dict[self._rank_key])
         elif self.replicated_state and _reads_whole_stream(sharding, degree) and entries:
             # Both read the whole stream: the saved position is every rank's position.
+            logger.info(
+                f"Dataloader state of {degree} data-parallel ranks continues on "
+                f"{self.dp_world_size}: each reads the whole stream, so one saved position "
+                "serves every rank"
+            )
             super().load_state_dict(state_dict[entries[0]])
         elif sharding != self.sharding:
             raise ConfigError(

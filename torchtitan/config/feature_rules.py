@@ -4,10 +4,12 @@ validation, activation checkpointing, compile, anomaly detection, and what
 ``(ok, message)`` pairs that ``config/validation.py`` checks in its one pass. No torch.
 """
 
+import contextlib
 import os
+import socket
 from pathlib import Path
 
-from torchtitan.config.errors import did_you_mean
+from torchtitan.config.errors import ConfigError, did_you_mean
 from torchtitan.config.job_config import JobConfig
 
 CHECKPOINT_STATES = (
@@ -49,16 +51,14 @@ def checkpoint_checks(config: JobConfig) -> list[tuple[bool, str]]:
 
 def path_checks(config: JobConfig) -> list[tuple[bool, str]]:
     """Folders the run writes into and files it reads, checked before anything starts (a
-    folder that is a file would otherwise be found at the first save, after the training)."""
+    folder that is a file, or inside one this user cannot write, would otherwise be found at
+    the first save, after the training). Nothing is made here: ``unwritable`` tries a write
+    at launch (``validate_launch``) and on each node (``validate_environment``)."""
     dump = config.job.dump_folder
     checks = [
         (dump.strip() != "", "--job.dump_folder is empty; give a folder for logs and checkpoints")
     ]
-    c = config.checkpoint
-    folders = [("--job.dump_folder", Path(os.path.normpath(dump)))] if dump.strip() else []
-    if dump.strip() and (c.enable or c.create_seed_checkpoint):
-        folders.append(("--checkpoint.folder", Path(os.path.normpath(Path(dump) / c.folder))))
-    for flag, folder in folders:
+    for flag, folder in output_folders(config):
         blocker = next((p for p in (folder, *folder.parents) if exists(p)), None)
         checks.append(
             (
@@ -66,7 +66,62 @@ def path_checks(config: JobConfig) -> list[tuple[bool, str]]:
                 f"{flag}: {blocker} is a file, not a folder; choose another path",
             )
         )
+        checks.append(
+            (
+                blocker is None or not blocker.is_dir() or os.access(blocker, os.W_OK | os.X_OK),
+                f"{flag}: this user cannot write in {blocker} (permission); choose another folder",
+            )
+        )
     return checks
+
+
+def output_folders(config: JobConfig) -> list[tuple[str, Path]]:
+    """The folders this run writes into, each with its flag: the dump folder (logs, metrics,
+    config) and the checkpoint folder where the run saves (not with ``load_only``, a
+    validation of saved weights or ``COMM_MODE=local_tensor``, which only read it)."""
+    dump = config.job.dump_folder
+    if not dump.strip():
+        return []
+    folders = [("--job.dump_folder", Path(os.path.normpath(dump)))]
+    c = config.checkpoint
+    saves = c.enable and not c.load_only and not config.validation.only
+    if (saves or c.create_seed_checkpoint) and config.comm.mode != "local_tensor":
+        folders.append(("--checkpoint.folder", Path(os.path.normpath(Path(dump) / c.folder))))
+    return folders
+
+
+def unwritable(folder: Path, made: list[Path]) -> str | None:
+    """Why this process cannot write in ``folder``, or None: the folder is made where missing
+    (each folder made appended to ``made``), and a file written there and removed (named by
+    host and process: nodes may share the folder)."""
+    missing = [p for p in (folder, *folder.parents) if not exists(p)]
+    probe = folder / f".titan-write-test-{socket.gethostname()}-{os.getpid()}"
+    try:
+        for path in reversed(missing):
+            try:
+                path.mkdir()
+                made.append(path)
+            except FileExistsError:  # another node's rank made it meanwhile
+                if not path.is_dir():
+                    raise
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
+
+
+def check_writable(config: JobConfig) -> None:
+    """Refuse, naming the flag, a folder the run would fail to write into, before it trains
+    (a save that fails after hours of training loses them); a refusal removes the folders
+    made for the check."""
+    made: list[Path] = []
+    for flag, folder in output_folders(config):
+        if (why := unwritable(folder, made)) is not None:
+            for path in reversed(made):
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+            raise ConfigError(f"{flag}: cannot write in {folder} ({why}); choose another folder")
 
 
 def exists(path: Path) -> bool:

@@ -204,12 +204,16 @@ def validate(config: JobConfig) -> None:
 
 def validate_environment(config: JobConfig, device_type: str) -> None:
     """The rules that depend on the machine (``device_type``: ``cuda`` or ``cpu``, found by the
-    caller with torch). Every rank reaches the same verdict before it builds anything."""
+    caller with torch), and the folders this node writes into. Every rank reaches the same
+    verdict before it builds anything."""
     if config.parallelism.enable_async_tensor_parallel and device_type != "cuda":
         raise ConfigError(
             "--parallelism.enable_async_tensor_parallel needs CUDA (symmetric memory); "
             "remove it on CPU"
         )
+    # Once per node (its ranks share its mounts), at the start, not at the first save.
+    if config.comm.mode != "fake_backend" and os.environ.get("LOCAL_RANK", "0") == "0":
+        feature_rules.check_writable(config)
 
 
 def validate_launch(config: JobConfig) -> None:
@@ -238,6 +242,7 @@ def validate_launch(config: JobConfig) -> None:
             where = "" if os.path.isabs(path) else f" (looked in {os.getcwd()} and the repository)"
             raise ConfigError(f"{flag} {path}: nothing there{where}; give a file, glob or folder")
     _check_token_folders(config, tokenizer)
+    feature_rules.check_writable(config)  # last: a refused launch leaves no folder made
 
 
 def _check_token_folders(config: JobConfig, tokenizer_path: Path) -> None:

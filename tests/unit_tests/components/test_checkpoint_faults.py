@@ -147,3 +147,21 @@ def test_a_bug_while_saving_keeps_its_traceback(tmp_path, monkeypatch):
         manager.save(1)
     manager.close()
     assert not isinstance(raised.value, ConfigError)
+
+
+def test_a_folder_that_cannot_be_made_at_a_save_says_so_in_one_line(tmp_path):
+    """The folder was writable at the start (the launch checks it) and is not any more: here
+    it became a file. One line naming the save and what is kept, not a traceback."""
+    model = nn.Linear(4, 4)
+    manager = _manager(tmp_path, model)
+    manager.save(1)
+    folder = tmp_path / "checkpoint"
+    moved = tmp_path / "moved"
+    folder.rename(moved)
+    folder.write_text("")  # a file where the folder was
+    with pytest.raises(ConfigError) as refused:
+        manager.save(2)
+    manager.close()
+    assert str(refused.value).startswith(f"cannot save checkpoint step-2 in {folder}: ")
+    assert "(no checkpoint is complete)" in str(refused.value)
+    assert (moved / "step-1").is_dir()  # nothing saved was touched

@@ -1058,3 +1058,41 @@ def test_a_missing_file_of_the_files_dataset_is_refused_before_launch(tmp_path, 
     (tmp_path / "my_pairs.jsonl").write_text('{"text": "a"}\n')
     validate_launch(parse(*files))
     validate_launch(parse("--training.dataset", "c4", "--training.dataset_path", "allenai/c4"))
+
+
+def test_folders_the_run_cannot_write_are_refused_before_it_trains(tmp_path, monkeypatch):
+    """At launch and on each node's first rank: a folder that cannot be made (/proc refuses
+    even root) is refused naming its flag, not found at the first save after the training.
+    Other ranks of a node leave it to the first; a dry run, a validation of saved weights and
+    ``load_only`` write no checkpoint."""
+    from torchtitan.config import feature_rules
+    from torchtitan.config.validation import validate_environment, validate_launch
+
+    dump = ["--job.dump_folder", str(tmp_path / "dump")]
+    ckpt = ["--checkpoint.enable", "--checkpoint.folder", "/proc/titan-test-ckpt"]
+    refused = r"^--checkpoint.folder: cannot write in /proc/titan-test-ckpt \(.+\); choose"
+    with pytest.raises(ConfigError, match=refused):
+        validate_launch(parse(*dump, *ckpt))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ConfigError, match=refused):
+        validate_environment(parse(*dump, *ckpt), "cpu")
+    with pytest.raises(ConfigError, match=r"^--job.dump_folder: cannot write in /proc/titan-x"):
+        validate_environment(parse("--job.dump_folder", "/proc/titan-x"), "cpu")
+    for flags in (
+        ["--checkpoint.load_only"],
+        ["--validation.only", "--validation.enable"],
+        ["--comm.mode", "local_tensor"],
+    ):
+        assert feature_rules.output_folders(parse(*dump, *ckpt, *flags)) == [
+            ("--job.dump_folder", tmp_path / "dump")
+        ]
+    validate_environment(parse(*dump, *ckpt, "--comm.mode", "fake_backend"), "cpu")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    validate_environment(parse(*dump, *ckpt), "cpu")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    validate_environment(parse(*dump, "--checkpoint.enable"), "cpu")  # writable: made, no probe
+    assert [p.name for p in (tmp_path / "dump").rglob("*")] == ["checkpoint"]
+    # Where this user has no permission (root has it everywhere: checked by what access says).
+    monkeypatch.setattr(feature_rules.os, "access", lambda path, mode: False)
+    with pytest.raises(ConfigError, match=r"cannot write in .+ \(permission\); choose another"):
+        validate(parse(*dump))
