@@ -15,6 +15,7 @@ import math
 import os
 from pathlib import Path
 
+from torchtitan.components import run_lock
 from torchtitan.components.batch_schedule import (
     BatchSchedule,
     check_flags,
@@ -242,6 +243,8 @@ def validate_launch(config: JobConfig) -> None:
             where = "" if os.path.isabs(path) else f" (looked in {os.getcwd()} and the repository)"
             raise ConfigError(f"{flag} {path}: nothing there{where}; give a file, glob or folder")
     _check_token_folders(config, tokenizer)
+    if not config.validation.only and (who := run_lock.holder(config.job.dump_folder)):
+        raise run_lock.InUse(config.job.dump_folder, who)
     feature_rules.check_writable(config)  # last: a refused launch leaves no folder made
 
 
