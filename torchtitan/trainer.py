@@ -239,8 +239,8 @@ class Trainer:
             c,
             dump_folder=self.config.job.dump_folder,
             states=states,
-            device_type=self.device.type,
-            run_config=to_toml(self.config),
+            device_type=self.device.type, run_config=to_toml(self.config),
+            writes=not self.config.validation.only,  # beside the run that saves: reads only
             hf=checkpoint_hf.build_hfio(
                 self.model_spec, self.model_args, self.model_parts, self.tokenizer,
                 self.parallel_dims, chat_template=template,

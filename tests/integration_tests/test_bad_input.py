@@ -53,7 +53,7 @@ PREFLIGHT = [
     (["--checkpoint.enable", "--checkpoint.folder", "{a_file}/ckpt"], "is a file, not a folder"),
     (
         ["--checkpoint.enable", "--checkpoint.folder", "/proc/titan-ckpt"],
-        "--checkpoint.folder: cannot write in /proc/titan-ckpt (No such file or directory)",
+        "--checkpoint.folder: cannot write in /proc/titan-ckpt (",  # (the reason); choose
     ),
     (["--model.tokenizer_path", "{tmp}/missing"], "missing does not exist; download the model's tokenizer"),
     (

@@ -89,8 +89,12 @@ class CheckpointManager:
         run_config: str | None = None,
         hf: "checkpoint_hf.HFIO | None" = None,
         chat_template: str | None = None,
+        writes: bool = True,
     ):
         self.config = config
+        self.writes = writes and not config.load_only
+        """Whether this run writes the folder (a validation of saved weights, or ``load_only``,
+        reads a folder another run may be saving into)."""
         self.hf = hf
         """Hugging Face import/export for this model (``None``: the family has no adapter)."""
         self.dump_folder = Path(dump_folder)
@@ -376,7 +380,9 @@ class CheckpointManager:
             )
         reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         return ConfigError(
-            f"cannot save checkpoint step-{step} in {self.folder}: {reason[:200]} ({kept})"
+            f"cannot save checkpoint step-{step} in {self.folder}: {reason[:200]} ({kept}); "
+            "make the folder writable again and run the same command to resume, or choose "
+            "another --checkpoint.folder"
         )
 
     def _state_bytes(self) -> int:
@@ -435,8 +441,10 @@ class CheckpointManager:
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
     def _remove_incomplete(self) -> None:
-        # A simulation only reads: another (live) run's step-N.tmp is not its to remove.
-        if self.rank == 0 and self.folder.is_dir() and not local_tensor.is_simulating():
+        # A run that only reads (a simulation too) may read beside a live run that saves:
+        # its step-N.tmp is not this run's to remove.
+        writes = self.writes and not local_tensor.is_simulating()
+        if self.rank == 0 and writes and self.folder.is_dir():
             for tmp in self.folder.glob("step-*.tmp"):
                 logger.warning(f"Removing incomplete checkpoint {tmp}")
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -379,11 +379,12 @@ class ParallelAwareDataloader(StatefulDataLoader, Stateful):
             super().load_state_dict(state_dict[self._rank_key])
         elif self.replicated_state and _reads_whole_stream(sharding, degree) and entries:
             # Both read the whole stream: the saved position is every rank's position.
-            logger.info(
-                f"Dataloader state of {degree} data-parallel ranks continues on "
-                f"{self.dp_world_size}: each reads the whole stream, so one saved position "
-                "serves every rank"
-            )
+            if self.dp_rank == 0:  # once (COMM_MODE=local_tensor runs every rank here)
+                logger.info(
+                    f"Dataloader state of {degree} data-parallel ranks continues on "
+                    f"{self.dp_world_size}: each reads the whole stream, so one saved position "
+                    "serves every rank"
+                )
             super().load_state_dict(state_dict[entries[0]])
         elif sharding != self.sharding:
             raise ConfigError(

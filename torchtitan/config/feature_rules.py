@@ -6,7 +6,7 @@ validation, activation checkpointing, compile, anomaly detection, and what
 
 import contextlib
 import os
-import socket
+import tempfile
 from pathlib import Path
 
 from torchtitan.config.errors import ConfigError, did_you_mean
@@ -50,10 +50,11 @@ def checkpoint_checks(config: JobConfig) -> list[tuple[bool, str]]:
 
 
 def path_checks(config: JobConfig) -> list[tuple[bool, str]]:
-    """Folders the run writes into and files it reads, checked before anything starts (a
-    folder that is a file, or inside one this user cannot write, would otherwise be found at
-    the first save, after the training). Nothing is made here: ``unwritable`` tries a write
-    at launch (``validate_launch``) and on each node (``validate_environment``)."""
+    """Folders the run writes into, checked before anything starts (a folder that is a file
+    would otherwise be found at the first save, after the training). Nothing is made here,
+    and what this user may write is not judged (printing a config, or sampling, writes
+    nothing): ``check_writable`` tries a write at launch (``validate_launch``) and on each
+    node (``validate_environment``)."""
     dump = config.job.dump_folder
     checks = [
         (dump.strip() != "", "--job.dump_folder is empty; give a folder for logs and checkpoints")
@@ -64,12 +65,6 @@ def path_checks(config: JobConfig) -> list[tuple[bool, str]]:
             (
                 blocker is None or blocker.is_dir(),
                 f"{flag}: {blocker} is a file, not a folder; choose another path",
-            )
-        )
-        checks.append(
-            (
-                blocker is None or not blocker.is_dir() or os.access(blocker, os.W_OK | os.X_OK),
-                f"{flag}: this user cannot write in {blocker} (permission); choose another folder",
             )
         )
     return checks
@@ -92,10 +87,9 @@ def output_folders(config: JobConfig) -> list[tuple[str, Path]]:
 
 def unwritable(folder: Path, made: list[Path]) -> str | None:
     """Why this process cannot write in ``folder``, or None: the folder is made where missing
-    (each folder made appended to ``made``), and a file written there and removed (named by
-    host and process: nodes may share the folder)."""
+    (each folder made appended to ``made``), and a file of a name of its own (nodes may share
+    the folder) written there and removed."""
     missing = [p for p in (folder, *folder.parents) if not exists(p)]
-    probe = folder / f".titan-write-test-{socket.gethostname()}-{os.getpid()}"
     try:
         for path in reversed(missing):
             try:
@@ -104,8 +98,9 @@ def unwritable(folder: Path, made: list[Path]) -> str | None:
             except FileExistsError:  # another node's rank made it meanwhile
                 if not path.is_dir():
                     raise
-        probe.write_bytes(b"")
-        probe.unlink()
+        fd, probe = tempfile.mkstemp(prefix=".titan-write-test-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
         return e.strerror or type(e).__name__
     return None

@@ -243,8 +243,8 @@ def validate_launch(config: JobConfig) -> None:
             where = "" if os.path.isabs(path) else f" (looked in {os.getcwd()} and the repository)"
             raise ConfigError(f"{flag} {path}: nothing there{where}; give a file, glob or folder")
     _check_token_folders(config, tokenizer)
-    if not config.validation.only and (who := run_lock.holder(config.job.dump_folder)):
-        raise run_lock.InUse(config.job.dump_folder, who)
+    if not config.validation.only:
+        run_lock.check_free(config.job.dump_folder)
     feature_rules.check_writable(config)  # last: a refused launch leaves no folder made
 
 

@@ -165,3 +165,24 @@ def test_a_folder_that_cannot_be_made_at_a_save_says_so_in_one_line(tmp_path):
     assert str(refused.value).startswith(f"cannot save checkpoint step-2 in {folder}: ")
     assert "(no checkpoint is complete)" in str(refused.value)
     assert (moved / "step-1").is_dir()  # nothing saved was touched
+
+
+@pytest.mark.parametrize("reader", ["validation_only", "load_only"])
+def test_a_run_that_only_reads_leaves_a_live_runs_save_in_progress(tmp_path, reader):
+    """A validation of saved weights (or ``load_only``) may run beside the training that
+    saves into the folder: that run's ``step-N.tmp`` is not its to remove. A run that writes
+    the folder removes what an earlier run left half-written."""
+    _saved(tmp_path, [1])
+    partial = tmp_path / "checkpoint" / "step-2.tmp"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"shard")
+    CheckpointManager(
+        CheckpointConfig(enable=True, load_only=reader == "load_only"),
+        dump_folder=str(tmp_path),
+        states={"model": ModelState([nn.Linear(4, 4)]), "train_state": _Progress()},
+        device_type="cpu",
+        writes=reader != "validation_only",
+    ).close()
+    assert (partial / "__0_0.distcp").read_bytes() == b"shard"
+    _manager(tmp_path, nn.Linear(4, 4)).close()
+    assert not partial.exists()

@@ -34,10 +34,14 @@ time.sleep(60)
 """
 
 
-def _hold(folder: Path) -> tuple[subprocess.Popen, int]:
-    """A process holding ``folder``'s lock, and the pid of its forked child."""
+def _hold(folder: Path, **env: str) -> tuple[subprocess.Popen, int]:
+    """A process holding ``folder``'s lock (with ``env``), and the pid of its forked child."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, str(folder)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _HOLDER, str(folder)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k not in ("SLURM_JOB_ID", "TITAN_RUN_ID")}
+        | env,
     )
     pid, child = map(int, holder.stdout.readline().split())
     assert pid == holder.pid
@@ -48,19 +52,20 @@ def test_a_held_folder_is_refused_naming_the_holder_and_freed_when_it_dies(tmp_p
     holder, child = _hold(tmp_path)
     try:
         who = f"pid {holder.pid} on host {socket.gethostname()}, since "
-        assert who in run_lock.holder(tmp_path)
+        assert run_lock.holder(tmp_path)["pid"] == holder.pid
         started = time.monotonic()
         with pytest.raises(ConfigError, match="another run is using it") as refused:
             run_lock.take(tmp_path, warn=pytest.fail, wait_s=0.5)
         assert time.monotonic() - started >= 0.5  # it waited for the holder to let go
         assert str(refused.value).startswith(f"--job.dump_folder {tmp_path}: another run")
         assert who in str(refused.value)
+        assert str(refused.value).endswith(f"remove {tmp_path / run_lock.LOCK_FILE})")
         holder.kill()  # SIGKILL: no code of the holder runs
         holder.wait()
         assert run_lock.holder(tmp_path) is None  # while its forked child still lives
         assert _alive(child)
         lock = run_lock.take(tmp_path, warn=pytest.fail, wait_s=0)
-        assert f"pid {os.getpid()}" in run_lock._described(lock.path)
+        assert run_lock.holder(tmp_path) is None  # this process's own lock: seen by others
         lock.release()
     finally:
         holder.kill()
@@ -98,7 +103,7 @@ def test_a_file_system_without_locks_runs_unlocked_with_a_warning(tmp_path, monk
     warnings: list[str] = []
     lock = run_lock.take(tmp_path, warn=warnings.append)
     lock.release()
-    assert len(warnings) == 1 and "(No locks available): a second run" in warnings[0]
+    assert len(warnings) == 1 and "(No locks available): running without it" in warnings[0]
     assert run_lock.holder(tmp_path) is None
 
 
@@ -119,6 +124,58 @@ def test_the_launch_and_rank_0_refuse_a_held_folder(tmp_path, monkeypatch, capfd
         assert main(flags) == 2
         assert f"another run is using it (pid {holder.pid} on host" in capfd.readouterr().err
         assert not (tmp_path / "earlier_runs").exists() and not (tmp_path / "config.toml").exists()
+        # Beside it, a validation of its saved weights runs, and leaves its save in progress.
+        partial = tmp_path / "checkpoint" / "step-2.tmp"
+        partial.mkdir(parents=True)
+        assert main([*flags, *only, "--checkpoint.enable"]) == 0
+        assert partial.is_dir() and (tmp_path / "validation_only.jsonl").is_file()
     finally:
         holder.kill()
         _kill(child)
+
+
+def test_this_jobs_earlier_attempt_is_waited_for_then_run_past(tmp_path, monkeypatch):
+    """A lock of the same Slurm job (requeued) or the same launch (restarted by torchrun) is
+    one a file server kept after its node crashed: the launch does not refuse it, rank 0
+    waits for it, then goes on unlocked with a warning. Another job's is refused."""
+    holder, child = _hold(tmp_path, SLURM_JOB_ID="4242")
+    try:
+        monkeypatch.setattr(run_lock, "_OWN_JOB_WAIT_S", 0.5)
+        monkeypatch.setenv("SLURM_JOB_ID", "4242")
+        run_lock.check_free(tmp_path)
+        warnings: list[str] = []
+        started = time.monotonic()
+        lock = run_lock.take(tmp_path, warn=warnings.append, wait_s=0)
+        assert time.monotonic() - started >= 0.5
+        lock.release()
+        assert len(warnings) == 1 and "locked by this job's earlier attempt (pid " in warnings[0]
+        monkeypatch.setenv("SLURM_JOB_ID", "4243")
+        with pytest.raises(ConfigError, match="another run is using it"):
+            run_lock.check_free(tmp_path)
+        with pytest.raises(ConfigError, match="another run is using it"):
+            run_lock.take(tmp_path, warn=pytest.fail, wait_s=0)
+    finally:
+        holder.kill()
+        _kill(child)
+
+
+def test_the_lock_is_held_through_a_run_with_saves_and_dataloader_workers(tmp_path, monkeypatch):
+    """Seen from another process at the run's end: nothing the run did (its saves, a worker
+    process, its reports) dropped it; and it is free once the run returns."""
+    import torchtitan.train as train
+
+    seen = []
+
+    def look(dump_folder):
+        code = (
+            f"from torchtitan.components import run_lock; print(run_lock.holder({str(tmp_path)!r}))"
+        )
+        seen.append(
+            subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
+        )
+
+    monkeypatch.setattr(train, "_write_report", look)
+    flags = [*SMALL, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "1"]
+    assert main([*flags, "--training.num_workers", "1", "--job.dump_folder", str(tmp_path)]) == 0
+    assert len(seen) == 1 and f"'pid': {os.getpid()}" in seen[0]
+    assert run_lock.holder(tmp_path) is None

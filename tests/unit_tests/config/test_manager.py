@@ -1061,8 +1061,8 @@ def test_a_missing_file_of_the_files_dataset_is_refused_before_launch(tmp_path, 
 
 
 def test_folders_the_run_cannot_write_are_refused_before_it_trains(tmp_path, monkeypatch):
-    """At launch and on each node's first rank: a folder that cannot be made (/proc refuses
-    even root) is refused naming its flag, not found at the first save after the training.
+    """At launch and on each node's first rank: a folder that cannot be made (in /proc: for
+    root too, and whatever the reason said) is refused naming its flag, not found at the first save after the training.
     Other ranks of a node leave it to the first; a dry run, a validation of saved weights and
     ``load_only`` write no checkpoint."""
     from torchtitan.config import feature_rules
@@ -1092,7 +1092,3 @@ def test_folders_the_run_cannot_write_are_refused_before_it_trains(tmp_path, mon
     monkeypatch.setenv("LOCAL_RANK", "0")
     validate_environment(parse(*dump, "--checkpoint.enable"), "cpu")  # writable: made, no probe
     assert [p.name for p in (tmp_path / "dump").rglob("*")] == ["checkpoint"]
-    # Where this user has no permission (root has it everywhere: checked by what access says).
-    monkeypatch.setattr(feature_rules.os, "access", lambda path, mode: False)
-    with pytest.raises(ConfigError, match=r"cannot write in .+ \(permission\); choose another"):
-        validate(parse(*dump))
