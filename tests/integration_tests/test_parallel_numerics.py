@@ -166,6 +166,16 @@ CASES = {
         "--compile.enable --activation_checkpoint.mode selective "
         "--activation_checkpoint.selective_ac_option op",
     ),
+    # The compiler's partitioner choosing what to recompute within a budget, in graphs holding
+    # TP's collectives (their process group sized as nothing: torch 2.13 refuses otherwise);
+    # inductor's partitioner without its C++ compile (13 s more on a cold cache; inductor by
+    # hand gives the same losses).
+    "tp2_compile_memory_budget": (
+        2,
+        "--training.local_batch_size 8 --parallelism.tensor_parallel_degree 2 "
+        "--compile.enable --compile.backend aot_eager_decomp_partition "
+        "--activation_checkpoint.mode memory_budget --activation_checkpoint.memory_budget 0.2",
+    ),
     "fsdp2_tp2": (4, "--training.local_batch_size 4 --parallelism.tensor_parallel_degree 2"),
     # DTensor-parametrized sharding (what COMM_MODE=local_tensor uses), in a real run.
     "simple_fsdp2_tp2": (

@@ -93,9 +93,15 @@ class Parallelism:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: Literal["none", "full", "selective"] = "none"
-    """Recompute activations in backward to save memory: every block (``full``) or some
-    (``selective``)."""
+    mode: Literal["none", "full", "selective", "memory_budget"] = "none"
+    """Recompute activations in backward to save memory: every block (``full``), some
+    (``selective``), or what the compiler's partitioner chooses to fit ``memory_budget``
+    (``memory_budget``: compiled blocks only, ``--compile.enable``)."""
+
+    memory_budget: float = 0.5
+    """For ``memory_budget``: the share of the activations the compiled blocks keep, between
+    what full checkpointing of each compiled region keeps (0) and what they keep without
+    checkpointing (1); the partitioner recomputes the cheapest ops first."""
 
     selective_ac_option: str = "2"
     """``op`` (save expensive ops) or N (checkpoint every N-th block) for ``selective``."""

@@ -275,12 +275,23 @@ def activation_checkpoint_checks(config: JobConfig) -> list[tuple[bool, str]]:
     ac = config.activation_checkpoint
     option = ac.selective_ac_option
     valid = option == "op" or (option.isdigit() and int(option) >= 1)
+    compiled_blocks = config.compile.enable and "model" in config.compile.components
     return [
         (
             valid,
             f"--activation_checkpoint.selective_ac_option={option!r} must be 'op' or a "
             "positive integer N (checkpoint every N-th block)",
-        )
+        ),
+        (
+            0 <= ac.memory_budget <= 1,
+            f"--activation_checkpoint.memory_budget={ac.memory_budget} must be between 0 "
+            "(recompute the most) and 1 (recompute nothing)",
+        ),
+        (
+            ac.mode != "memory_budget" or compiled_blocks,
+            "--activation_checkpoint.mode memory_budget lets torch.compile's partitioner choose "
+            "what to recompute: add --compile.enable (with model in --compile.components)",
+        ),
     ]
 
 

@@ -30,6 +30,10 @@ MIGRATED = {
         "not needed here: every run writes metrics.jsonl, events.jsonl and a log per rank in "
         "--job.dump_folder (docs/training.md)"
     ),
+    "activation_checkpoint.visualize_memory_budget_pareto": (
+        "not built here (the partitioner's runtime-memory plot); set "
+        "--activation_checkpoint.memory_budget and compare the runs' memory and tokens/s"
+    ),
     "debug.moe_force_load_balance": "here it is --moe.force_load_balance",
     "debug.print_config": _PRINT_CONFIG,
     "job.print_config": _PRINT_CONFIG,  # torchtitan 0.2's spelling

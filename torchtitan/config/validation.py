@@ -364,6 +364,12 @@ def ignored_settings(config: JobConfig, named: JobConfig | None = None) -> list[
             "--activation_checkpoint.mode selective",
             config.activation_checkpoint.mode == "selective",
         ),
+        (
+            "activation_checkpoint",
+            ("memory_budget",),
+            "--activation_checkpoint.mode memory_budget",
+            config.activation_checkpoint.mode == "memory_budget",
+        ),
     ):
         given = getattr(config, section)
         for name in fields:

@@ -7,6 +7,9 @@ Modes (``--activation_checkpoint.mode``):
   fully checkpointed, the others keep all activations.
 - ``selective`` with option ``op``: every block keeps the outputs of the expensive ops
   (attention, and every other matmul) and recomputes the cheap ones (norms, activations).
+- ``memory_budget``: no wrapper; torch.compile's min-cut partitioner decides, in each compiled
+  block, which activations to keep within ``--activation_checkpoint.memory_budget``
+  (``distributed/compile.py``).
 """
 
 import functools
@@ -61,7 +64,7 @@ def _op_policy() -> Callable:
 
 def apply_ac(blocks: nn.ModuleDict, config: ActivationCheckpoint) -> None:
     """Wrap the blocks of ``blocks`` (in place) according to ``config``."""
-    if config.mode == "none":
+    if config.mode in ("none", "memory_budget"):  # the second: the compiler's (compile.py)
         return
     wrap = functools.partial(
         checkpoint_wrapper,

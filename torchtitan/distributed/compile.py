@@ -4,8 +4,14 @@ every block of the same shape, so compile time does not grow with depth.
 A block with data-dependent shapes inside (a mixture-of-experts layer: rows per expert, the
 expert-parallel exchange) compiles around them instead: :func:`apply_compile_around` compiles
 each of its parts whole and leaves the named eager parts, and the glue between parts, eager.
+
+With ``memory_budget`` (``--activation_checkpoint.mode memory_budget``) each compiled graph's
+activations are chosen by AOTAutograd's min-cut partitioner within that budget: the graph
+compiles (and recompiles) under it, scoped to the compiled module's calls rather than set for
+the whole process.
 """
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -29,16 +35,18 @@ def apply_compile(
     *,
     tensor_parallel: bool = False,
     collectives: bool = False,
+    memory_budget: float | None = None,
 ) -> None:
     """Replace each block of ``blocks`` with its compiled version (in place).
 
     ``tensor_parallel``: the blocks run DTensor ops (see :func:`_copy_view_inputs`).
     ``collectives``: the graphs hold collectives (TP, CP, DTensor-parametrized FSDP); see
-    :func:`_uncache_graphs`."""
+    :func:`_uncache_graphs`. ``memory_budget``: the activations' budget of each graph (see
+    :func:`_within_budget`), or None for the partitioner's default."""
     if collectives:
         _uncache_graphs()
     for name, block in list(blocks.items()):
-        blocks[name] = _compiled(block, config, tensor_parallel)
+        blocks[name] = _compiled(block, config, tensor_parallel, memory_budget)
 
 
 def apply_compile_around(
@@ -48,19 +56,24 @@ def apply_compile_around(
     eager: Callable[[nn.Module], bool],
     tensor_parallel: bool = False,
     collectives: bool = False,
+    memory_budget: float | None = None,
 ) -> None:
     """Compile each child of ``module`` whole (in place), except where ``eager(child)``: such
     a child runs eager and its own children are compiled the same way. An activation
     checkpointing wrapper is looked through (its recomputation then replays the compiled
-    parts). ``tensor_parallel`` and ``collectives`` as for :func:`apply_compile`."""
+    parts). ``tensor_parallel``, ``collectives`` and ``memory_budget`` as for
+    :func:`apply_compile`."""
     if collectives:
         _uncache_graphs()
     inner = getattr(module, "_checkpoint_wrapped_module", module)
     for name, child in list(inner.named_children()):
         if eager(child):
-            apply_compile_around(child, config, eager=eager, tensor_parallel=tensor_parallel)
+            apply_compile_around(
+                child, config, eager=eager, tensor_parallel=tensor_parallel,
+                memory_budget=memory_budget,
+            )  # fmt: skip
         elif any(True for _ in child.parameters()):
-            setattr(inner, name, _compiled(child, config, tensor_parallel))
+            setattr(inner, name, _compiled(child, config, tensor_parallel, memory_budget))
 
 
 def backend(config: Compile) -> str:
@@ -80,11 +93,40 @@ def backend(config: Compile) -> str:
     return config.backend
 
 
-def _compiled(module: nn.Module, config: Compile, tensor_parallel: bool) -> nn.Module:
+def _compiled(
+    module: nn.Module, config: Compile, tensor_parallel: bool, memory_budget: float | None
+) -> nn.Module:
     compiled = torch.compile(module, backend=backend(config), fullgraph=True)
     if tensor_parallel:
         compiled.register_forward_pre_hook(_copy_view_inputs, with_kwargs=True)
+    if memory_budget is not None:
+        compiled.forward = _within_budget(compiled.forward, memory_budget)
     return compiled
+
+
+def _within_budget(forward: Callable, budget: float) -> Callable:
+    """``forward`` (a compiled module's) run with AOTAutograd's activation memory budget set
+    to ``budget``: the min-cut partitioner, which splits each graph into forward and backward
+    when it compiles, keeps the activations that fit and recomputes the rest in backward,
+    cheapest first (0: about what full checkpointing of the graph keeps; 1: all it would
+    keep). Set around each call, not for the process: only these graphs compile under it,
+    and the setting is part of the compiled graphs' cache keys.
+
+    A graph holding collectives (TP, CP) takes its process group as an opaque object, whose
+    size the partitioner of torch 2.13 refuses to guess unless told to count it as nothing:
+    right for a process group, which holds no activations."""
+    import torch._functorch.config
+
+    settings: dict = {"activation_memory_budget": budget}
+    if hasattr(torch._functorch.config, "unsafe_treat_script_objects_as_zero_size"):
+        settings["unsafe_treat_script_objects_as_zero_size"] = True
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with torch._functorch.config.patch(**settings):
+            return forward(*args, **kwargs)
+
+    return run
 
 
 def _copy_view_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -866,6 +866,24 @@ def test_whole_block_checkpointing_of_compiled_tensor_parallel_blocks_is_refused
             "--activation_checkpoint.selective_ac_option='0' must be 'op' or a positive integer",
         ),
         (
+            None,
+            "--activation_checkpoint.mode memory_budget",
+            "--activation_checkpoint.mode memory_budget lets torch.compile's partitioner choose "
+            "what to recompute: add --compile.enable",
+        ),
+        (
+            None,
+            "--compile.enable --compile.components loss --activation_checkpoint.mode memory_budget",
+            "add --compile.enable (with model in --compile.components)",
+        ),
+        (
+            None,
+            "--compile.enable --activation_checkpoint.mode memory_budget "
+            "--activation_checkpoint.memory_budget 1.5",
+            "--activation_checkpoint.memory_budget=1.5 must be between 0 (recompute the most) "
+            "and 1",
+        ),
+        (
             "2",
             "--parallelism.tensor_parallel_degree 2 --parallelism.enable_async_tensor_parallel",
             "--parallelism.enable_async_tensor_parallel needs",
@@ -961,6 +979,7 @@ def test_settings_of_a_feature_that_is_off_are_named_as_ignored() -> None:
         "--checkpoint.interval", "5", "--float8.recipe_name", "rowwise", "--validation.freq", "3",
         "--activation_checkpoint.selective_ac_option", "op", "--lr_scheduler.warmup_steps", "20",
         "--training.steps", "10", "--training.spike_window", "64",
+        "--activation_checkpoint.memory_budget", "0.2",
     )  # fmt: skip
     assert ignored_settings(config) == [
         "--checkpoint.interval 5 is ignored without --checkpoint.enable",
@@ -969,6 +988,8 @@ def test_settings_of_a_feature_that_is_off_are_named_as_ignored() -> None:
         "--validation.freq 3 is ignored without --validation.enable",
         "--activation_checkpoint.selective_ac_option op is ignored without "
         "--activation_checkpoint.mode selective",
+        "--activation_checkpoint.memory_budget 0.2 is ignored without "
+        "--activation_checkpoint.mode memory_budget",
         "--lr_scheduler.warmup_steps 20 lasts the whole run (--training.steps 10): the LR "
         "never reaches --optimizer.lr 0.002",
     ]

@@ -103,7 +103,8 @@ def apply_moe_cp_and_ep(model: nn.Module, context: ParallelizeContext) -> None:
 
 
 def compile_blocks(model: nn.Module, context: ParallelizeContext) -> None:
-    """``--compile.enable`` with ``model`` in its components: every block compiled. Routing has
+    """``--compile.enable`` with ``model`` in its components: every block compiled (under
+    ``--activation_checkpoint.memory_budget`` in that mode). Routing has
     data-dependent shapes (rows per expert, the EP exchange): blocks with experts compile their
     attention, norms, router and shared experts; the routed experts and the dispatch between
     them run eager."""
@@ -111,15 +112,18 @@ def compile_blocks(model: nn.Module, context: ParallelizeContext) -> None:
     if not (compile.enable and "model" in compile.components):
         return
     tp, collectives = dims.tp_enabled, graphs_hold_collectives(dims, context.parallelism)
+    ac = context.activation_checkpoint
+    budget = ac.memory_budget if ac.mode == "memory_budget" else None
     dense = nn.ModuleDict({n: b for n, b in model.layers.items() if not _has_experts(b)})
-    apply_compile(dense, compile, tensor_parallel=tp, collectives=collectives)
+    apply_compile(dense, compile, tensor_parallel=tp, collectives=collectives, memory_budget=budget)
     for name, block in model.layers.items():
         if name in dense:
             model.layers[name] = dense[name]
         else:
             apply_compile_around(
-                block, compile, eager=_moe_or_experts, tensor_parallel=tp, collectives=collectives
-            )
+                block, compile, eager=_moe_or_experts, tensor_parallel=tp,
+                collectives=collectives, memory_budget=budget,
+            )  # fmt: skip
 
 
 def apply_data_parallel(
