@@ -13,13 +13,10 @@ after ``--warmup``). Also printed: the baseline's share of step time spent waiti
 """
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
+
+from train_runs import train_records
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,25 +48,11 @@ LEVERS: dict[str, tuple[list[str], dict[str, str], str]] = {
 
 def run(args: argparse.Namespace, flags: list[str], env: dict[str, str]) -> tuple[float, float]:
     """Median tokens/s per rank after warm-up, and the mean share of data loading (%)."""
-    with tempfile.TemporaryDirectory() as dump:
-        cmd = [
-            "./run_train.sh",
-            "--training.steps", str(args.steps),
-            "--training.seq_len", str(args.seq_len),
-            "--training.local_batch_size", str(args.batch),
-            "--training.mixed_precision_param", args.dtype,
-            "--metrics.log_freq", str(args.log_freq),
-            "--checkpoint.no_enable",
-            "--debug.seed", "0",
-            "--job.dump_folder", dump,
-            *flags,
-        ]  # fmt: skip
-        full_env = os.environ | {"NGPU": str(args.ranks), "PYTHON": sys.executable} | env
-        out = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True)
-        if out.returncode != 0:
-            sys.exit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
-        lines = (Path(dump) / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(x) for x in lines]
+    shape = ["--training.steps", str(args.steps), "--training.seq_len", str(args.seq_len)]
+    shape += ["--training.local_batch_size", str(args.batch)]
+    shape += ["--training.mixed_precision_param", args.dtype]
+    shape += ["--metrics.log_freq", str(args.log_freq)]
+    records = train_records([*shape, *flags], ranks=args.ranks, env=env)
     # A record covers the steps since the previous one: keep those wholly after warm-up.
     kept = [r for r in records if r["step"] - args.log_freq >= args.warmup]
     return (

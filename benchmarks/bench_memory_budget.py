@@ -14,15 +14,9 @@ there than in the first column).
 
 import argparse
 import dataclasses
-import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from train_runs import train_records
 
 
 def settings(budgets: list[float]) -> list[tuple[str, list[str], float | None, str]]:
@@ -71,23 +65,9 @@ def saved_bytes(batch: int, seq_len: int, budget: float | None, mode: str) -> in
 
 def run(args: argparse.Namespace, flags: list[str]) -> tuple[float, float]:
     """Median tokens/s after warm-up, and peak memory (GiB), of one compiled run."""
-    with tempfile.TemporaryDirectory() as dump:
-        cmd = [
-            "./run_train.sh",
-            "--training.steps", str(args.steps),
-            "--training.seq_len", str(args.seq_len),
-            "--training.local_batch_size", str(args.batch),
-            "--metrics.log_freq", "1",
-            "--compile.enable",
-            "--debug.seed", "0",
-            "--job.dump_folder", dump,
-            *flags,
-        ]  # fmt: skip
-        env = os.environ | {"NGPU": "1", "PYTHON": sys.executable}
-        out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-        if out.returncode != 0:
-            sys.exit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
-        records = [json.loads(x) for x in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
+    shape = ["--training.steps", str(args.steps), "--training.seq_len", str(args.seq_len)]
+    shape += ["--training.local_batch_size", str(args.batch), "--metrics.log_freq", "1"]
+    records = train_records([*shape, "--compile.enable", *flags])
     kept = [r for r in records if r["step"] > args.warmup]
     return statistics.median(r["tps"] for r in kept), max(r["memory_peak_gib"] for r in records)
 
