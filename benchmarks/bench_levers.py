@@ -14,11 +14,8 @@ after ``--warmup``). Also printed: the baseline's share of step time spent waiti
 
 import argparse
 import statistics
-from pathlib import Path
 
 from train_runs import train_records
-
-REPO = Path(__file__).resolve().parents[1]
 
 LEVERS: dict[str, tuple[list[str], dict[str, str], str]] = {
     # name: (extra flags, extra environment, what it changes)

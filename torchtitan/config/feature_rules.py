@@ -292,7 +292,17 @@ def activation_checkpoint_checks(config: JobConfig) -> list[tuple[bool, str]]:
             "--activation_checkpoint.mode memory_budget lets torch.compile's partitioner choose "
             "what to recompute: add --compile.enable (with model in --compile.components)",
         ),
+        (
+            ac.mode != "memory_budget" or config.compile.backend in MIN_CUT_BACKENDS,
+            f"--activation_checkpoint.mode memory_budget with --compile.backend "
+            f"{config.compile.backend}: that backend splits forward and backward without the "
+            f"budget (or not at all); use {', '.join(MIN_CUT_BACKENDS)}",
+        ),
     ]
+
+
+MIN_CUT_BACKENDS = ("inductor", "aot_eager", "aot_eager_decomp_partition")
+"""torch.compile backends whose partitioner (min-cut) reads the activation memory budget."""
 
 
 def compile_checks(config: JobConfig) -> list[tuple[bool, str]]:

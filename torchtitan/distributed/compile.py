@@ -8,10 +8,11 @@ each of its parts whole and leaves the named eager parts, and the glue between p
 With ``memory_budget`` (``--activation_checkpoint.mode memory_budget``) each compiled graph's
 activations are chosen by AOTAutograd's min-cut partitioner within that budget: the graph
 compiles (and recompiles) under it, scoped to the compiled module's calls rather than set for
-the whole process.
+the whole process. One budget per process: dynamo reuses a block class's graph without
+looking at the budget, so a caller compiling again under another one (a test, a notebook)
+calls ``torch._dynamo.reset()`` first.
 """
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -46,7 +47,7 @@ def apply_compile(
     if collectives:
         _uncache_graphs()
     for name, block in list(blocks.items()):
-        blocks[name] = _compiled(block, config, tensor_parallel, memory_budget)
+        blocks[name] = _compiled(block, config, tensor_parallel, memory_budget, collectives)
 
 
 def apply_compile_around(
@@ -70,10 +71,11 @@ def apply_compile_around(
         if eager(child):
             apply_compile_around(
                 child, config, eager=eager, tensor_parallel=tensor_parallel,
-                memory_budget=memory_budget,
+                collectives=collectives, memory_budget=memory_budget,
             )  # fmt: skip
         elif any(True for _ in child.parameters()):
-            setattr(inner, name, _compiled(child, config, tensor_parallel, memory_budget))
+            compiled = _compiled(child, config, tensor_parallel, memory_budget, collectives)
+            setattr(inner, name, compiled)
 
 
 def backend(config: Compile) -> str:
@@ -94,35 +96,38 @@ def backend(config: Compile) -> str:
 
 
 def _compiled(
-    module: nn.Module, config: Compile, tensor_parallel: bool, memory_budget: float | None
+    module: nn.Module,
+    config: Compile,
+    tensor_parallel: bool,
+    memory_budget: float | None,
+    collectives: bool,
 ) -> nn.Module:
     compiled = torch.compile(module, backend=backend(config), fullgraph=True)
     if tensor_parallel:
         compiled.register_forward_pre_hook(_copy_view_inputs, with_kwargs=True)
     if memory_budget is not None:
-        compiled.forward = _within_budget(compiled.forward, memory_budget)
+        compiled.forward = _within_budget(compiled.forward, memory_budget, collectives)
     return compiled
 
 
-def _within_budget(forward: Callable, budget: float) -> Callable:
+def _within_budget(forward: Callable, budget: float, collectives: bool) -> Callable:
     """``forward`` (a compiled module's) run with AOTAutograd's activation memory budget set
     to ``budget``: the min-cut partitioner, which splits each graph into forward and backward
-    when it compiles, keeps the activations that fit and recomputes the rest in backward,
-    cheapest first (0: about what full checkpointing of the graph keeps; 1: all it would
-    keep). Set around each call, not for the process: only these graphs compile under it,
-    and the setting is part of the compiled graphs' cache keys.
+    when the forward compiles, keeps the activations that fit and recomputes the rest in
+    backward, cheapest first (0: about what full checkpointing of the graph keeps; 1: all it
+    would keep). Set around each call, not for the process. The on-disk caches (AOTAutograd's,
+    inductor's FX graphs) key on it; dynamo's in-process one does not (see the module).
 
-    A graph holding collectives (TP, CP) takes its process group as an opaque object, whose
-    size the partitioner of torch 2.13 refuses to guess unless told to count it as nothing:
-    right for a process group, which holds no activations."""
+    A graph holding ``collectives`` (TP, CP) takes its process group as an opaque object,
+    whose size the partitioner of torch 2.13 refuses to guess unless told to count it as
+    nothing: right for a process group, which holds no activations."""
     import torch._functorch.config
 
     settings: dict = {"activation_memory_budget": budget}
-    if hasattr(torch._functorch.config, "unsafe_treat_script_objects_as_zero_size"):
+    if collectives and hasattr(torch._functorch.config, "unsafe_treat_script_objects_as_zero_size"):
         settings["unsafe_treat_script_objects_as_zero_size"] = True
 
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
+    def run(*args, **kwargs):  # no functools.wraps: it would copy dynamo's markers over
         with torch._functorch.config.patch(**settings):
             return forward(*args, **kwargs)
 

@@ -878,6 +878,13 @@ def test_whole_block_checkpointing_of_compiled_tensor_parallel_blocks_is_refused
         ),
         (
             None,
+            "--compile.enable --compile.backend eager --activation_checkpoint.mode memory_budget",
+            "--activation_checkpoint.mode memory_budget with --compile.backend eager: that "
+            "backend splits forward and backward without the budget (or not at all); use "
+            "inductor, aot_eager, aot_eager_decomp_partition",
+        ),
+        (
+            None,
             "--compile.enable --activation_checkpoint.mode memory_budget "
             "--activation_checkpoint.memory_budget 1.5",
             "--activation_checkpoint.memory_budget=1.5 must be between 0 (recompute the most) "
