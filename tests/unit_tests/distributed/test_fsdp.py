@@ -9,9 +9,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.fsdp import apply_fsdp, mixed_precision_policy
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.common.parallelize import apply_data_parallel
 from torchtitan.models.llama3.args import Llama3Args
 from torchtitan.models.llama3.model import Transformer
+from torchtitan.models.spec import ParallelizeContext
 
 ARGS = Llama3Args(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=16)
 c10d = torch.ops.c10d
@@ -95,3 +99,12 @@ def test_expert_weights_split_along_a_dim_that_divides_evenly(mesh):
     # dim is taken.
     split = distribute_tensor(torch.empty(2, 8, 8), mesh, [Shard(1)])
     assert expert_shard_dim(split, 4) == 2
+
+
+def test_cpu_offload_where_nothing_is_sharded_is_said_to_be_ignored(caplog):
+    config = JobConfig()
+    config.training.enable_cpu_offload = True
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    model = Transformer(ARGS)
+    assert apply_data_parallel(model, ParallelizeContext.from_config(config, dims), []) is model
+    assert "--training.enable_cpu_offload is ignored" in caplog.text

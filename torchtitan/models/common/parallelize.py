@@ -8,6 +8,7 @@ A block with experts has ``moe_enabled`` and a ``moe`` (``models.common.moe.MoE`
 a ``feed_forward``. Blocks are the values of ``model.layers``.
 """
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
@@ -36,6 +37,7 @@ from torchtitan.distributed.tensor_parallel import (
 from torchtitan.models.common.experts import GroupedExperts
 from torchtitan.models.common.moe import MoE
 from torchtitan.models.spec import ParallelizeContext
+from torchtitan.tools.logging import logger
 
 
 def routed_experts(model: nn.Module) -> list[GroupedExperts]:
@@ -133,6 +135,8 @@ def apply_data_parallel(
     under EP sharded over the data-parallel ranks EP leaves, ``efsdp``), HSDP, simple FSDP, or
     replication; nothing in a one-process run."""
     dims, parallelism, training = context.parallel_dims, context.parallelism, context.training
+    if training.enable_cpu_offload:
+        _say_where_offload_moves_nothing(dims)
     if not dims.meshes_built:
         return model
     mp_policy = mixed_precision_policy(
@@ -200,3 +204,18 @@ def _inner_blocks(model: nn.Module) -> list[nn.Module]:
         block = getattr(block, "_orig_mod", block)
         blocks.append(getattr(block, "_checkpoint_wrapped_module", block))
     return blocks
+
+
+def _say_where_offload_moves_nothing(dims) -> None:
+    """``--training.enable_cpu_offload`` offloads what FSDP shards, to host memory: one line
+    where that is nothing, rather than silence."""
+    if not dims.fsdp_enabled:
+        logger.warning(
+            "--training.enable_cpu_offload is ignored: it offloads FSDP-sharded state, and "
+            "this run shards nothing (--parallelism.data_parallel_shard_degree 1, no CP)"
+        )
+    elif dist.is_initialized() and dist.get_backend() == "gloo":
+        logger.info(
+            "--training.enable_cpu_offload on CPU: parameters, gradients and optimizer state "
+            "already live in host memory, so it moves nothing"
+        )
