@@ -106,7 +106,8 @@ def a_rank_said_why() -> bool:
         return write_record("rank", refusal, rank=refusal["rank"])
     crash = found.get("crash")
     started = float(os.environ.get(ATTEMPT_START_ENV, "0"))
-    if crash is not None and crash["time"] >= started - 1:  # not an earlier attempt's
+    named = bool(os.environ.get(job_store.ATTEMPT_ENV))  # then the key is this attempt's alone
+    if crash is not None and (named or crash["time"] >= started - 1):  # not an earlier one's
         copy = {**crash, "copied_by": _rank()}
         return write_record("crash-rank", copy, rank=crash["rank"])
     return False

@@ -33,10 +33,12 @@ import os
 import socket
 import sys
 import threading
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 JOB_STORE_ENV = "TITAN_JOB_STORE"
+ATTEMPT_ENV = "TITAN_ATTEMPT"  # the attempt's name, alike on every node (attempt_name)
 _TIMEOUT_S = 2.0  # the client's own timeout; it retries a failed connection for about twice that
 _DEADLINE_S = 3 * _TIMEOUT_S
 _clients: dict[tuple[str, int], Any] = {}  # an agent's, kept (_exchange's keep)
@@ -61,16 +63,29 @@ def key(kind: str) -> str:
     """One key per kind, torchrun run (``--rdzv_id``) and, for a crash, attempt: another job at
     the same address reads its own, and a restarted attempt not an earlier one's. An attempt
     is where its ranks meet (``MASTER_ADDR:MASTER_PORT``: a port of its own per attempt under
-    c10d with restarts on, see the launcher), plus the restart count under the static
-    rendezvous, which shares one port (there every node counts alike; under c10d a node
+    c10d with restarts on, see the launcher, but a port can come again), plus the attempt's
+    name under c10d (:func:`attempt_name`, in ``ATTEMPT_ENV``), or the restart count under the
+    static rendezvous, which shares one port (there every node counts alike; under c10d a node
     restarts without counting when another comes back)."""
     run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     if kind == "refusal":
         return f"titan/refusal/{run}"
     attempt = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
-    if not os.environ.get(JOB_STORE_ENV):
+    if name := os.environ.get(ATTEMPT_ENV):
+        attempt += f"/{name}"
+    elif not os.environ.get(JOB_STORE_ENV):
         attempt += f"/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     return _crash_key(run, attempt)
+
+
+def attempt_name(round_store: Any) -> str | None:
+    """A name for this attempt that every node's agent reads alike, so that no node compares
+    its clock with another's to tell attempts apart: the first agent's random name, set in
+    ``round_store``, the rendezvous round's own store (torchrun's ``worker_group.store`` under
+    c10d: another round, another prefix of its keys). None when the store does not answer."""
+    mine = uuid.uuid4().hex[:12]
+    done, name = _bounded(lambda: round_store.compare_set("titan/attempt", "", mine), False)
+    return name.decode() if done and isinstance(name, bytes) and name else None
 
 
 def _crash_key(run: str, attempt: str) -> str:

@@ -97,6 +97,20 @@ class _EndedElsewhere(Exception):
         super().__init__(f"the job ended on another node; stopped {self.ranks}")
 
 
+def _name_the_attempt(worker_group) -> None:
+    """The attempt's name, alike on every node (``job_store.attempt_name``), in
+    ``job_store.ATTEMPT_ENV`` for this agent's records and its ranks': attempts are then told
+    apart without comparing clocks of different nodes. No name with one node (its folder is
+    enough), under the static rendezvous (the restart count names attempts), or when the store
+    does not answer (then a record's time, against this attempt's start here, decides)."""
+    os.environ.pop(job_store.ATTEMPT_ENV, None)  # an earlier attempt's
+    round_store = getattr(worker_group, "store", None)
+    if round_store is None or not os.environ.get(job_store.JOB_STORE_ENV):
+        return
+    if _several_nodes(worker_group) and (name := job_store.attempt_name(round_store)):
+        os.environ[job_store.ATTEMPT_ENV] = name
+
+
 def _several_nodes(worker_group) -> bool:
     """Whether this node's ranks are part of a job of several nodes."""
     workers = worker_group.workers
@@ -153,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         watch = _watch_agent(folder, _shown_ranks(parsed.local_ranks_filter))
         os.environ.pop(job_store.JOB_STORE_ENV, None)  # not another launcher's
+        os.environ.pop(job_store.ATTEMPT_ENV, None)
         if parsed.rdzv_backend == "c10d" and parsed.rdzv_endpoint:
             host, port = parse_rendezvous_endpoint(parsed.rdzv_endpoint, default_port=29400)
             if port:  # 0: a free port torchrun picks, on one node (run_train.sh)
@@ -321,6 +336,7 @@ def _watch_agent(folder: str, shown: set[int] | None) -> _Watch:
         clear_crashes(folder)  # the earlier attempt's ranks are stopped
         watch.restarting = watch.ended = watch.there = None
         os.environ[ATTEMPT_START_ENV] = str(time.time())  # the ranks inherit it
+        _name_the_attempt(worker_group)  # and this
         return start(agent, worker_group)
 
     def monitor_and_report(agent, worker_group):

@@ -61,8 +61,11 @@ def _failure_there(worker_group) -> dict | None:
 
 
 def attempt(worker_group) -> str:
-    """Where the attempt's ranks meet (``MASTER_ADDR:MASTER_PORT``): the same on every node."""
-    return f"{worker_group.master_addr}:{worker_group.master_port}"
+    """Where the attempt's ranks meet (``MASTER_ADDR:MASTER_PORT``), and its name where the
+    launcher got one (``job_store.attempt_name``): the same on every node."""
+    master = f"{worker_group.master_addr}:{worker_group.master_port}"
+    name = os.environ.get(job_store.ATTEMPT_ENV)
+    return f"{master}/{name}" if name else master
 
 
 def publish_failure(worker_group, failures, crashed, refused, *, final: bool) -> bool:
@@ -105,8 +108,12 @@ def end_of_attempt(worker_group) -> dict | None:
 
 
 def _this_attempts(record: dict | None) -> dict | None:
-    """``record``, unless it is older than this attempt's start here (``ATTEMPT_START_ENV``,
-    less a second): an attempt can meet where an earlier one did (a port chosen again, or
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0`` with restarts on), and the first record is kept."""
+    """``record``, read under this attempt's keys: an attempt can meet where an earlier one did
+    (a port chosen again, or ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0`` with restarts on), and
+    the first record is kept. Its name in the keys tells them apart; without one (its store
+    did not answer when the launcher asked), a record older than this attempt's start here
+    (``ATTEMPT_START_ENV``, less a second: clocks of nodes differ) is an earlier one's."""
+    if record is None or os.environ.get(job_store.ATTEMPT_ENV):
+        return record
     started = float(os.environ.get(ATTEMPT_START_ENV, "0"))
-    return record if record is not None and record["time"] >= started - 1 else None
+    return record if record["time"] >= started - 1 else None

@@ -4,6 +4,7 @@ whichever rank refuses when a rank finds it. docs/troubleshooting.md lists the s
 Also an unexpected exception in one rank: named as the cause on every node."""
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -144,6 +145,7 @@ def _run(tmp_path: Path, flags: list[str], **env: str) -> subprocess.CompletedPr
 
 
 LOST_PEER = "another rank went away during a collective"
+CLOCK_AHEAD = Path(__file__).parent / "clock_ahead"
 
 
 def _assert_one_line(result: subprocess.CompletedProcess, expected: str) -> str:
@@ -204,12 +206,13 @@ def test_only_rank_1_refuses_and_its_line_is_shown(tmp_path):
 
 
 def _two_nodes(
-    tmp_path: Path, *, max_restarts: int = 1, **env: str
+    tmp_path: Path, *, max_restarts: int = 1, clock_ahead_s: float = 0, **env: str
 ) -> list[subprocess.CompletedProcess]:
     """Two launchers of one rank each, as on two nodes under Slurm (a c10d rendezvous,
     ``max_restarts``, each launcher with its own failure folder), running ``refuse_harness.py``
     with ``env``; the first hosts the rendezvous's store (``REFUSE_ON_THIS_NODE=1``) and gets
-    rank 0 (ranks follow the order the launchers started in)."""
+    rank 0 (ranks follow the order the launchers started in). The second node's wall clock
+    runs ``clock_ahead_s`` ahead (``clock_ahead/sitecustomize.py``, in its launcher and rank)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -222,7 +225,7 @@ def _two_nodes(
             + ["--role", "rank", "--tee", "3", "tests/integration_tests/refuse_harness.py"]
             + [*SMALL, "--job.dump_folder", str(tmp_path / f"node{i}")],
             cwd=REPO,
-            env=clean_env(REFUSE_ON_THIS_NODE=str(int(host)), **env),
+            env=clean_env(REFUSE_ON_THIS_NODE=str(int(host)), **env, **_clock(host, clock_ahead_s)),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -238,6 +241,14 @@ def _two_nodes(
     finally:
         for node in nodes:
             node.kill()
+
+
+def _clock(host: bool, ahead_s: float) -> dict[str, str]:
+    """The environment that sets a node's wall clock ``ahead_s`` ahead (none for the host)."""
+    if host or not ahead_s:
+        return {}
+    path = os.pathsep.join(filter(None, [str(CLOCK_AHEAD), os.environ.get("PYTHONPATH")]))
+    return {"PYTHONPATH": path, "TITAN_TEST_CLOCK_AHEAD_S": str(ahead_s)}
 
 
 def test_a_refusal_on_another_node_is_each_nodes_one_line(tmp_path):
@@ -263,9 +274,15 @@ def test_an_exception_on_another_node_is_named_by_every_node(tmp_path):
     """As above, but rank 0 raises an exception, in both attempts (one restart). Its node
     shows its traceback and names it; the other node, whose rank only lost it (and read the
     store 1 s late), names it too, with its host and log file, at the restart and at the end,
-    rather than its own rank's lost peer. The second node's lines carry its global rank."""
+    rather than its own rank's lost peer. The second node's lines carry its global rank. Its
+    clock runs 30 s ahead: no node takes another's records for an earlier attempt's by their
+    time."""
     results = _two_nodes(
-        tmp_path, REFUSE_BY_CRASHING="1", REFUSE_AFTER_S="2", READ_REFUSAL_AFTER_S="1"
+        tmp_path,
+        clock_ahead_s=30,
+        REFUSE_BY_CRASHING="1",
+        REFUSE_AFTER_S="2",
+        READ_REFUSAL_AFTER_S="1",
     )
     outs = [result.stdout + result.stderr for result in results]
     assert [result.returncode for result in results] == [1, 1], outs[1][-3000:]

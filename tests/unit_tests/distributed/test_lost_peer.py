@@ -650,6 +650,51 @@ def test_a_nodes_failure_and_end_of_the_job_reach_the_others_agents(monkeypatch)
     assert job_store.failure_of_attempt(address, "job7", "x") is None
 
 
+def test_an_attempt_is_named_alike_on_every_node_without_comparing_clocks(monkeypatch):
+    """Each node's launcher names the attempt in the rendezvous round's store: the first
+    agent's name, read alike by every agent, another in the next round. Its ranks' keys and its
+    records carry it, so a record read there is this attempt's whatever the clock of the node
+    that wrote it said (here an hour behind this node's start), and the same address met again
+    in the next round reads nothing of the last. One node's job, or a store that does not
+    answer, has no name."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    group, rendezvous = _agents_view(monkeypatch, node=1)  # ranks 2 and 3 of 4
+    node0 = TCPStore("127.0.0.1", rendezvous.port, is_master=False)
+    round0 = "torch.rendezvous.job7.0"  # torchrun's prefix of a round's keys
+    group.store = PrefixStore(round0, rendezvous)
+    launcher._name_the_attempt(group)
+    name = os.environ[job_store.ATTEMPT_ENV]
+    assert job_store.attempt_name(PrefixStore(round0, node0)) == name  # node 0's agent
+    assert other_nodes.attempt(group) == f"10.0.0.1:29501/{name}"
+    for var, value in (("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29501")):
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    assert job_store.key("crash") == f"titan/crash/job7/10.0.0.1:29501/{name}"  # a rank's
+    crash = _crash(1) | {"time": time.time() - 3600}
+    _put(node0, job_store.key("crash"), json.dumps(crash))
+    monkeypatch.setenv(failure_records.ATTEMPT_START_ENV, str(time.time()))
+    assert other_nodes._failure_there(group) == {"crashes": [crash]}
+    group.store = PrefixStore("torch.rendezvous.job7.1", rendezvous)  # the next round
+    launcher._name_the_attempt(group)
+    assert os.environ[job_store.ATTEMPT_ENV] not in ("", name)
+    assert other_nodes._failure_there(group) is None
+    group.workers = [SimpleNamespace(world_size=2, global_rank=r) for r in (0, 1)]
+    launcher._name_the_attempt(group)  # one node
+    assert job_store.ATTEMPT_ENV not in os.environ
+    monkeypatch.setattr(job_store, "_DEADLINE_S", 0.2)
+    group.workers, group.store = [SimpleNamespace(world_size=4, global_rank=2)], _Silent()
+    launcher._name_the_attempt(group)
+    assert job_store.ATTEMPT_ENV not in os.environ
+
+
+class _Silent:
+    """A store that never answers."""
+
+    def compare_set(self, *args):
+        threading.Event().wait()
+
+
 def test_a_nodes_end_of_the_job_stops_the_ranks_that_never_notice(monkeypatch, tmp_path):
     """Another node's agent, whose ranks still run (under NCCL, waiting for the dead ones),
     reads the end and kills them once they had their grace to notice by themselves, longer
