@@ -108,7 +108,9 @@ def a_rank_said_why() -> bool:
     started = float(os.environ.get(ATTEMPT_START_ENV, "0"))
     named = bool(os.environ.get(job_store.ATTEMPT_ENV))  # then the key is this attempt's alone
     if crash is not None and (named or crash["time"] >= started - 1):  # not an earlier one's
-        copy = {**crash, "copied_by": _rank()}
+        # Timed by this node's clock, when it arrived here (before any crash here: see above):
+        # the launcher orders crashes and kills by time, and another node's clock may differ.
+        copy = {**crash, "copied_by": _rank(), "time": time.time()}
         return write_record("crash-rank", copy, rank=crash["rank"])
     return False
 

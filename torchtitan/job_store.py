@@ -41,6 +41,7 @@ JOB_STORE_ENV = "TITAN_JOB_STORE"
 ATTEMPT_ENV = "TITAN_ATTEMPT"  # the attempt's name, alike on every node (attempt_name)
 _TIMEOUT_S = 2.0  # the client's own timeout; it retries a failed connection for about twice that
 _DEADLINE_S = 3 * _TIMEOUT_S
+_NAME_ASKS = 3  # attempt_name's
 _clients: dict[tuple[str, int], Any] = {}  # an agent's, kept (_exchange's keep)
 # What a rank publishes, by kind, with the fields a record read back must have.
 _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
@@ -48,7 +49,8 @@ _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "crash": {"rank": int, "error": str, "host": str, "time": (int, float)},
 }
 # What an agent publishes when its ranks failed: its node (group rank), host, the attempt's
-# ``MASTER_ADDR:MASTER_PORT``, its line of causes and the crash records behind it.
+# ``MASTER_ADDR:MASTER_PORT`` (and name: ``other_nodes.attempt``), its line of causes and the
+# crash records behind it.
 _NODE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "node": int,
     "host": str,
@@ -82,10 +84,16 @@ def attempt_name(round_store: Any) -> str | None:
     """A name for this attempt that every node's agent reads alike, so that no node compares
     its clock with another's to tell attempts apart: the first agent's random name, set in
     ``round_store``, the rendezvous round's own store (torchrun's ``worker_group.store`` under
-    c10d: another round, another prefix of its keys). None when the store does not answer."""
+    c10d: another round, another prefix of its keys). Asked up to three times: a node left
+    without a name while the others have one would publish where they do not look (and an
+    answer lost after the store took this node's name is read back by the next ask). None when
+    the store does not answer."""
     mine = uuid.uuid4().hex[:12]
-    done, name = _bounded(lambda: round_store.compare_set("titan/attempt", "", mine), False)
-    return name.decode() if done and isinstance(name, bytes) and name else None
+    for _ in range(_NAME_ASKS):
+        done, name = _bounded(lambda: round_store.compare_set("titan/attempt", "", mine), False)
+        if done and isinstance(name, bytes) and name:
+            return name.decode()
+    return None
 
 
 def _crash_key(run: str, attempt: str) -> str:

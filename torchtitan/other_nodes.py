@@ -4,8 +4,8 @@ ranks failed in an attempt, whether that ends the job, and, when another node ca
 meet again or ended the job while this node's ranks still run (waiting, under NCCL, for ranks
 that are gone), what happened there.
 
-An attempt is where its ranks meet (``MASTER_ADDR:MASTER_PORT``, the same on every node). No
-torch import here.
+An attempt is where its ranks meet (``MASTER_ADDR:MASTER_PORT``, the same on every node) and
+the name the launchers agreed on for it (``job_store.attempt_name``). No torch import here.
 """
 
 import os

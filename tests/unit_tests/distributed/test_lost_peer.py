@@ -650,7 +650,7 @@ def test_a_nodes_failure_and_end_of_the_job_reach_the_others_agents(monkeypatch)
     assert job_store.failure_of_attempt(address, "job7", "x") is None
 
 
-def test_an_attempt_is_named_alike_on_every_node_without_comparing_clocks(monkeypatch):
+def test_an_attempt_is_named_alike_on_every_node_without_comparing_clocks(monkeypatch, tmp_path):
     """Each node's launcher names the attempt in the rendezvous round's store: the first
     agent's name, read alike by every agent, another in the next round. Its ranks' keys and its
     records carry it, so a record read there is this attempt's whatever the clock of the node
@@ -679,6 +679,17 @@ def test_an_attempt_is_named_alike_on_every_node_without_comparing_clocks(monkey
     launcher._name_the_attempt(group)
     assert os.environ[job_store.ATTEMPT_ENV] not in ("", name)
     assert other_nodes._failure_there(group) is None
+    # A crash there from a clock an hour ahead, copied by a rank here that lost that rank: timed
+    # when it arrived, by this node's clock (the launcher orders crashes and kills by time).
+    crash |= {"time": time.time() + 3600}
+    before = time.time()
+    _put(node0, job_store.key("crash"), json.dumps(crash))
+    for var, value in (("RANK", "2"), ("WORLD_SIZE", "4"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv(failure_records.FAILURE_DIR_ENV, str(tmp_path))
+    assert failure_records.a_rank_said_why()
+    [copy] = failure_records.crashes(tmp_path)
+    assert copy["copied_by"] == 2 and before <= copy["time"] <= time.time()
     group.workers = [SimpleNamespace(world_size=2, global_rank=r) for r in (0, 1)]
     launcher._name_the_attempt(group)  # one node
     assert job_store.ATTEMPT_ENV not in os.environ
@@ -686,13 +697,22 @@ def test_an_attempt_is_named_alike_on_every_node_without_comparing_clocks(monkey
     group.workers, group.store = [SimpleNamespace(world_size=4, global_rank=2)], _Silent()
     launcher._name_the_attempt(group)
     assert job_store.ATTEMPT_ENV not in os.environ
+    group.store = _Silent(answers_from=2)  # its answer lost, the name is asked again
+    launcher._name_the_attempt(group)
+    assert os.environ[job_store.ATTEMPT_ENV] == "taken"
 
 
 class _Silent:
-    """A store that never answers."""
+    """A store that does not answer, or not before its ``answers_from``-th call."""
+
+    def __init__(self, answers_from: int = 0):
+        self.calls, self.answers_from = 0, answers_from
 
     def compare_set(self, *args):
-        threading.Event().wait()
+        self.calls += 1
+        if not self.answers_from or self.calls < self.answers_from:
+            threading.Event().wait()
+        return b"taken"
 
 
 def test_a_nodes_end_of_the_job_stops_the_ranks_that_never_notice(monkeypatch, tmp_path):
