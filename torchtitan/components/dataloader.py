@@ -24,13 +24,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.components.data_mix import MixedDataset
 from torchtitan.components.data_sources import HFDataset, is_stream, open_dataset, shard
+from torchtitan.components.data_state import check_text_state
 from torchtitan.components.token_shards import TokenFolder
-from torchtitan.components.token_windows import (
-    TokenWindows,
-    check_seed,
-    contiguous_block,
-    log_reloop,
-)
+from torchtitan.components.token_windows import TokenWindows, contiguous_block, log_reloop
 from torchtitan.config.entries import MixEntry
 from torchtitan.config.errors import ConfigError
 from torchtitan.tools.logging import logger
@@ -243,46 +239,23 @@ class TextDataset(IterableDataset, Stateful):
             "sample_idx": self._sample_idx,
             "token_buffer": list(self._token_buffer),
         }
-        if self._streaming:
+        if not self._streaming:
+            state["documents"] = len(self._all)  # what a resume checks (data_state)
+        else:
             state["stream"] = self._loaded_stream_state or self._data.state_dict()
         return state
 
     def check_state(self, state: dict[str, Any]) -> None:
-        """Refuse (one line) a saved state this dataset cannot continue: a mix's, another
-        format, another shuffle seed, a shuffled one saved under another name."""
-        if "mix" in state:
-            mix = [
-                f"{label}:{w:g}" for label, w in zip(state["mix"], state["weights"], strict=True)
-            ]
-            raise ConfigError(
-                f"dataloader state was saved reading --training.dataset_mix {' '.join(mix)}, "
-                f"this run reads {self.name} alone (--training.dataset); resume with a mix (one "
-                f"that names {self.name} continues it where it was) or pass "
-                "--checkpoint.exclude_from_loading dataloader"
-            )
-        saved = state.get("format", "text")
-        if saved == "tokens":
-            raise ConfigError(
-                f"dataloader state of {state.get('dataset')} was saved reading pre-tokenized "
-                f"windows, this run reads documents of {self.name}; the position does not "
-                "carry over: pass --checkpoint.exclude_from_loading dataloader"
-            )
-        if saved != self._format:
-            raise ConfigError(
-                f"dataloader state was saved reading --training.data_format {saved}, this run "
-                f"reads {self._format}; resume with {saved} or pass "
-                "--checkpoint.exclude_from_loading dataloader"
-            )
-        seed = state.get("shuffle_seed")
-        check_seed(self.name, seed, self._shuffle_seed)
-        named = state.get("dataset", self.name)
-        if seed is not None and named != self.name:
-            raise ConfigError(
-                f"dataloader state was saved reading {named}, this run names it {self.name}: "
-                "the shuffled order is drawn from the name as written, so the saved position "
-                f"would be in another order; write it as before ({named}) or pass "
-                "--checkpoint.exclude_from_loading dataloader"
-            )
+        """Refuse (one line) a saved state this dataset cannot continue; warn where it
+        continues on what may be other data (``data_state.check_text_state``)."""
+        check_text_state(
+            state,
+            name=self.name,
+            data_format=self._format,
+            shuffle_seed=self._shuffle_seed,
+            documents=None if self._streaming else len(self._all),
+            sharded=self._node[1] > 1,
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
@@ -352,6 +325,7 @@ class ParallelAwareDataloader(StatefulDataLoader, Stateful):
             "dp_world_size": self.dp_world_size,
             "sharding": self.sharding,
             "num_workers": self.num_workers,
+            "rows": self.batch_size,  # a batch's, before this rank's part is taken
             self._rank_key: super().state_dict(),
         }
 
@@ -385,6 +359,7 @@ class ParallelAwareDataloader(StatefulDataLoader, Stateful):
                     f"{self.dp_world_size}: each reads the whole stream, so one saved position "
                     "serves every rank"
                 )
+            self._note_regrouping(state_dict.get("rows", self.batch_size))
             super().load_state_dict(state_dict[entries[0]])
         elif sharding != self.sharding:
             raise ConfigError(
@@ -398,6 +373,17 @@ class ParallelAwareDataloader(StatefulDataLoader, Stateful):
                 f"{self.dp_world_size}; resume with the same degree or pass "
                 "--checkpoint.exclude_from_loading dataloader (runs that change the degree keep "
                 "their place with --training.data_sharding by_row)"
+            )
+
+    def _note_regrouping(self, rows: int) -> None:
+        """Workers make whole batches from their own share of the stream, so which windows
+        make a step depends on the rows per batch: say so where that changed."""
+        if self.num_workers and rows != self.batch_size and self.dp_rank == 0:
+            logger.info(
+                f"Dataloader state saved reading {rows} rows per batch continues at "
+                f"{self.batch_size}: no window is skipped or read twice, but with "
+                f"--training.num_workers {self.num_workers} each worker's windows are grouped "
+                "into steps otherwise than in an uninterrupted run of this layout"
             )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -452,6 +453,65 @@ def test_a_change_of_worker_count_is_refused_in_one_line(tmp_path: Path) -> None
     other = _files_loader(path, IdTokenizer(), seq_len=3, num_workers=2, infinite=True)
     with pytest.raises(ValueError, match="--training.num_workers 0, this run has 2; resume with 0"):
         other.load_state_dict(_saved(loader.state_dict(), tmp_path))
+
+
+def test_by_row_windows_regrouped_by_workers_are_said_on_resume(tmp_path: Path, caplog) -> None:
+    """Workers make whole batches from their own share of the stream: a by_row state resumed
+    at another number of rows per batch (2 ranks of 2 rows -> 1 process of 2) continues, with
+    one line saying its steps are grouped otherwise; at the same rows (1 process of 4) or
+    without workers it says nothing."""
+    path = _write_jsonl(tmp_path / "docs.jsonl", [_doc(i, 4) for i in range(40)])
+
+    def make(dp: int, rank: int, lbs: int, workers: int = 2) -> ParallelAwareDataloader:
+        return _files_loader(
+            path, IdTokenizer(), seq_len=3, local_batch_size=lbs, dp_rank=rank,
+            dp_world_size=dp, sharding="by_row", num_workers=workers, infinite=True,
+        )  # fmt: skip
+
+    caplog.set_level(logging.INFO, logger=logger.name)
+    for workers in (2, 0):
+        two = [make(2, r, 2, workers) for r in range(2)]
+        _global_rows(two, 2)
+        saved = _saved(two[0].state_dict(), tmp_path)
+        caplog.clear()
+        make(1, 0, 4, workers).load_state_dict(saved)
+        assert "grouped into steps otherwise" not in caplog.text
+        make(1, 0, 2, workers).load_state_dict(saved)
+        said = "saved reading 4 rows per batch continues at 2" in caplog.text
+        assert said == bool(workers), workers
+
+
+def test_a_resume_on_other_data_is_warned_about(tmp_path: Path, caplog) -> None:
+    """A saved position continues on a file moved elsewhere (another name), with a warning;
+    on a file with other documents (another count) too, saying what that does: one rank goes
+    on at its document, data-parallel blocks move. The same file says nothing."""
+    texts = [_doc(i, 4) for i in range(20)]
+    path = _write_jsonl(tmp_path / "a.jsonl", texts)
+
+    def saved_after_two(dp: int) -> dict[str, Any]:
+        loader = _files_loader(path, IdTokenizer(), seq_len=3, dp_world_size=dp, infinite=True)
+        _global_rows([loader], 2)
+        return _saved(loader.state_dict(), tmp_path)
+
+    one, of_two = saved_after_two(1), saved_after_two(2)
+    _files_loader(path, IdTokenizer(), seq_len=3).load_state_dict(one)
+    assert "dataloader state" not in caplog.text and "documents" not in caplog.text
+    moved = _write_jsonl(tmp_path / "b.jsonl", texts)
+    _files_loader(moved, IdTokenizer(), seq_len=3).load_state_dict(one)
+    assert (
+        f"saved reading files={path}, this run reads files={moved}: it continues at document"
+        in (caplog.text)
+    )
+    assert "had 20 documents" not in caplog.text
+    grown = _write_jsonl(tmp_path / "a.jsonl", texts + [_doc(20, 4)])
+    _files_loader(grown, IdTokenizer(), seq_len=3).load_state_dict(one)
+    assert (
+        f"dataset files={path} had 20 documents when the dataloader state was saved and has 21 "
+        in (caplog.text)
+    )
+    assert "now: it continues at document" in caplog.text
+    _files_loader(grown, IdTokenizer(), seq_len=3, dp_world_size=2).load_state_dict(of_two)
+    assert "block of documents (or the shuffled order) moved" in caplog.text
 
 
 # --- c4 through a local mirror ------------------------------------------------------------------
