@@ -333,7 +333,7 @@ class Trainer:
                         self._save(last=last)
                 if self.step < stop and self.preemption and (signum := self.preemption.requested()):
                     if not saved and preemption.can_save(self.checkpointer, self.step):
-                        self._save(last=False)  # a full checkpoint, even if the last is not
+                        self._save(last=False, now=True)  # full, and not in the background
                     self.preempted = preemption.stop(signum, self.step, self.checkpointer)
                     self.events.write("preempt", step=self.step, signal=signum.name)
                     break
@@ -440,9 +440,9 @@ class Trainer:
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _save(self, *, last: bool) -> None:
+    def _save(self, *, last: bool, now: bool = False) -> None:
         start = time.perf_counter()
-        self.checkpointer.save(self.step, last=last)
+        self.checkpointer.save(self.step, last=last, now=now)
         self.events.write("checkpoint", step=self.step, seconds=time.perf_counter() - start)
 
     def _last_checkpoint(self) -> object:

@@ -283,9 +283,13 @@ class CheckpointManager:
             return False
         return last or step % c.interval == 0 or (step == 1 and c.enable_first_step_checkpoint)
 
-    def save(self, step: int, *, last: bool = False, model_only: bool = False) -> None:
-        """Write ``step-N`` (in the background with async modes). The final save of a run
-        keeps only the weights with ``last_save_model_only`` (in ``export_dtype``)."""
+    def save(
+        self, step: int, *, last: bool = False, model_only: bool = False, now: bool = False
+    ) -> None:
+        """Write ``step-N`` (in the background with async modes, unless ``last`` or ``now``: a
+        preemption's save, written at once at full priority before the job is killed). The
+        final save of a run keeps only the weights with ``last_save_model_only`` (in
+        ``export_dtype``)."""
         self._wait_for_previous(step, last=last)
         if model_only or (last and self.config.last_save_model_only):
             state: dict[str, Any] = {"model": self._export_model_state()}
@@ -300,7 +304,7 @@ class CheckpointManager:
                 raise self._save_failed(step, e) from None
         _barrier()
         self.background.join_prestage()
-        if self.background.enabled and not last:
+        if self.background.enabled and not (last or now):
             self.background.start(state, tmp, step)
             return
         try:

@@ -48,9 +48,11 @@ class BackgroundSaves:
         self.pending: Pending | None = None
         self._staging: Future | None = None
         self._prestage: threading.Thread | None = None
+        self._saved = False  # a save has started: its buffers exist, and may still be read
 
     def start(self, state: dict[str, Any], tmp: Path, step: int) -> None:
         """Save ``state`` into ``tmp`` in the background; ``pending`` until it is written."""
+        self._saved = True
         response = dcp.async_save(
             state,
             storage_writer=CheckpointWriter(str(tmp), background=True),
@@ -79,8 +81,10 @@ class BackgroundSaves:
         """Stage the state once, at the lowest priority while training goes on, so that the
         host buffers exist before the first save (allocating 1.25 GB of them took 0.6-0.9 s
         of the first save on a 2-core CPU host). What this copies is never written: every
-        save copies the state again, into the same buffers. Once per run."""
-        if self._prestage is not None or self.stager is None:
+        save copies the state again, into the same buffers. Once per run, and never after a
+        save has started: the buffers exist, and a save still writing from them would write
+        what this copied (the state of a later step)."""
+        if self._prestage is not None or self.stager is None or self._saved:
             return
         state = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in states.items()}
         stager = self.stager

@@ -154,3 +154,48 @@ def test_staging_buffers_are_allocated_in_the_background_after_the_first_step(tm
     loaded = {"model": {"weight": torch.zeros(4, 4), "bias": torch.zeros(4)}}
     dcp.load(loaded, checkpoint_id=str(tmp_path / "checkpoint/step-1"), no_dist=True)
     assert torch.equal(loaded["model"]["weight"], model.weight.detach())
+
+
+def test_no_staging_ahead_once_a_save_has_started(tmp_path):
+    """A first save before any optimizer step (skipped steps at the start) makes the
+    optimizer's state (DCP steps it at lr 0): the staging buffers are allocated by that save,
+    and copying a later step into them while it writes would change what it writes."""
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    config = CheckpointConfig(enable=True, async_mode="async", interval=1)
+    manager = CheckpointManager(
+        config,
+        dump_folder=str(tmp_path),
+        states={"model": ModelState([model]), "optimizer": Optimizers([model], [optimizer])},
+        device_type="cpu",
+    )
+    callers = []
+    stage = manager.background.stager.stage
+    manager.background.stager.stage = lambda state: (
+        callers.append(threading.current_thread().name) or stage(state)
+    )
+    try:
+        manager.save(1)
+        assert optimizer.state  # made by the save
+        manager.poll()
+        manager.background.join_prestage()
+        manager.finish_pending()
+        assert callers == [threading.current_thread().name]  # the save's own staging only
+    finally:
+        manager.close()
+
+
+def test_a_save_now_is_written_before_it_returns_in_async_mode(tmp_path):
+    """A preemption's save (``now``) does not go to the background, where it would be written
+    at the lowest priority while the job's kill comes closer."""
+    model = nn.Linear(4, 4)
+    config = CheckpointConfig(enable=True, async_mode="async", interval=1)
+    manager = CheckpointManager(
+        config, dump_folder=str(tmp_path), states={"model": ModelState([model])}, device_type="cpu"
+    )
+    try:
+        manager.save(1, now=True)
+        assert manager.background.pending is None
+        assert (tmp_path / "checkpoint/step-1").is_dir()
+    finally:
+        manager.close()
