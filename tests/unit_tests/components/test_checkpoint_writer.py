@@ -120,7 +120,9 @@ def test_a_save_that_waits_for_the_previous_write_says_so(tmp_path, monkeypatch)
     ]
 
 
-def test_staging_buffers_are_allocated_in_the_background_after_the_first_step(tmp_path):
+def _async_manager_naming_stagers(tmp_path):
+    """An async ``CheckpointManager`` of a small model and its AdamW, and the list of the
+    threads that staged its state (appended to as they stage)."""
     model = nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     config = CheckpointConfig(enable=True, async_mode="async", interval=1)
@@ -135,6 +137,11 @@ def test_staging_buffers_are_allocated_in_the_background_after_the_first_step(tm
     manager.background.stager.stage = lambda state: (
         callers.append(threading.current_thread().name) or stage(state)
     )
+    return model, optimizer, manager, callers
+
+
+def test_staging_buffers_are_allocated_in_the_background_after_the_first_step(tmp_path):
+    model, optimizer, manager, callers = _async_manager_naming_stagers(tmp_path)
     try:
         manager.poll()  # no optimizer state yet: DCP would have to step the optimizer to make it
         assert callers == [] and not optimizer.state
@@ -160,20 +167,7 @@ def test_no_staging_ahead_once_a_save_has_started(tmp_path):
     """A first save before any optimizer step (skipped steps at the start) makes the
     optimizer's state (DCP steps it at lr 0): the staging buffers are allocated by that save,
     and copying a later step into them while it writes would change what it writes."""
-    model = nn.Linear(4, 4)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    config = CheckpointConfig(enable=True, async_mode="async", interval=1)
-    manager = CheckpointManager(
-        config,
-        dump_folder=str(tmp_path),
-        states={"model": ModelState([model]), "optimizer": Optimizers([model], [optimizer])},
-        device_type="cpu",
-    )
-    callers = []
-    stage = manager.background.stager.stage
-    manager.background.stager.stage = lambda state: (
-        callers.append(threading.current_thread().name) or stage(state)
-    )
+    model, optimizer, manager, callers = _async_manager_naming_stagers(tmp_path)
     try:
         manager.save(1)
         assert optimizer.state  # made by the save
