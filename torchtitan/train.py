@@ -27,7 +27,7 @@ from torchtitan import dry_run, failure_records, generate
 from torchtitan.components import preemption, run_lock
 from torchtitan.components.preemption import Preempted
 from torchtitan.components.train_state import NonFiniteError
-from torchtitan.config import JobConfig
+from torchtitan.config import JobConfig, feature_rules
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import named_config, parse_args
 from torchtitan.config.validation import ignored_settings, validate_environment
@@ -46,13 +46,13 @@ from torchtitan.trainer import Trainer
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, run, shut down; return the exit code."""
     init_logger()
-    log_file, config, lock = None, None, None
+    log_file, config, locks = None, None, []
     try:
         config = parse_args(argv)
         quiet_known_torch_notices(cuda=dist_utils.device_type() == "cuda")
         log_file = log_to_file(config.job.dump_folder)
         validate_environment(config, dist_utils.device_type())
-        lock = _lock(config)
+        locks = _lock(config)
         for note in ignored_settings(config, named_config(argv)):
             logger.warning(note)
         if config.comm.mode == "local_tensor" and config.debug.seed is None:
@@ -102,18 +102,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return failure_records.LOST_PEER_EXIT_CODE
     finally:
         dist_utils.shutdown()
-        if lock is not None:
+        for lock in locks:
             lock.release()
 
 
-def _lock(config: JobConfig) -> run_lock.RunLock | None:
-    """The dump folder's lock, held by rank 0 of a run that writes there (not a dry run or a
-    validation of saved weights, which may run beside the training that saves them)."""
+def _lock(config: JobConfig) -> list[run_lock.RunLock]:
+    """The locks of the dump folder and of a checkpoint folder outside it, held by rank 0 of a
+    run that writes there (not a dry run or a validation of saved weights, which may run
+    beside the training that saves them)."""
     if os.environ.get("RANK", "0") != "0" or config.comm.mode == "fake_backend":
-        return None
+        return []
     if config.validation.only:
-        return None
-    return run_lock.take(config.job.dump_folder, warn=logger.warning)
+        return []
+    locks: list[run_lock.RunLock] = []
+    try:
+        for flag, folder in feature_rules.locked_folders(config):
+            locks.append(run_lock.take(folder, flag=flag, warn=logger.warning))
+    except ConfigError:
+        for lock in locks:  # the folders taken before the one in use
+            lock.release()
+        raise
+    return locks
 
 
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports it

@@ -22,10 +22,8 @@ other), ``lr_scheduler``, ``dataloader`` (one entry per data-parallel rank) and 
 import copy
 import json
 import os
-import re
 import shutil
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -44,15 +42,20 @@ from torchtitan.components.checkpoint_files import (
     FROZEN_SOURCE,
     MANIFEST,
     complete_checkpoints,
+    continues_from,
     dcp_no_dist,
     free_bytes,
-    free_name,
     is_disk_full,
     is_os_error,
     manifest_entries,
     manifest_step,
+    missing_optimizer_key,
+    other_optimizer_message,
+    refuse_fork_of_own,
     safe_load,
     saved_state_keys,
+    set_aside,
+    step_of,
     verify,
     weights_only_message,
     write_durably,
@@ -145,8 +148,11 @@ class CheckpointManager:
     def load(self) -> int:
         """Restore the newest complete checkpoint (or ``load_step``); return its step, or 0."""
         c = self.config
+        if c.initial_load_path and not c.initial_load_model_only:  # a fork: not of its own
+            owned = {"job.dump_folder": self.dump_folder, "checkpoint.folder": self.folder}
+            refuse_fork_of_own(Path(c.initial_load_path), owned)
         if c.load_step >= 0:
-            path = self.folder / f"step-{c.load_step}"
+            path = self._branch(c.load_step)
             problem = self._verify(path)
             if problem:
                 raise ConfigError(f"--checkpoint.load_step={c.load_step}: {problem}")
@@ -180,17 +186,34 @@ class CheckpointManager:
             logger.info(f"No checkpoint in {self.folder}: training from step 0")
         return 0
 
+    def _branch(self, step: int) -> Path:
+        """The checkpoint ``--checkpoint.load_step`` resumes: newer ones saved by a run resumed
+        from the same step (this command, requeued) continue it, and the newest is resumed;
+        others (a rewind past them) are set aside, never mixed with this run's."""
+        newer = [p for p in complete_checkpoints(self.folder) if step_of(p) > step]
+        if not newer or not self.writes or local_tensor.is_simulating():
+            return self.folder / f"step-{step}"
+        if all(continues_from(p) == step for p in newer):
+            logger.info(
+                f"--checkpoint.load_step {step}: {newer[-1].name} continues a run resumed from "
+                f"step-{step} with that flag: resuming from it (to rewind to step-{step} again, "
+                "move the newer checkpoints out of the folder)"
+            )
+            return newer[-1]
+        if self.rank == 0:
+            moved = set_aside(newer)
+            logger.warning(
+                f"--checkpoint.load_step {step}: {len(moved)} newer checkpoint(s) set aside "
+                f"({', '.join(p.name for p in moved)}), never deleted: this run goes on from "
+                f"step-{step}"
+            )
+        _barrier()
+        return self.folder / f"step-{step}"
+
     def _fork(self, path: Path) -> int:
         """Everything of another run's full ``step-N`` (``--checkpoint.no_initial_load_model_only``):
         this run goes on from step N."""
         flag = f"--checkpoint.initial_load_path {path} with --checkpoint.no_initial_load_model_only"
-        if self.dump_folder.resolve() in path.resolve().parents:
-            # This run's records would be the source run's (set aside as an earlier run's).
-            raise ConfigError(
-                f"{flag}: that checkpoint is inside this run's --job.dump_folder "
-                f"{self.dump_folder}; fork into another --job.dump_folder, or resume that run "
-                "there (drop --checkpoint.initial_load_path)"
-            )
         if checkpoint_hf.is_hf_folder(path):
             raise ConfigError(
                 f"{flag}: a Hugging Face folder holds weights only; drop "
@@ -262,10 +285,10 @@ class CheckpointManager:
         try:
             safe_load(wanted, path)
         except (RuntimeError, CheckpointException) as e:
-            missing = _missing_optimizer_key(e)
+            missing = missing_optimizer_key(e)
             if missing is None:
                 raise
-            raise ConfigError(_other_optimizer_message(path, missing)) from None
+            raise ConfigError(other_optimizer_message(path, missing)) from None
         return manifest_step(path)
 
     # ---- saving ----------------------------------------------------------------------------
@@ -286,11 +309,17 @@ class CheckpointManager:
     def save(
         self, step: int, *, last: bool = False, model_only: bool = False, now: bool = False
     ) -> None:
-        """Write ``step-N`` (in the background with async modes, unless ``last`` or ``now``: a
-        preemption's save, written at once at full priority before the job is killed). The
-        final save of a run keeps only the weights with ``last_save_model_only`` (in
-        ``export_dtype``)."""
+        """Write ``step-N``: in the background with async modes, unless ``last`` or ``now`` (a
+        preemption's, written before the job is killed); ``last`` keeps only the weights with
+        ``last_save_model_only`` (in ``export_dtype``)."""
         self._wait_for_previous(step, last=last)
+        found = complete_checkpoints(self.folder) if model_only else []
+        if found and step_of(found[-1]) > step:  # a seed: runs would resume those instead
+            raise ConfigError(
+                f"--checkpoint.create_seed_checkpoint: {self.folder} holds checkpoints up to "
+                f"{found[-1].name}, which runs resume instead of a seed; write it into an "
+                "empty --checkpoint.folder"
+            )
         if model_only or (last and self.config.last_save_model_only):
             state: dict[str, Any] = {"model": self._export_model_state()}
         else:
@@ -418,8 +447,7 @@ class CheckpointManager:
             if final.exists():
                 # Another run's step-N (resumed from an earlier step, or damaged and skipped):
                 # keep it, under a name no later run loads or purges.
-                aside = free_name(self.folder / f"step-{step}.replaced")
-                os.replace(final, aside)
+                [aside] = set_aside([final])
                 logger.warning(f"{final} existed (not written by this run): moved to {aside}")
             os.replace(tmp, final)
             logger.info(f"Saved checkpoint {final}")
@@ -429,9 +457,12 @@ class CheckpointManager:
         k, every = self.config.keep_latest_k, self.config.keep_every
         if k <= 0:
             return
-        for old in complete_checkpoints(self.folder)[:-k]:
-            if every and int(old.name.removeprefix("step-")) % every == 0:
-                continue  # a milestone (--checkpoint.keep_every)
+        found = complete_checkpoints(self.folder)
+        # The newest that resumes training stays, though weights-only saves are newer.
+        full = next((p for p in reversed(found) if saved_state_keys(p) != {"model"}), None)
+        for old in found[:-k]:
+            if (every and step_of(old) % every == 0) or old == full:
+                continue  # a milestone (--checkpoint.keep_every), or the newest full one
             problem = verify(old, checksums=False)
             if problem is not None:  # its data may still be what someone needs: never delete
                 logger.warning(f"Keeping damaged checkpoint {old} for inspection: {problem}")
@@ -462,36 +493,3 @@ class CheckpointManager:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-_MISSING = re.compile(r"Missing key in checkpoint state_dict: (optimizer\.[\w.]*\w)")
-
-
-def _missing_optimizer_key(error: BaseException) -> str | None:
-    """The optimizer state key a failed load missed, when that is every rank's failure (a
-    ``CheckpointException`` holds each rank's); else ``None``."""
-    failures = getattr(error, "failures", None)
-    errors = list(failures.values()) if isinstance(failures, dict) and failures else [error]
-    keys = set()
-    for e in errors:
-        found = _MISSING.search(str(e))
-        if found is None:
-            return None
-        keys.add(found.group(1))
-    return sorted(keys)[0]
-
-
-def _other_optimizer_message(path: Path, missing: str) -> str:
-    """Why a checkpoint's optimizer state does not load (``missing``: a key it lacks)."""
-    saved = None
-    try:
-        with open(path / CONFIG_FILE, "rb") as f:
-            saved = tomllib.load(f).get("optimizer", {}).get("name", "AdamW")
-    except (OSError, tomllib.TOMLDecodeError):
-        pass
-    by = f", saved by --optimizer.name {saved}" if saved else ""
-    return (
-        f"checkpoint {path} has no {missing} for this run's optimizer (another optimizer's "
-        f"state{by}); resume with the optimizer that saved it, or pass "
-        "--checkpoint.exclude_from_loading optimizer to start this optimizer's state from zero"
-    )

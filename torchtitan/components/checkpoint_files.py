@@ -250,6 +250,45 @@ def saved_config(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def step_of(path: Path) -> int:
+    """N of a ``step-N`` folder."""
+    return int(path.name.removeprefix("step-"))
+
+
+def continues_from(path: Path) -> int | None:
+    """The ``--checkpoint.load_step`` of the run that saved ``path`` (None: none, or no
+    config saved with it)."""
+    config = saved_config(path)
+    step = (config or {}).get("checkpoint", {}).get("load_step", -1)
+    return step if isinstance(step, int) and step >= 0 else None
+
+
+def set_aside(paths: list[Path]) -> list[Path]:
+    """Rename each ``step-N`` to ``step-N.replaced`` (or ``...-2``, ...): kept, but never
+    loaded or purged by a run. Returns the new names."""
+    moved = []
+    for path in paths:
+        aside = free_name(path.with_name(f"{path.name}.replaced"))
+        os.replace(path, aside)
+        moved.append(aside)
+    return moved
+
+
+def refuse_fork_of_own(path: Path, owned: dict[str, Path]) -> None:
+    """A fork's source (``--checkpoint.initial_load_path`` with
+    ``--checkpoint.no_initial_load_model_only``) inside a folder of this run's (``owned``, by
+    flag name): its records would be the source's (set aside as an earlier run's), or its
+    checkpoints mixed with the source's, the newest of them resumed instead of ``path``."""
+    for name, own in owned.items():
+        if own.resolve() == path.resolve() or own.resolve() in path.resolve().parents:
+            raise ConfigError(
+                f"--checkpoint.initial_load_path {path} with "
+                f"--checkpoint.no_initial_load_model_only: that checkpoint is inside this "
+                f"run's --{name} {own}; fork into another --{name}, or resume that run there "
+                "(drop --checkpoint.initial_load_path)"
+            )
+
+
 def write_durably(path: Path, text: str) -> None:
     with path.open("w") as f:
         f.write(text)
@@ -420,3 +459,36 @@ def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
         for name, buffer in sub.named_buffers(recurse=False)
         if buffer is not None and name not in sub._non_persistent_buffers_set
     ]
+
+
+_MISSING = re.compile(r"Missing key in checkpoint state_dict: (optimizer\.[\w.]*\w)")
+
+
+def missing_optimizer_key(error: BaseException) -> str | None:
+    """The optimizer state key a failed load missed, when that is every rank's failure (a
+    ``CheckpointException`` holds each rank's); else ``None``."""
+    failures = getattr(error, "failures", None)
+    errors = list(failures.values()) if isinstance(failures, dict) and failures else [error]
+    keys = set()
+    for e in errors:
+        found = _MISSING.search(str(e))
+        if found is None:
+            return None
+        keys.add(found.group(1))
+    return sorted(keys)[0]
+
+
+def other_optimizer_message(path: Path, missing: str) -> str:
+    """Why a checkpoint's optimizer state does not load (``missing``: a key it lacks)."""
+    saved = None
+    try:
+        with open(path / CONFIG_FILE, "rb") as f:
+            saved = tomllib.load(f).get("optimizer", {}).get("name", "AdamW")
+    except (OSError, tomllib.TOMLDecodeError):
+        pass
+    by = f", saved by --optimizer.name {saved}" if saved else ""
+    return (
+        f"checkpoint {path} has no {missing} for this run's optimizer (another optimizer's "
+        f"state{by}); resume with the optimizer that saved it, or pass "
+        "--checkpoint.exclude_from_loading optimizer to start this optimizer's state from zero"
+    )

@@ -1,6 +1,8 @@
 """One run at a time in a dump folder. A second run started into a folder where one still runs
 would set the first's records aside under it, write into the same metrics, and replace its
 checkpoints step by step (each warning of it); it is refused instead, naming the running one.
+A checkpoint folder outside the dump folder is locked alike (``feature_rules.locked_folders``):
+two runs of their own dump folders may name the same one.
 
 Rank 0 holds a POSIX record lock on ``<dump_folder>/.titan-run.lock`` while its run lives: the
 kernel drops it when the process ends however it ends (a kill, a crash), so a restarted or
@@ -64,15 +66,17 @@ def holder(dump_folder: str | Path) -> dict[str, Any] | None:
     return None
 
 
-def check_free(dump_folder: str | Path) -> None:
+def check_free(dump_folder: str | Path, *, flag: str = "--job.dump_folder") -> None:
     """The launch's look: raise :class:`InUse` when another run holds the folder (not this
-    job's own earlier attempt, which rank 0 waits for)."""
+    job's own earlier attempt, which rank 0 waits for); ``flag`` names the folder."""
     record = holder(dump_folder)
     if record is not None and not _this_jobs(record):
-        raise InUse(dump_folder, record)
+        raise InUse(dump_folder, record, flag=flag)
 
 
-def take(dump_folder: str | Path, *, warn, wait_s: float | None = None) -> RunLock:
+def take(
+    dump_folder: str | Path, *, warn, wait_s: float | None = None, flag: str = "--job.dump_folder"
+) -> RunLock:
     """The dump folder's lock, for this process's run, waiting up to ``wait_s`` (about 3 s by
     default; 30 s for a lock of this job's earlier attempt) for a holder to let go. Raises
     :class:`InUse` naming another run's holder after that; past this job's own, and where
@@ -95,7 +99,7 @@ def take(dump_folder: str | Path, *, warn, wait_s: float | None = None) -> RunLo
             if time.monotonic() - started >= (max(limit, _OWN_JOB_WAIT_S) if own else limit):
                 os.close(fd)
                 if not own:
-                    raise InUse(dump_folder, record) from None
+                    raise InUse(dump_folder, record, flag=flag) from None
                 return _unlocked(
                     path, f"{path} is still locked by this job's earlier attempt "
                     f"({_described(record)}), which has ended: a crashed node's lock kept by "
@@ -115,12 +119,14 @@ def take(dump_folder: str | Path, *, warn, wait_s: float | None = None) -> RunLo
 class InUse(ConfigError):
     """Another run holds the dump folder's lock (exit code 2, one line)."""
 
-    def __init__(self, dump_folder: str | Path, record: dict[str, Any]):
+    def __init__(
+        self, dump_folder: str | Path, record: dict[str, Any], *, flag: str = "--job.dump_folder"
+    ):
         lock = Path(dump_folder) / LOCK_FILE
         super().__init__(
-            f"--job.dump_folder {dump_folder}: another run is using it ({_described(record)}); "
-            "wait for it to end, stop it, or choose another --job.dump_folder (if that "
-            f"process is gone with a crashed node, remove {lock})"
+            f"{flag} {dump_folder}: another run is using it ({_described(record)}); wait for "
+            f"it to end, stop it, or choose another {flag} (if that process is gone with a "
+            f"crashed node, remove {lock})"
         )
 
 

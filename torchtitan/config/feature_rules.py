@@ -85,6 +85,19 @@ def output_folders(config: JobConfig) -> list[tuple[str, Path]]:
     return folders
 
 
+def locked_folders(config: JobConfig) -> list[tuple[str, Path]]:
+    """The folders whose lock a run holds (``components/run_lock.py``), each with its flag:
+    the dump folder, and a checkpoint folder it saves into outside it."""
+    folders = output_folders(config)
+    if not folders:
+        return []
+    dump = folders[0][1].resolve()
+    outside = [
+        (f, p) for f, p in folders[1:] if p.resolve() != dump and dump not in p.resolve().parents
+    ]
+    return folders[:1] + outside
+
+
 def unwritable(folder: Path, made: list[Path]) -> str | None:
     """Why this process cannot write in ``folder``, or None: the folder is made where missing
     (each folder made appended to ``made``), and a file of a name of its own (nodes may share

@@ -244,7 +244,8 @@ def validate_launch(config: JobConfig) -> None:
             raise ConfigError(f"{flag} {path}: nothing there{where}; give a file, glob or folder")
     _check_token_folders(config, tokenizer)
     if not config.validation.only:
-        run_lock.check_free(config.job.dump_folder)
+        for flag, folder in feature_rules.locked_folders(config):
+            run_lock.check_free(folder, flag=flag)
     feature_rules.check_writable(config)  # last: a refused launch leaves no folder made
 
 

@@ -111,6 +111,48 @@ def test_keep_latest_k_never_purges_a_damaged_checkpoint(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["step-1", "step-4"]
 
 
+def test_keep_latest_k_keeps_the_newest_full_checkpoint_beside_a_weights_only_last(tmp_path):
+    """keep_latest_k 1 with a weights-only final save: step-2 (the last one with training
+    state) stays, or nothing would resume the run."""
+    model = nn.Linear(4, 4)
+    manager = _manager(tmp_path, model, keep_latest_k=1, last_save_model_only=True)
+    for step in (1, 2):
+        manager.save(step)
+    manager.save(3, last=True)
+    manager.close()
+    folder = tmp_path / "checkpoint"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2", "step-3"]
+    assert _load(tmp_path, load_step=2)[0] == 2
+
+
+def test_a_rewind_sets_newer_checkpoints_aside_and_its_restarts_continue_it(tmp_path):
+    """--checkpoint.load_step 2 in a folder saved to step 6 (a rewind, e.g. before a loss
+    spike): steps 4 and 6 are set aside before this run saves (kept, never resumed or purged),
+    so keep_latest_k 1 purges only this run's; the same command again (a requeue) resumes this
+    run's newest step, as a restart without the flag does."""
+    _, folder = _saved(tmp_path, [2, 4, 6])
+    model = nn.Linear(4, 4)
+    manager = CheckpointManager(
+        CheckpointConfig(enable=True, interval=1, load_step=2, keep_latest_k=1),
+        dump_folder=str(tmp_path),
+        states={"model": ModelState([model]), "train_state": _Progress()},
+        device_type="cpu",
+        run_config="[checkpoint]\nload_step = 2\n",  # saved with each step, as the trainer's
+    )
+    assert manager.load() == 2 and torch.all(model.weight == 2)
+    for step in (3, 4):
+        with torch.no_grad():
+            model.weight.fill_(100 + step)
+        manager.save(step)
+    manager.close()
+    names = ["step-4", "step-4.replaced", "step-6.replaced"]
+    assert sorted(p.name for p in folder.iterdir()) == names
+    for again in ({"load_step": 2}, {}):
+        step, model = _load(tmp_path, **again)
+        assert step == 4 and torch.all(model.weight == 104), again
+    assert sorted(p.name for p in folder.iterdir()) == names
+
+
 def test_keep_every_keeps_milestones_beside_the_newest(tmp_path):
     """keep_latest_k 2 and keep_every 3 over steps 1-10: 3, 6 and 9 stay for good, 9 and 10
     as the newest two; the milestones are not counted among the newest."""
@@ -186,3 +228,32 @@ def test_a_run_that_only_reads_leaves_a_live_runs_save_in_progress(tmp_path, rea
     assert (partial / "__0_0.distcp").read_bytes() == b"shard"
     _manager(tmp_path, nn.Linear(4, 4)).close()
     assert not partial.exists()
+
+
+def test_a_seed_checkpoint_into_a_folder_of_later_steps_is_refused(tmp_path):
+    """Runs resume the newest step, never a seed beside it; keep_latest_k would purge it."""
+    _saved(tmp_path, [2])
+    manager = _manager(tmp_path, nn.Linear(4, 4))
+    with pytest.raises(ConfigError, match="holds checkpoints up to step-2, which runs resume"):
+        manager.save(0, model_only=True)
+    manager.close()
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2"]
+
+
+def test_a_fork_of_a_step_in_its_own_checkpoint_folder_is_refused(tmp_path):
+    """A fork (no_initial_load_model_only) whose --checkpoint.folder is the source's: it would
+    resume the source's newest step (step-4) instead of the one named, and mix its checkpoints
+    with the source's."""
+    _, folder = _saved(tmp_path / "source", [2, 4])
+    model = nn.Linear(4, 4)
+    manager = _manager(
+        tmp_path / "fork",
+        model,
+        folder=str(folder),
+        initial_load_path=str(folder / "step-2"),
+        initial_load_model_only=False,
+    )
+    with pytest.raises(ConfigError, match="inside this run's --checkpoint.folder"):
+        manager.load()
+    manager.close()
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2", "step-4"]

@@ -179,3 +179,30 @@ def test_the_lock_is_held_through_a_run_with_saves_and_dataloader_workers(tmp_pa
     assert main([*flags, "--training.num_workers", "1", "--job.dump_folder", str(tmp_path)]) == 0
     assert len(seen) == 1 and f"'pid': {os.getpid()}" in seen[0]
     assert run_lock.holder(tmp_path) is None
+
+
+def test_a_checkpoint_folder_outside_the_dump_folder_is_locked_too(tmp_path, capfd):
+    """Two runs of their own dump folders naming one checkpoint folder would remove each
+    other's saves in progress and purge each other's steps: the second is refused, naming the
+    flag. The default checkpoint folder, inside the dump folder, has no lock of its own."""
+    from torchtitan.config.feature_rules import locked_folders
+    from torchtitan.config.manager import parse_args
+
+    shared = tmp_path / "shared_checkpoints"
+    holder, child = _hold(shared)
+    try:
+        flags = [*SMALL, "--checkpoint.enable", "--checkpoint.folder", str(shared)]
+        config = parse_args([*flags, "--job.dump_folder", str(tmp_path / "b")])
+        assert [f for f, _ in locked_folders(config)] == [
+            "--job.dump_folder",
+            "--checkpoint.folder",
+        ]
+        assert main([*flags, "--job.dump_folder", str(tmp_path / "b")]) == 2
+        assert f"--checkpoint.folder {shared}: another run is using it (pid {holder.pid}" in (
+            capfd.readouterr().err
+        )
+        inside = parse_args([*SMALL, "--checkpoint.enable", "--job.dump_folder", str(tmp_path)])
+        assert [f for f, _ in locked_folders(inside)] == ["--job.dump_folder"]
+    finally:
+        holder.kill()
+        _kill(child)
