@@ -42,7 +42,6 @@ from torchtitan.components.checkpoint_files import (
     FROZEN_SOURCE,
     MANIFEST,
     complete_checkpoints,
-    continues_from,
     dcp_no_dist,
     free_bytes,
     is_disk_full,
@@ -51,14 +50,19 @@ from torchtitan.components.checkpoint_files import (
     manifest_step,
     missing_optimizer_key,
     other_optimizer_message,
-    refuse_fork_of_own,
     safe_load,
     saved_state_keys,
-    set_aside,
-    step_of,
     verify,
     weights_only_message,
     write_durably,
+)
+from torchtitan.components.checkpoint_folder import (
+    REMOVING,
+    continues_from,
+    purge,
+    refuse_fork_of_own,
+    set_aside,
+    step_of,
 )
 from torchtitan.components.checkpoint_states import (
     OPTIONAL_STATES,
@@ -451,24 +455,7 @@ class CheckpointManager:
                 logger.warning(f"{final} existed (not written by this run): moved to {aside}")
             os.replace(tmp, final)
             logger.info(f"Saved checkpoint {final}")
-            self._purge()
-
-    def _purge(self) -> None:
-        k, every = self.config.keep_latest_k, self.config.keep_every
-        if k <= 0:
-            return
-        found = complete_checkpoints(self.folder)
-        # The newest that resumes training stays, though weights-only saves are newer.
-        full = next((p for p in reversed(found) if saved_state_keys(p) != {"model"}), None)
-        for old in found[:-k]:
-            if (every and step_of(old) % every == 0) or old == full:
-                continue  # a milestone (--checkpoint.keep_every), or the newest full one
-            problem = verify(old, checksums=False)
-            if problem is not None:  # its data may still be what someone needs: never delete
-                logger.warning(f"Keeping damaged checkpoint {old} for inspection: {problem}")
-                continue
-            shutil.rmtree(old, ignore_errors=True)
-            logger.info(f"Removed old checkpoint {old} (--checkpoint.keep_latest_k {k})")
+            purge(self.folder, self.config.keep_latest_k, self.config.keep_every)
 
     def _export_model_state(self) -> dict[str, Any]:
         dtype = _DTYPES[self.config.export_dtype]
@@ -483,6 +470,8 @@ class CheckpointManager:
             for tmp in self.folder.glob("step-*.tmp"):
                 logger.warning(f"Removing incomplete checkpoint {tmp}")
                 shutil.rmtree(tmp, ignore_errors=True)
+            for doomed in self.folder.glob(f"step-*{REMOVING}"):  # a purge a kill interrupted
+                shutil.rmtree(doomed, ignore_errors=True)
         _barrier()
 
     def close(self) -> None:

@@ -250,45 +250,6 @@ def saved_config(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def step_of(path: Path) -> int:
-    """N of a ``step-N`` folder."""
-    return int(path.name.removeprefix("step-"))
-
-
-def continues_from(path: Path) -> int | None:
-    """The ``--checkpoint.load_step`` of the run that saved ``path`` (None: none, or no
-    config saved with it)."""
-    config = saved_config(path)
-    step = (config or {}).get("checkpoint", {}).get("load_step", -1)
-    return step if isinstance(step, int) and step >= 0 else None
-
-
-def set_aside(paths: list[Path]) -> list[Path]:
-    """Rename each ``step-N`` to ``step-N.replaced`` (or ``...-2``, ...): kept, but never
-    loaded or purged by a run. Returns the new names."""
-    moved = []
-    for path in paths:
-        aside = free_name(path.with_name(f"{path.name}.replaced"))
-        os.replace(path, aside)
-        moved.append(aside)
-    return moved
-
-
-def refuse_fork_of_own(path: Path, owned: dict[str, Path]) -> None:
-    """A fork's source (``--checkpoint.initial_load_path`` with
-    ``--checkpoint.no_initial_load_model_only``) inside a folder of this run's (``owned``, by
-    flag name): its records would be the source's (set aside as an earlier run's), or its
-    checkpoints mixed with the source's, the newest of them resumed instead of ``path``."""
-    for name, own in owned.items():
-        if own.resolve() == path.resolve() or own.resolve() in path.resolve().parents:
-            raise ConfigError(
-                f"--checkpoint.initial_load_path {path} with "
-                f"--checkpoint.no_initial_load_model_only: that checkpoint is inside this "
-                f"run's --{name} {own}; fork into another --{name}, or resume that run there "
-                "(drop --checkpoint.initial_load_path)"
-            )
-
-
 def write_durably(path: Path, text: str) -> None:
     with path.open("w") as f:
         f.write(text)

@@ -4,6 +4,7 @@ wrote it, corruption of the same size is caught by the checksums, a full disk sa
 import errno
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -257,3 +258,22 @@ def test_a_fork_of_a_step_in_its_own_checkpoint_folder_is_refused(tmp_path):
         manager.load()
     manager.close()
     assert sorted(p.name for p in folder.iterdir()) == ["step-2", "step-4"]
+
+
+def test_a_purge_cut_short_leaves_no_half_removed_step(tmp_path, monkeypatch):
+    """keep_latest_k renames an old step before removing it: a kill in the middle leaves
+    step-1.removing (never loaded), which the next run's start removes, not a step-1 missing
+    some files that would be kept for good as damaged."""
+    from torchtitan.components import checkpoint_folder
+
+    def killed(path, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint_folder, "shutil", SimpleNamespace(rmtree=killed))
+    with pytest.raises(KeyboardInterrupt):
+        _saved(tmp_path, [1, 2], keep_latest_k=1)
+    folder = tmp_path / "checkpoint"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-1.removing", "step-2"]
+    monkeypatch.undo()
+    step, model = _load(tmp_path)
+    assert step == 2 and sorted(p.name for p in folder.iterdir()) == ["step-2"]
