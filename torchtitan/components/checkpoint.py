@@ -58,9 +58,9 @@ from torchtitan.components.checkpoint_files import (
 )
 from torchtitan.components.checkpoint_folder import (
     REMOVING,
-    continues_from,
     purge,
     refuse_fork_of_own,
+    rewind,
     set_aside,
     step_of,
 )
@@ -156,11 +156,13 @@ class CheckpointManager:
             owned = {"job.dump_folder": self.dump_folder, "checkpoint.folder": self.folder}
             refuse_fork_of_own(Path(c.initial_load_path), owned)
         if c.load_step >= 0:
-            path = self._branch(c.load_step)
+            path, newer = self._branch(c.load_step)
             problem = self._verify(path)
             if problem:
                 raise ConfigError(f"--checkpoint.load_step={c.load_step}: {problem}")
-            return self._load(path)
+            step = self._load(path)
+            self._set_aside(newer, c.load_step)  # once step-N loaded: a refusal moves nothing
+            return step
         found = complete_checkpoints(self.folder)
         damaged = []
         for path in reversed(found):
@@ -190,29 +192,35 @@ class CheckpointManager:
             logger.info(f"No checkpoint in {self.folder}: training from step 0")
         return 0
 
-    def _branch(self, step: int) -> Path:
-        """The checkpoint ``--checkpoint.load_step`` resumes: newer ones saved by a run resumed
-        from the same step (this command, requeued) continue it, and the newest is resumed;
-        others (a rewind past them) are set aside, never mixed with this run's."""
-        newer = [p for p in complete_checkpoints(self.folder) if step_of(p) > step]
-        if not newer or not self.writes or local_tensor.is_simulating():
-            return self.folder / f"step-{step}"
-        if all(continues_from(p) == step for p in newer):
-            logger.info(
-                f"--checkpoint.load_step {step}: {newer[-1].name} continues a run resumed from "
-                f"step-{step} with that flag: resuming from it (to rewind to step-{step} again, "
-                "move the newer checkpoints out of the folder)"
-            )
-            return newer[-1]
-        if self.rank == 0:
-            moved = set_aside(newer)
-            logger.warning(
-                f"--checkpoint.load_step {step}: {len(moved)} newer checkpoint(s) set aside "
-                f"({', '.join(p.name for p in moved)}), never deleted: this run goes on from "
-                f"step-{step}"
-            )
-        _barrier()
-        return self.folder / f"step-{step}"
+    def _branch(self, step: int) -> tuple[Path, list[Path]]:
+        """What ``--checkpoint.load_step`` resumes, and the newer steps a rewind sets aside
+        (``checkpoint_folder.rewind``), as rank 0 decides it: every rank the same."""
+        plain = (self.folder / f"step-{step}", [])
+        if not self.writes or local_tensor.is_simulating():
+            return plain
+        plan = [rewind(self.folder, step) if self.rank == 0 else plain]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(plan, src=0)
+        return plan[0]
+
+    def _set_aside(self, newer: list[Path], step: int) -> None:
+        """Rank 0 renames a rewind's newer steps (``step-M.replaced``); every rank waits."""
+        failed = None
+        if self.rank == 0 and newer:
+            try:
+                moved = set_aside(newer)
+                logger.warning(
+                    f"--checkpoint.load_step {step}: {len(moved)} newer checkpoint(s) set aside "
+                    f"({', '.join(p.name for p in moved)}), never deleted: this run goes on "
+                    f"from step-{step}"
+                )
+            except OSError as e:
+                failed = f"--checkpoint.load_step {step}: cannot set newer checkpoints aside ({e})"
+        plan = [failed]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(plan, src=0)
+        if plan[0] is not None:
+            raise ConfigError(plan[0])
 
     def _fork(self, path: Path) -> int:
         """Everything of another run's full ``step-N`` (``--checkpoint.no_initial_load_model_only``):
@@ -470,7 +478,7 @@ class CheckpointManager:
             for tmp in self.folder.glob("step-*.tmp"):
                 logger.warning(f"Removing incomplete checkpoint {tmp}")
                 shutil.rmtree(tmp, ignore_errors=True)
-            for doomed in self.folder.glob(f"step-*{REMOVING}"):  # a purge a kill interrupted
+            for doomed in self.folder.glob(f"step-*{REMOVING}*"):  # a purge a kill interrupted
                 shutil.rmtree(doomed, ignore_errors=True)
         _barrier()
 

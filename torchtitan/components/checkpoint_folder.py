@@ -31,6 +31,26 @@ def continues_from(path: Path) -> int | None:
     return step if isinstance(step, int) and step >= 0 else None
 
 
+def rewind(folder: Path, step: int) -> tuple[Path, list[Path]]:
+    """What ``--checkpoint.load_step step`` resumes in ``folder``, and the newer steps it sets
+    aside. Newer steps all saved by a run resumed from the same step (this command, restarted
+    or requeued; their ``config.toml`` says so) continue it: the newest whose files are all
+    there is resumed and nothing is set aside. Otherwise (a rewind past them) ``step-N``, and
+    the newer steps, so that this run's checkpoints do not mix with theirs."""
+    newer = [p for p in complete_checkpoints(folder) if step_of(p) > step]
+    if newer and all(continues_from(p) == step for p in newer):
+        whole = [p for p in newer if verify(p, checksums=False) is None]
+        if whole:
+            logger.info(
+                f"--checkpoint.load_step {step}: {whole[-1].name} continues a run resumed from "
+                f"step-{step} with that flag: resuming from it (to rewind to step-{step} again, "
+                "move the newer checkpoints out of the folder)"
+            )
+            return whole[-1], []
+        return folder / f"step-{step}", []  # all damaged: kept, for inspection
+    return folder / f"step-{step}", newer
+
+
 def set_aside(paths: list[Path]) -> list[Path]:
     """Rename each ``step-N`` to ``step-N.replaced`` (or ``...-2``, ...): kept, but never
     loaded or purged by a run. Returns the new names."""
@@ -68,7 +88,8 @@ def purge(folder: Path, k: int, every: int) -> None:
     if k <= 0:
         return
     found = complete_checkpoints(folder)
-    full = next((p for p in reversed(found) if saved_state_keys(p) != {"model"}), None)
+    whole = (p for p in reversed(found) if verify(p, checksums=False) is None)
+    full = next((p for p in whole if saved_state_keys(p) != {"model"}), None)
     for old in found[:-k]:
         if (every and step_of(old) % every == 0) or old == full:
             continue  # a milestone, or the newest that resumes training

@@ -350,6 +350,7 @@ class ParallelAwareDataloader(StatefulDataLoader, Stateful):
         if (sharding, degree) == (self.sharding, self.dp_world_size):
             if self._rank_key not in state_dict:
                 raise ValueError(f"dataloader state has no entry for {self._rank_key}")
+            self._note_regrouping(state_dict.get("rows", self.batch_size))
             super().load_state_dict(state_dict[self._rank_key])
         elif self.replicated_state and _reads_whole_stream(sharding, degree) and entries:
             # Both read the whole stream: the saved position is every rank's position.

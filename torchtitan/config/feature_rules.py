@@ -87,15 +87,13 @@ def output_folders(config: JobConfig) -> list[tuple[str, Path]]:
 
 def locked_folders(config: JobConfig) -> list[tuple[str, Path]]:
     """The folders whose lock a run holds (``components/run_lock.py``), each with its flag:
-    the dump folder, and a checkpoint folder it saves into outside it."""
+    the dump folder, and the checkpoint folder it saves into (another run may name it as its
+    own ``--checkpoint.folder``, inside this run's dump folder or not)."""
     folders = output_folders(config)
     if not folders:
         return []
     dump = folders[0][1].resolve()
-    outside = [
-        (f, p) for f, p in folders[1:] if p.resolve() != dump and dump not in p.resolve().parents
-    ]
-    return folders[:1] + outside
+    return folders[:1] + [(f, p) for f, p in folders[1:] if p.resolve() != dump]
 
 
 def unwritable(folder: Path, made: list[Path]) -> str | None:

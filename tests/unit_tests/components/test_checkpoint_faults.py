@@ -277,3 +277,44 @@ def test_a_purge_cut_short_leaves_no_half_removed_step(tmp_path, monkeypatch):
     monkeypatch.undo()
     step, model = _load(tmp_path)
     assert step == 2 and sorted(p.name for p in folder.iterdir()) == ["step-2"]
+
+
+def test_a_rewind_to_a_step_that_is_not_there_sets_nothing_aside(tmp_path):
+    """A mistyped or purged load_step is an error before anything moves: a plain restart
+    still finds every step."""
+    _, folder = _saved(tmp_path, [2, 4, 6])
+    with pytest.raises(ConfigError, match="--checkpoint.load_step=3: "):
+        _load(tmp_path, load_step=3)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2", "step-4", "step-6"]
+
+
+def test_a_rewound_runs_damaged_newest_step_falls_back_to_its_previous_one(tmp_path):
+    _, folder = _saved(tmp_path, [2])
+    model = nn.Linear(4, 4)
+    manager = CheckpointManager(
+        CheckpointConfig(enable=True, interval=1, load_step=2),
+        dump_folder=str(tmp_path),
+        states={"model": ModelState([model]), "train_state": _Progress()},
+        device_type="cpu",
+        run_config="[checkpoint]\nload_step = 2\n",
+    )
+    assert manager.load() == 2
+    for step in (3, 4):
+        with torch.no_grad():
+            model.weight.fill_(100 + step)
+        manager.save(step)
+    manager.close()
+    (folder / "step-4" / MANIFEST).unlink()
+    step, model = _load(tmp_path, load_step=2)
+    assert step == 3 and torch.all(model.weight == 103)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2", "step-3", "step-4"]
+
+
+def test_a_damaged_old_step_does_not_stop_a_weights_only_final_save(tmp_path):
+    model, folder = _saved(tmp_path, [1, 2])
+    (folder / "step-1" / ".metadata").unlink()
+    manager = _manager(tmp_path, model, keep_latest_k=1, last_save_model_only=True)
+    manager.save(3, last=True)
+    manager.close()
+    names = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
+    assert names == ["step-1", "step-2", "step-3"]  # damaged kept; the newest full one kept

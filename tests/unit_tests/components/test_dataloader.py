@@ -479,6 +479,10 @@ def test_by_row_windows_regrouped_by_workers_are_said_on_resume(tmp_path: Path, 
         make(1, 0, 2, workers).load_state_dict(saved)
         said = "saved reading 4 rows per batch continues at 2" in caplog.text
         assert said == bool(workers), workers
+        same_degree = _saved(make(1, 0, 2, workers).state_dict(), tmp_path)
+        make(1, 0, 4, workers).load_state_dict(same_degree)  # another local_batch_size
+        said = "saved reading 2 rows per batch continues at 4" in caplog.text
+        assert said == bool(workers), workers
 
 
 def test_a_resume_on_other_data_is_warned_about(tmp_path: Path, caplog) -> None:

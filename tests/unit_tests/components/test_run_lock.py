@@ -184,7 +184,8 @@ def test_the_lock_is_held_through_a_run_with_saves_and_dataloader_workers(tmp_pa
 def test_a_checkpoint_folder_outside_the_dump_folder_is_locked_too(tmp_path, capfd):
     """Two runs of their own dump folders naming one checkpoint folder would remove each
     other's saves in progress and purge each other's steps: the second is refused, naming the
-    flag. The default checkpoint folder, inside the dump folder, has no lock of its own."""
+    flag. A run's default checkpoint folder, inside its dump folder, is locked as well (another
+    run may name it)."""
     from torchtitan.config.feature_rules import locked_folders
     from torchtitan.config.manager import parse_args
 
@@ -201,8 +202,10 @@ def test_a_checkpoint_folder_outside_the_dump_folder_is_locked_too(tmp_path, cap
         assert f"--checkpoint.folder {shared}: another run is using it (pid {holder.pid}" in (
             capfd.readouterr().err
         )
-        inside = parse_args([*SMALL, "--checkpoint.enable", "--job.dump_folder", str(tmp_path)])
-        assert [f for f, _ in locked_folders(inside)] == ["--job.dump_folder"]
+        # Another run's default checkpoint folder, named by a run of its own dump folder.
+        owner = parse_args([*SMALL, "--checkpoint.enable", "--job.dump_folder", str(tmp_path)])
+        [_, (_, theirs)] = locked_folders(owner)
+        assert theirs == tmp_path / "checkpoint"
     finally:
         holder.kill()
         _kill(child)
