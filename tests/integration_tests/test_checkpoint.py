@@ -399,14 +399,20 @@ def fsdp_uninterrupted(tmp_path_factory) -> Path:
 
 
 def test_fsdp_resume_from_an_async_save_is_bitwise_exact(tmp_path, fsdp_uninterrupted):
-    # Synchronous saves under FSDP: the CP test below (FSDP over the CP ranks), and one process.
-    _copy_step(fsdp_uninterrupted, 5, tmp_path)
-    mode = ["--checkpoint.async_mode", "async", *BY_ROW]
+    """Resumed as a rewind (--checkpoint.load_step 5 beside step-10), on 2 ranks: rank 0
+    decides what loads and sets step-10 aside once step-5 has loaded; steps 6-10 train as the
+    uninterrupted run's. (Synchronous saves under FSDP: the CP test below, and one process.)"""
+    for step in (5, 10):
+        _copy_step(fsdp_uninterrupted, step, tmp_path)
+    mode = ["--checkpoint.async_mode", "async", *BY_ROW, "--checkpoint.load_step", "5"]
     resumed = _run_train(tmp_path, "--training.steps", "10", *mode)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     want, got = _losses(fsdp_uninterrupted), _losses(tmp_path)
     assert sorted(got) == list(range(6, 11))
     assert [got[s] for s in range(6, 11)] == [want[s] for s in range(6, 11)]
+    assert _steps(tmp_path) == ["step-5", "step-10"]
+    assert (tmp_path / "checkpoint" / "step-10.replaced").is_dir()
+    assert "1 newer checkpoint(s) set aside (step-10.replaced)" in resumed.stdout + resumed.stderr
 
 
 def test_a_shuffled_dataset_mix_resumes_on_another_data_parallel_degree(tmp_path):
