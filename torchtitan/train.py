@@ -27,7 +27,7 @@ from torchtitan import dry_run, failure_records, generate
 from torchtitan.components import preemption, run_lock
 from torchtitan.components.preemption import Preempted
 from torchtitan.components.train_state import NonFiniteError
-from torchtitan.config import JobConfig, feature_rules
+from torchtitan.config import JobConfig, folders
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import named_config, parse_args
 from torchtitan.config.validation import ignored_settings, validate_environment
@@ -116,7 +116,7 @@ def _lock(config: JobConfig) -> list[run_lock.RunLock]:
         return []
     locks: list[run_lock.RunLock] = []
     try:
-        for flag, folder in feature_rules.locked_folders(config):
+        for flag, folder in folders.locked_folders(config):
             locks.append(run_lock.take(folder, flag=flag, warn=logger.warning))
     except ConfigError:
         for lock in locks:  # the folders taken before the one in use

@@ -1,7 +1,7 @@
 """One run at a time in a dump folder. A second run started into a folder where one still runs
 would set the first's records aside under it, write into the same metrics, and replace its
 checkpoints step by step (each warning of it); it is refused instead, naming the running one.
-The checkpoint folder a run saves into is locked alike (``feature_rules.locked_folders``): two
+The checkpoint folder a run saves into is locked alike (``config.folders.locked_folders``): two
 runs of their own dump folders may name the same one.
 
 Rank 0 holds a POSIX record lock on ``<dump_folder>/.titan-run.lock`` while its run lives: the

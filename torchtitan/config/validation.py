@@ -24,7 +24,7 @@ from torchtitan.components.batch_schedule import (
     stages_for,
     step_ranges,
 )
-from torchtitan.config import feature_rules, sequence_rules
+from torchtitan.config import feature_rules, folders, sequence_rules
 from torchtitan.config.errors import ConfigError, did_you_mean
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed import pipeline_split
@@ -148,7 +148,7 @@ def validate(config: JobConfig) -> None:
             (not given or c.enable, f"{flag} does nothing without --checkpoint.enable; add it")
         )
     checks += feature_rules.checkpoint_checks(config)
-    checks += feature_rules.path_checks(config)
+    checks += folders.path_checks(config)
     checks += feature_rules.float8_checks(config)
     checks += feature_rules.lora_checks(config)
     checks += feature_rules.data_format_checks(config)
@@ -214,7 +214,7 @@ def validate_environment(config: JobConfig, device_type: str) -> None:
         )
     # Once per node (its ranks share its mounts), at the start, not at the first save.
     if config.comm.mode != "fake_backend" and os.environ.get("LOCAL_RANK", "0") == "0":
-        feature_rules.check_writable(config)
+        folders.check_writable(config)
 
 
 def validate_launch(config: JobConfig) -> None:
@@ -244,9 +244,9 @@ def validate_launch(config: JobConfig) -> None:
             raise ConfigError(f"{flag} {path}: nothing there{where}; give a file, glob or folder")
     _check_token_folders(config, tokenizer)
     if not config.validation.only:
-        for flag, folder in feature_rules.locked_folders(config):
+        for flag, folder in folders.locked_folders(config):
             run_lock.check_free(folder, flag=flag)
-    feature_rules.check_writable(config)  # last: a refused launch leaves no folder made
+    folders.check_writable(config)  # last: a refused launch leaves no folder made
 
 
 def _check_token_folders(config: JobConfig, tokenizer_path: Path) -> None:
@@ -319,7 +319,7 @@ def _local_path_missing(path: str, *, files: bool) -> bool:
     resolved = resolve_path(path)
     if any(c in path for c in "*?["):
         return not glob.glob(str(resolved), recursive=True)
-    return not feature_rules.exists(resolved)
+    return not folders.exists(resolved)
 
 
 def ignored_settings(config: JobConfig, named: JobConfig | None = None) -> list[str]:

@@ -186,7 +186,7 @@ def test_a_checkpoint_folder_outside_the_dump_folder_is_locked_too(tmp_path, cap
     other's saves in progress and purge each other's steps: the second is refused, naming the
     flag. A run's default checkpoint folder, inside its dump folder, is locked as well (another
     run may name it)."""
-    from torchtitan.config.feature_rules import locked_folders
+    from torchtitan.config.folders import locked_folders
     from torchtitan.config.manager import parse_args
 
     shared = tmp_path / "shared_checkpoints"

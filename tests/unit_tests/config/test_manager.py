@@ -1093,7 +1093,7 @@ def test_folders_the_run_cannot_write_are_refused_before_it_trains(tmp_path, mon
     root too, and whatever the reason said) is refused naming its flag, not found at the first save after the training.
     Other ranks of a node leave it to the first; a dry run, a validation of saved weights and
     ``load_only`` write no checkpoint."""
-    from torchtitan.config import feature_rules
+    from torchtitan.config import folders
     from torchtitan.config.validation import validate_environment, validate_launch
 
     dump = ["--job.dump_folder", str(tmp_path / "dump")]
@@ -1111,7 +1111,7 @@ def test_folders_the_run_cannot_write_are_refused_before_it_trains(tmp_path, mon
         ["--validation.only", "--validation.enable"],
         ["--comm.mode", "local_tensor"],
     ):
-        assert feature_rules.output_folders(parse(*dump, *ckpt, *flags)) == [
+        assert folders.output_folders(parse(*dump, *ckpt, *flags)) == [
             ("--job.dump_folder", tmp_path / "dump")
         ]
     validate_environment(parse(*dump, *ckpt, "--comm.mode", "fake_backend"), "cpu")
