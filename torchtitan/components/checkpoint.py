@@ -198,10 +198,7 @@ class CheckpointManager:
         plain = (self.folder / f"step-{step}", [])
         if not self.writes or local_tensor.is_simulating():
             return plain
-        plan = [rewind(self.folder, step) if self.rank == 0 else plain]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(plan, src=0)
-        return plan[0]
+        return _rank0s(rewind(self.folder, step) if self.rank == 0 else plain)
 
     def _set_aside(self, newer: list[Path], step: int) -> None:
         """Rank 0 renames a rewind's newer steps (``step-M.replaced``); every rank waits."""
@@ -216,11 +213,8 @@ class CheckpointManager:
                 )
             except OSError as e:
                 failed = f"--checkpoint.load_step {step}: cannot set newer checkpoints aside ({e})"
-        plan = [failed]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(plan, src=0)
-        if plan[0] is not None:
-            raise ConfigError(plan[0])
+        if (failed := _rank0s(failed)) is not None:
+            raise ConfigError(failed)
 
     def _fork(self, path: Path) -> int:
         """Everything of another run's full ``step-N`` (``--checkpoint.no_initial_load_model_only``):
@@ -490,3 +484,11 @@ class CheckpointManager:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _rank0s(value: Any) -> Any:
+    """``value`` as rank 0 has it, on every rank (what rank 0 decided about the folder)."""
+    box = [value]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
